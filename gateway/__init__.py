@@ -1,0 +1,1 @@
+"""genq gateway: a stateless FastAPI app in front of the Redis queue."""

@@ -1,0 +1,53 @@
+"""The one place errors become HTTP: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
+
+from shared.errors import GenqError
+
+log = logging.getLogger("genq.gateway")
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _genq_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, GenqError)
+    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), exc.status)
+
+
+def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    """422 naming each bad field and its limit, e.g. `max_tokens: Input should be ≤ 1000000`."""
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    parts, first_param = [], None
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x not in ("body", "query", "header", "path")]
+        field = ".".join(loc) or "body"
+        first_param = first_param or field
+        parts.append(f"{field}: {e.get('msg', 'invalid')}")
+    body = error_body("; ".join(parts), "invalid_request_error", first_param, "invalid_value")
+    body["detail"] = [
+        {"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in errors
+    ]
+    return JSONResponse(body, 422)
+
+
+def _redis_error(_: Request, exc: Exception) -> JSONResponse:
+    log.warning("redis unavailable", extra={"error": str(exc)})
+    body = error_body("the queue is unavailable; retry shortly", "server_error", None, "unavailable")
+    return JSONResponse(body, 503, headers={"Retry-After": "1"})
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(GenqError, _genq_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RedisError, _redis_error)
+    app.add_exception_handler(ConnectionError, _redis_error)

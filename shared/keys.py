@@ -1,0 +1,69 @@
+"""Every Redis key genq uses is built here, and only here.
+
+Keys of one job carry the job id as a Cluster hash tag (`{id}`) so they share a slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Priority = Literal["interactive", "batch"]
+PRIORITIES: tuple[Priority, ...] = ("interactive", "batch")
+CONSUMER_GROUP = "workers"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str = "genq:"
+
+    def queue(self, model: str, priority: Priority) -> str:
+        """Stream of job ids waiting for a worker of `model`, one per priority."""
+        return f"{self.prefix}queue:{model}:{priority}"
+
+    def job(self, job_id: str) -> str:
+        """Hash: the job record."""
+        return f"{self.prefix}job:{{{job_id}}}"
+
+    def events(self, job_id: str) -> str:
+        """Stream: the job's event log; entry id `0-<seq>`."""
+        return f"{self.prefix}events:{{{job_id}}}"
+
+    def channel(self, job_id: str) -> str:
+        """Pub/sub channel: the job's live events."""
+        return f"{self.prefix}chan:{{{job_id}}}"
+
+    def worker(self, worker_id: str) -> str:
+        """Hash with TTL: a worker's heartbeat."""
+        return f"{self.prefix}worker:{worker_id}"
+
+    def workers(self) -> str:
+        """Sorted set: worker id scored by its lease expiry (unix seconds)."""
+        return f"{self.prefix}workers"
+
+    def control(self, worker_id: str) -> str:
+        """Pub/sub channel: commands to one worker (cancel)."""
+        return f"{self.prefix}ctl:{worker_id}"
+
+    def model_card(self, model: str) -> str:
+        return f"{self.prefix}model:{model}"
+
+    def models(self) -> str:
+        """Set: names of models that have a card."""
+        return f"{self.prefix}models"
+
+    def dead_letters(self) -> str:
+        return f"{self.prefix}dead"
+
+    def idempotency(self, key: str) -> str:
+        return f"{self.prefix}idem:{key}"
+
+
+def event_id(seq: int) -> str:
+    """Stream entry id of event `seq` in a job's log: explicit ids make a replayed write fail."""
+    return f"0-{seq}"
+
+
+def seq_of(entry_id: str | bytes) -> int:
+    s = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(s.partition("-")[2])

@@ -1,0 +1,50 @@
+"""Redis clients with retries and health checks set explicitly (never version defaults)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shared.settings import Settings
+
+RETRY_ON = (RedisConnectionError, RedisTimeoutError, ConnectionResetError)
+
+
+def connect(settings: Settings, url: str | None = None, **overrides: Any) -> aioredis.Redis:
+    """An asyncio client for `url` (default: settings.redis_url); responses decoded to str."""
+    target = url or settings.redis_url
+    if not target:
+        raise ValueError("no Redis URL: set GENQ_REDIS_URL (or use `genq serve`)")
+    if target.startswith("fakeredis://"):
+        return _fake_client()
+    options: dict[str, Any] = dict(
+        decode_responses=True,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), settings.redis_retries),
+        retry_on_error=list(RETRY_ON),
+        health_check_interval=settings.redis_health_check_s,
+        socket_timeout=settings.redis_socket_timeout_s,
+        socket_connect_timeout=settings.redis_socket_timeout_s,
+        socket_keepalive=True,
+        max_connections=256,
+    )
+    options.update(overrides)
+    return aioredis.Redis.from_url(target, **options)
+
+
+_FAKE_SERVER: Any = None
+
+
+def _fake_client() -> aioredis.Redis:
+    """In-process fakeredis (one process only): every client shares one server."""
+    import fakeredis
+
+    global _FAKE_SERVER
+    if _FAKE_SERVER is None:
+        _FAKE_SERVER = fakeredis.FakeServer()
+    client: aioredis.Redis = fakeredis.FakeAsyncRedis(server=_FAKE_SERVER, decode_responses=True)
+    return client

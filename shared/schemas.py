@@ -1,0 +1,222 @@
+"""Every message that crosses a process: HTTP bodies, job records, events, cards, heartbeats.
+
+All of it is JSON produced and parsed by these pydantic models; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from shared.keys import Priority
+
+JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
+TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "expired"})
+FinishReason = Literal["stop", "length"]
+
+MAX_SEED = 2**63 - 1
+MAX_TOKENS_CAP = 1_000_000
+MAX_STOP_CHARS = 512
+
+
+class Sampling(BaseModel):
+    """Sampler settings. Neutral defaults: an engine sets every one of them explicitly."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0, description="0 = greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=100_000, description="0 = off")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=16
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64)
+    logprobs: int | None = Field(default=None, ge=0, le=20, description="top-N logprobs per token")
+
+
+class JobCreate(Sampling):
+    """Body of `POST /v1/jobs`."""
+
+    model: str = Field(min_length=1, max_length=256)
+    prompt: str | None = Field(default=None, description="text; or give input_ids")
+    input_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
+    priority: Priority = "interactive"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = Field(default=False, description="answer with the job's SSE stream")
+    cancel_on_disconnect: bool = Field(
+        default=False, description="with `stream`: a client that disconnects cancels the job"
+    )
+    timeout_s: float | None = Field(
+        default=None, gt=0, le=7 * 86_400, description="deadline from submission; then `expired`"
+    )
+
+    @model_validator(mode="after")
+    def _one_input(self) -> JobCreate:
+        if (self.prompt is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of `prompt` and `input_ids`")
+        return self
+
+
+class JobSpec(BaseModel):
+    """What a worker needs to run a job; stored in the job record as `spec`."""
+
+    id: str
+    model: str
+    input_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    priority: Priority
+    created_at: float
+    deadline: float | None = None
+    add_bos: bool = False
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Timings(BaseModel):
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    generation_s: float | None = None
+
+
+class ErrorInfo(BaseModel):
+    code: str
+    message: str
+
+
+# ---- events -------------------------------------------------------------------------------
+
+
+class _Event(BaseModel):
+    seq: int
+    attempt: int = 0
+
+
+class QueuedEvent(_Event):
+    type: Literal["queued"] = "queued"
+    id: str
+    model: str
+    priority: Priority
+    prompt_tokens: int
+
+
+class StartedEvent(_Event):
+    type: Literal["started"] = "started"
+    worker: str
+    resumed_tokens: int = 0
+
+
+class TokenEvent(_Event):
+    type: Literal["token"] = "token"
+    text: str
+    token_ids: list[int]
+    count: int
+    logprobs: list[dict[str, Any]] | None = None
+
+
+class DoneEvent(_Event):
+    type: Literal["done"] = "done"
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+
+
+class ErrorEvent(_Event):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+
+
+class CancelledEvent(_Event):
+    type: Literal["cancelled"] = "cancelled"
+    reason: str = "cancelled"
+
+
+StreamEvent = Annotated[
+    QueuedEvent | StartedEvent | TokenEvent | DoneEvent | ErrorEvent | CancelledEvent,
+    Field(discriminator="type"),
+]
+STREAM_EVENT: TypeAdapter[StreamEvent] = TypeAdapter(StreamEvent)
+FINAL_EVENT_TYPES: frozenset[str] = frozenset({"done", "error", "cancelled"})
+
+
+# ---- job record ---------------------------------------------------------------------------
+
+
+class JobResult(BaseModel):
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+
+
+class JobView(BaseModel):
+    """Body of `GET /v1/jobs/{id}` (and of the 202 answering a submission)."""
+
+    id: str
+    status: JobStatus
+    model: str
+    priority: Priority
+    attempt: int = 0
+    worker: str | None = None
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    text: str | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: ErrorInfo | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+# ---- workers ------------------------------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    """What a worker publishes about its model; the gateway tokenizes and validates with it."""
+
+    name: str
+    engine: str
+    simulated: bool = False
+    max_seq_len: int
+    max_batch: int
+    tokenizer_sha: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    eos_token_ids: list[int] = Field(default_factory=list)
+    add_bos: bool = False
+    chat_template: str | None = None
+    description: str = ""
+
+
+class Heartbeat(BaseModel):
+    worker_id: str
+    model: str
+    engine: str
+    gpu: str | None = None
+    host: str
+    pid: int
+    version: str
+    capacity: int
+    active: int
+    tokens_per_s: float
+    started_at: float
+    draining: bool = False
+
+
+class ControlMessage(BaseModel):
+    """Sent on a worker's control channel."""
+
+    cancel: str

@@ -1,0 +1,65 @@
+"""One settings object, built in each entry point from `GENQ_*` variables and passed down."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GENQ_", extra="ignore")
+
+    # Redis
+    redis_url: str | None = Field(
+        default=None, description="redis://… of the shared Redis; unset means `genq serve` embeds one"
+    )
+    key_prefix: str = "genq:"
+    redis_socket_timeout_s: float = 10.0
+    redis_health_check_s: float = 15.0
+    redis_retries: int = 5
+
+    # Jobs
+    retention_s: int = Field(default=86_400, ge=1, description="TTL of a finished job's keys")
+    event_log_maxlen: int = Field(default=100_000, ge=100)
+    idempotency_ttl_s: int = Field(default=86_400, ge=1)
+    max_attempts: int = Field(default=3, ge=1)
+    max_prompt_chars: int = Field(default=2_000_000, ge=1)
+    max_stop_strings: int = Field(default=16, ge=0)
+    max_metadata_bytes: int = Field(default=16_384, ge=0)
+    default_max_tokens: int = Field(default=256, ge=1)
+
+    # Gateway
+    api_keys: list[str] = Field(default_factory=list, description="accepted bearer tokens; empty = open")
+    sse_keepalive_s: float = Field(default=15.0, gt=0)
+    stream_idle_poll_s: float = Field(
+        default=2.0, gt=0, description="a stream silent this long re-reads the event log"
+    )
+    card_cache_s: float = Field(default=2.0, ge=0)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
+
+    # Worker
+    worker_id: str | None = None
+    engine: Literal["sim", "exllamav2"] = "sim"
+    model_dir: str | None = None
+    model_name: str | None = None
+    max_batch: int = Field(default=256, ge=1)
+    heartbeat_s: float = Field(default=1.0, gt=0)
+    lease_s: float = Field(default=5.0, gt=0)
+    claim_block_ms: int = Field(default=1000, ge=1)
+    batch_share: int = Field(
+        default=4, ge=1, description="when both queues have work, every Nth claim takes a batch job"
+    )
+
+    # sim engine
+    sim_step_ms: float = Field(default=20.0, ge=0)
+    sim_prefill_ms_per_1k: float = Field(default=5.0, ge=0)
+    sim_max_seq_len: int = Field(default=8192, ge=16)
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix_is_safe(cls, v: str) -> str:
+        if not v or any(c in v for c in " {}*?"):
+            raise ValueError("key_prefix must be non-empty and free of spaces, braces and glob chars")
+        return v

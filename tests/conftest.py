@@ -1,0 +1,117 @@
+"""Fixtures: real Redis (127.0.0.1:6379) or fakeredis through one `redis` fixture, a sim worker
+and the gateway app in-process, each test under its own key prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import fakeredis
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.app import create_app
+from shared.settings import Settings
+from worker.service import Worker
+from worker.sim import SimEngine
+
+REDIS_URL = os.environ.get("GENQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(params=["redis", "fakeredis"])
+async def redis(request: pytest.FixtureRequest) -> AsyncIterator[aioredis.Redis]:
+    """A Redis client: the real server, or fakeredis (in-process) for speed."""
+    if request.param == "redis":
+        client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    else:
+        client = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return Settings(
+        redis_url=REDIS_URL,
+        key_prefix=f"genqtest:{uuid.uuid4().hex[:8]}:",
+        sim_step_ms=1.0,
+        heartbeat_s=0.2,
+        lease_s=1.0,
+        claim_block_ms=200,
+        stream_idle_poll_s=0.5,
+        shutdown_grace_s=2.0,
+    )
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    redis: aioredis.Redis
+    client: httpx.AsyncClient
+    worker: Worker
+
+    async def submit(self, **body: object) -> dict:
+        body.setdefault("model", "sim")
+        r = await self.client.post("/v1/jobs", json=body)
+        assert r.status_code == 202, r.text
+        return r.json()
+
+    async def wait_status(self, job_id: str, *statuses: str, timeout: float = 10.0) -> dict:
+        async with asyncio.timeout(timeout):
+            while True:
+                job = (await self.client.get(f"/v1/jobs/{job_id}")).json()
+                if job["status"] in statuses:
+                    return job
+                await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def running_stack(
+    settings: Settings, redis: aioredis.Redis, **engine_options: object
+) -> AsyncIterator[Stack]:
+    options: dict = {"step_ms": settings.sim_step_ms, "max_batch": settings.max_batch}
+    options.update(engine_options)
+    worker = Worker(settings, SimEngine(**options), redis=redis)
+    task = asyncio.create_task(worker.run())
+    app = create_app(settings, redis=redis)
+    try:
+        async with app.router.lifespan_context(app):
+            while not await redis.exists(worker.keys.model_card(worker.model)):
+                await asyncio.sleep(0.01)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://genq") as client:
+                yield Stack(settings, redis, client, worker)
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 10)
+        await _drop_keys(redis, settings.key_prefix)
+
+
+@pytest.fixture
+async def stack(settings: Settings, redis: aioredis.Redis) -> AsyncIterator[Stack]:
+    async with running_stack(settings, redis) as s:
+        yield s
+
+
+async def _drop_keys(redis: aioredis.Redis, prefix: str) -> None:
+    keys = [k async for k in redis.scan_iter(match=f"{prefix}*", count=1000)]
+    if keys:
+        await redis.delete(*keys)
+
+
+def parse_sse(body: str) -> list[tuple[int, str, dict]]:
+    """(seq, type, data) of each SSE frame; comment lines skipped."""
+    events = []
+    for frame in body.split("\n\n"):
+        fields = dict(
+            line.split(": ", 1) for line in frame.splitlines() if line and not line.startswith(":")
+        )
+        if "data" in fields:
+            events.append((int(fields["id"]), fields["event"], json.loads(fields["data"])))
+    return events

@@ -1,0 +1,1 @@
+"""genq worker: claims jobs from Redis into an engine and publishes their events."""

@@ -1,0 +1,158 @@
+"""A running job as the worker sees it: what it has sent, what it still owes Redis."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.schemas import (
+    CancelledEvent,
+    DoneEvent,
+    ErrorEvent,
+    JobResult,
+    JobSpec,
+    StartedEvent,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+
+
+@dataclass(slots=True)
+class Claim:
+    """A queue entry this worker holds in the stream's pending list."""
+
+    entry_id: str
+    queue: str
+    job_id: str
+    need_tokens: int
+
+
+@dataclass(slots=True)
+class RunningJob:
+    spec: JobSpec
+    claim: Claim
+    attempt: int
+    seq: int
+    """Last seq given to an event (written or pending)."""
+    started_wall: float
+    resumed_ids: list[int] = field(default_factory=list)
+    first_token_wall: float | None = None
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    pending: list[str] = field(default_factory=list)
+    """seq/JSON pairs, flattened, waiting for the next flush."""
+    acc_text: list[str] = field(default_factory=list)
+    acc_ids: list[int] = field(default_factory=list)
+    acc_logprobs: list[dict[str, Any]] | None = None
+    end: tuple[str, dict[str, str]] | None = None
+    """(status, record fields) once the job has ended locally."""
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    def _push(self, json: str) -> None:
+        self.pending += (str(self.seq), json)
+
+    def started(self, worker_id: str) -> None:
+        self.seq += 1
+        ev = StartedEvent(
+            seq=self.seq, attempt=self.attempt, worker=worker_id, resumed_tokens=len(self.resumed_ids)
+        )
+        self._push(ev.model_dump_json())
+
+    def add_tokens(self, text: str, ids: list[int], logprobs: list[dict[str, Any]] | None) -> None:
+        if self.first_token_wall is None:
+            self.first_token_wall = time.time()
+        self.acc_text.append(text)
+        self.acc_ids.extend(ids)
+        if logprobs:
+            self.acc_logprobs = (self.acc_logprobs or []) + logprobs
+
+    def take_events(self) -> list[str]:
+        """The pending (seq, JSON) pairs, with accumulated tokens folded into one event."""
+        self._fold_tokens()
+        out, self.pending = self.pending, []
+        return out
+
+    def _fold_tokens(self) -> None:
+        if self.acc_ids or self.acc_text:
+            text = "".join(self.acc_text)
+            self.seq += 1
+            ev = TokenEvent(
+                seq=self.seq,
+                attempt=self.attempt,
+                text=text,
+                token_ids=self.acc_ids,
+                count=len(self.acc_ids),
+                logprobs=self.acc_logprobs,
+            )
+            self._push(ev.model_dump_json())
+            self.text_parts.append(text)
+            self.token_ids.extend(self.acc_ids)
+            self.acc_text, self.acc_ids, self.acc_logprobs = [], [], None
+
+    def finish(self, reason: str) -> None:
+        """End with 'stop' or 'length': the done event and the result go out at the next flush."""
+        self._fold_tokens()
+        now = time.time()
+        completion = len(self.resumed_ids) + len(self.token_ids)
+        usage = Usage(
+            prompt_tokens=self.prompt_tokens or len(self.spec.input_ids),
+            completion_tokens=completion,
+            total_tokens=(self.prompt_tokens or len(self.spec.input_ids)) + completion,
+            cached_tokens=self.cached_tokens,
+        )
+        first = self.first_token_wall
+        timings = Timings(
+            queue_s=round(self.started_wall - self.spec.created_at, 6),
+            ttft_s=round(first - self.spec.created_at, 6) if first else None,
+            generation_s=round(now - first, 6) if first else None,
+        )
+        self.seq += 1
+        done = DoneEvent(
+            seq=self.seq,
+            attempt=self.attempt,
+            finish_reason="stop" if reason == "stop" else "length",
+            usage=usage,
+            timings=timings,
+        )
+        self._push(done.model_dump_json())
+        result = JobResult(
+            text="".join(self.text_parts),
+            token_ids=self.token_ids,
+            finish_reason=done.finish_reason,
+        )
+        self.end = (
+            "succeeded",
+            {
+                "finished_at": repr(now),
+                "result": result.model_dump_json(),
+                "usage": usage.model_dump_json(),
+                "timings": timings.model_dump_json(),
+            },
+        )
+        if first is not None:
+            self.end[1]["first_token_at"] = repr(first)
+
+    def fail(self, status: str, code: str, message: str) -> None:
+        """End with an `error` event (status 'failed' or 'expired')."""
+        self._fold_tokens()
+        self.seq += 1
+        self._push(
+            ErrorEvent(seq=self.seq, attempt=self.attempt, code=code, message=message).model_dump_json()
+        )
+        error = {"code": code, "message": message}
+        self.end = (status, {"finished_at": repr(time.time()), "error": json.dumps(error)})
+
+    def cancelled(self, reason: str) -> None:
+        self._fold_tokens()
+        self.seq += 1
+        ev = CancelledEvent(seq=self.seq, attempt=self.attempt, reason=reason)
+        self._push(ev.model_dump_json())
+        self.end = ("cancelled", {"finished_at": repr(time.time())})

@@ -1,0 +1,228 @@
+"""The `sim` engine: deterministic text without a model, for tests and capacity planning.
+
+Tokens are a pure function of (prompt ids, seed, sampler settings, position), so the same
+request always gives the same text, and a job resumed at position k continues exactly as an
+undisturbed run would. Each decode step takes `step_ms` whatever the batch size (like a GPU
+step); a new job first waits a prefill delay proportional to its prompt length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from shared.schemas import ModelCard
+from worker.engine import EngineJob, StepOutput
+
+SIM_NAME = "sim"
+EOS = "</s>"
+BOS = "<s>"
+_VOCAB_SIZE = 2048
+_MASK64 = (1 << 64) - 1
+_CORPUS = """
+the of and to in is that for it as was with be by on not he this are or his from at which
+but have an they you were her she there their one all we can has been if more when will would
+who so no time out up into its than then them these two may first any like our over such
+also new only some could other very what about after well where just between most many those
+model token queue worker gateway stream batch cache prompt reply event redis python system
+simulated engine output sample text words answer request client server network memory speed
+light river stone cloud green quiet morning garden window bridge paper music ocean signal
+""".split()
+
+
+def build_tokenizer() -> Tokenizer:
+    """A byte-level BPE trained on a small built-in corpus: every corpus word is one token."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_VOCAB_SIZE,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = [" ".join(_CORPUS[i:] + _CORPUS[:i]) for i in range(0, len(_CORPUS), 7)] * 4
+    tok.train_from_iterator(lines, trainer=trainer)
+    return tok
+
+
+@dataclass(slots=True)
+class _SimJob:
+    job: EngineJob
+    base: int
+    ready_at: float
+    position: int
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    sent_chars: int = 0
+
+
+class SimEngine:
+    """Deterministic stand-in engine. Not a model: its card says `simulated: true`."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str = SIM_NAME,
+        max_batch: int = 256,
+        step_ms: float = 20.0,
+        prefill_ms_per_1k: float = 5.0,
+        max_seq_len: int = 8192,
+    ) -> None:
+        self._max_batch = max_batch
+        self._step_s = step_ms / 1000.0
+        self._prefill_s_per_token = prefill_ms_per_1k / 1000.0 / 1000.0
+        self._tokenizer = build_tokenizer()
+        self.tokenizer_json = self._tokenizer.to_str()
+        self._words = self._single_token_words()
+        self._eos_id = self._tokenizer.token_to_id(EOS)
+        self._jobs: dict[str, _SimJob] = {}
+        self.card = ModelCard(
+            name=model_name,
+            engine="sim",
+            simulated=True,
+            max_seq_len=max_seq_len,
+            max_batch=max_batch,
+            tokenizer_sha=hashlib.sha256(self.tokenizer_json.encode()).hexdigest(),
+            bos_token=BOS,
+            eos_token=EOS,
+            eos_token_ids=[self._eos_id],
+            chat_template=None,
+            description="genq sim engine: deterministic placeholder text, not a language model",
+        )
+
+    @property
+    def max_batch(self) -> int:
+        return self._max_batch
+
+    def _single_token_words(self) -> list[tuple[int, str]]:
+        words: list[tuple[int, str]] = []
+        for w in sorted(set(_CORPUS)):
+            ids = self._tokenizer.encode(" " + w).ids
+            if len(ids) == 1:
+                words.append((ids[0], " " + w))
+        return words
+
+    def fits(self, need_tokens: int, active: int) -> bool:
+        return active < self._max_batch and need_tokens <= self.card.max_seq_len
+
+    def add(self, job: EngineJob) -> None:
+        prompt = len(job.input_ids) + len(job.resume_ids)
+        sim = _SimJob(
+            job=job,
+            base=_job_base(job),
+            ready_at=time.monotonic() + prompt * self._prefill_s_per_token,
+            position=len(job.resume_ids),
+        )
+        self._jobs[job.id] = sim
+
+    def cancel(self, job_id: str) -> bool:
+        return self._jobs.pop(job_id, None) is not None
+
+    def active(self) -> int:
+        return len(self._jobs)
+
+    def close(self) -> None:
+        self._jobs.clear()
+
+    def reset(self) -> list[str]:
+        ids = list(self._jobs)
+        self._jobs.clear()
+        return ids
+
+    def step(self) -> list[StepOutput]:
+        if not self._jobs:
+            return []
+        now = time.monotonic()
+        ready = [s for s in self._jobs.values() if s.ready_at <= now]
+        if not ready:
+            time.sleep(min(s.ready_at for s in self._jobs.values()) - now)
+            return []
+        time.sleep(self._step_s)  # one decode step for the whole batch; sleep(0) yields the GIL
+        outputs = [self._advance(s) for s in ready]
+        for out in outputs:
+            if out.finish_reason is not None:
+                del self._jobs[out.job_id]
+        return outputs
+
+    def _advance(self, s: _SimJob) -> StepOutput:
+        job = s.job
+        token_id, piece = self._token_at(s.base, s.position)
+        s.position += 1
+        s.generated.append(token_id)
+        s.text += piece
+        out = StepOutput(job_id=job.id, token_ids=[token_id], prompt_tokens=len(job.input_ids))
+        if job.sampling.logprobs is not None:
+            out.logprobs = [self._logprob(s.base, s.position, token_id, piece, job.sampling.logprobs)]
+        stops = job.sampling.stop
+        cut = _first_stop(s.text, stops, len(s.text) - len(piece)) if stops else -1
+        if cut >= 0:
+            s.text = s.text[:cut]
+            out.finish_reason = "stop"
+        elif token_id in job.sampling.stop_token_ids:
+            out.finish_reason = "stop"
+        elif s.position >= job.max_tokens:
+            out.finish_reason = "length"
+        hold = 0 if out.finish_reason else _held_back(s.text, stops)
+        out.text = s.text[s.sent_chars : len(s.text) - hold]
+        s.sent_chars += len(out.text)
+        return out
+
+    def _token_at(self, base: int, position: int) -> tuple[int, str]:
+        x = (base ^ ((position + 1) * 0x9E3779B97F4A7C15)) & _MASK64
+        x = ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & _MASK64
+        return self._words[(x >> 17) % len(self._words)]
+
+    def _logprob(self, base: int, position: int, token_id: int, piece: str, top: int) -> dict:
+        uniform = -math.log(len(self._words))
+        alternatives = [self._token_at(base ^ 0x5555, position * 31 + k) for k in range(top)]
+        return {
+            "token": piece,
+            "token_id": token_id,
+            "logprob": uniform,
+            "top_logprobs": [{"token": p, "token_id": t, "logprob": uniform} for t, p in alternatives],
+        }
+
+
+def _job_base(job: EngineJob) -> int:
+    s = job.sampling
+    greedy = s.temperature == 0.0
+    params = {
+        "ids": job.input_ids,
+        "seed": None if greedy else job.seed,
+        "t": s.temperature,
+        "p": s.top_p,
+        "k": s.top_k,
+        "mp": s.min_p,
+        "rp": s.repetition_penalty,
+        "pp": s.presence_penalty,
+        "fp": s.frequency_penalty,
+    }
+    digest = hashlib.blake2b(json.dumps(params).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _first_stop(text: str, stops: list[str], new_from: int) -> int:
+    """Index where the earliest stop string starting in the new text begins, or -1."""
+    best = -1
+    for stop in stops:
+        i = text.find(stop, max(0, new_from - len(stop) + 1))
+        if i >= 0 and (best < 0 or i < best):
+            best = i
+    return best
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that could still begin a stop string."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), hold, -1):
+            if stop.startswith(text[-n:]):
+                hold = n
+                break
+    return hold
