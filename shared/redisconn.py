@@ -20,8 +20,6 @@ def connect(settings: Settings, url: str | None = None, **overrides: Any) -> aio
     target = url or settings.redis_url
     if not target:
         raise ValueError("no Redis URL: set GENQ_REDIS_URL (or use `genq serve`)")
-    if target.startswith("fakeredis://"):
-        return _fake_client()
     options: dict[str, Any] = dict(
         decode_responses=True,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), settings.redis_retries),
@@ -34,17 +32,3 @@ def connect(settings: Settings, url: str | None = None, **overrides: Any) -> aio
     )
     options.update(overrides)
     return aioredis.Redis.from_url(target, **options)
-
-
-_FAKE_SERVER: Any = None
-
-
-def _fake_client() -> aioredis.Redis:
-    """In-process fakeredis (one process only): every client shares one server."""
-    import fakeredis
-
-    global _FAKE_SERVER
-    if _FAKE_SERVER is None:
-        _FAKE_SERVER = fakeredis.FakeServer()
-    client: aioredis.Redis = fakeredis.FakeAsyncRedis(server=_FAKE_SERVER, decode_responses=True)
-    return client

@@ -52,6 +52,13 @@ class Settings(BaseSettings):
         default=4, ge=1, description="when both queues have work, every Nth claim takes a batch job"
     )
 
+    # exllamav2 engine
+    cache_tokens: int | None = Field(default=None, ge=256, description="default: fit the batch")
+    cache_mode: Literal["FP16", "Q4", "Q6", "Q8"] = "FP16"
+    max_seq_len: int | None = Field(default=None, ge=16, description="default: the model's")
+    max_chunk_size: int = Field(default=2048, ge=16)
+    gpu_split: str | None = Field(default=None, description="GB per GPU, e.g. '20,24'; default auto")
+
     # sim engine
     sim_step_ms: float = Field(default=20.0, ge=0)
     sim_prefill_ms_per_1k: float = Field(default=5.0, ge=0)

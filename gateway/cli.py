@@ -1,0 +1,113 @@
+"""The `genq` command: serve, gateway, worker, submit, bench (and the engine's extras)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from shared import logfmt
+from shared.settings import Settings
+
+DEFAULT_PORT = 8000
+
+
+def _settings(**overrides: Any) -> Settings:
+    """Settings from GENQ_* variables, with command-line flags (those given) on top."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return Settings(**given)
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=["sim", "exllamav2"], help="default: sim, or exllamav2 "
+                   "when --model is given")
+    p.add_argument("--model", dest="model_dir", help="model directory (exllamav2 engine)")
+    p.add_argument("--model-name", help="name clients ask for (default: sim / the folder name)")
+    p.add_argument("--step-ms", type=float, dest="sim_step_ms", help="sim: decode step time")
+    p.add_argument("--max-batch", type=int, help="jobs generated at once")
+    p.add_argument("--cache-tokens", type=int, dest="cache_tokens", help="exllamav2: cache size")
+    p.add_argument("--cache-mode", choices=["FP16", "Q4", "Q6", "Q8"], help="exllamav2")
+    p.add_argument("--max-seq-len", type=int, dest="max_seq_len", help="exllamav2")
+    p.add_argument("--max-chunk-size", type=int, help="exllamav2: prefill chunk")
+    p.add_argument("--gpu-split", help="exllamav2: GB per GPU, e.g. 20,24 (default: autosplit)")
+
+
+def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
+    keys = ["model_dir", "model_name", "sim_step_ms", "max_batch", "cache_tokens", "cache_mode",
+            "max_seq_len", "max_chunk_size", "gpu_split"]
+    out = {k: getattr(a, k, None) for k in keys}
+    out["engine"] = a.engine or ("exllamav2" if a.model_dir else None)
+    return {k: v for k, v in out.items() if k in Settings.model_fields}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="genq", description=__doc__)
+    parser.add_argument("--log-level", default="info")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="gateway + worker in one process (dev, demos, one GPU)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    _engine_flags(p)
+
+    p = sub.add_parser("gateway", help="the HTTP gateway (stateless; run as many as you like)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--workers", type=int, default=1, help="uvicorn processes")
+
+    p = sub.add_parser("worker", help="a generation worker (one per GPU)")
+    _engine_flags(p)
+
+    p = sub.add_parser("submit", help="submit one prompt and print its text")
+    p.add_argument("prompt")
+    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}")
+    p.add_argument("--model", default="sim")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--priority", choices=["interactive", "batch"], default="interactive")
+    p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    p.add_argument("--api-key")
+
+    p = sub.add_parser("bench", help="load generator: concurrent streaming clients")
+    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}")
+    p.add_argument("--model", default="sim")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--priority", choices=["interactive", "batch"], default="interactive")
+    p.add_argument("--api-key")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logfmt.setup(args.log_level)
+    if args.command == "serve":
+        from gateway.serve import run_serve
+
+        return run_serve(_settings(**_engine_settings(args)), args.host, args.port)
+    if args.command == "gateway":
+        from gateway.serve import run_gateway
+
+        run_gateway(_settings(), args.host, args.port, args.workers)
+        return 0
+    if args.command == "worker":
+        from worker.main import run
+
+        return run(_settings(**_engine_settings(args)))
+    if args.command == "submit":
+        from gateway.client import submit
+
+        return submit(args)
+    if args.command == "bench":
+        from gateway.bench import main as bench
+
+        return bench(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Real processes for end-to-end and chaos tests: redis-server, `genq gateway`, `genq worker`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate, timeout: float = 15.0, interval: float = 0.02, what: str = "") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if predicate():
+                return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what or predicate}")
+
+
+@dataclass
+class RedisServer:
+    """A private redis-server (AOF on) that tests may kill and restart on the same port."""
+
+    dir: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
+             "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "", "--appendonly", "yes",
+             "--appendfsync", "always", "--maxmemory-policy", "noeviction"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(lambda: socket.create_connection(("127.0.0.1", self.port), 0.2).close() is None,
+                 what="redis-server")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[RedisServer]:
+    with tempfile.TemporaryDirectory(prefix="genq-test-redis-") as tmp:
+        server = RedisServer(Path(tmp))
+        server.start()
+        try:
+            yield server
+        finally:
+            server.kill()
+
+
+@dataclass
+class Proc:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+class Cluster:
+    """genq processes sharing one Redis and key prefix; all stopped on exit."""
+
+    def __init__(self, redis_url: str, tmp: Path, prefix: str, **env: str) -> None:
+        self.redis_url = redis_url
+        self.tmp = tmp
+        self.env = {
+            **os.environ,
+            "GENQ_REDIS_URL": redis_url,
+            "GENQ_KEY_PREFIX": prefix,
+            "PYTHONUNBUFFERED": "1",
+            **env,
+        }
+        self.procs: list[Proc] = []
+
+    def _spawn(self, name: str, args: list[str], port: int | None = None, **env: str) -> Proc:
+        log = self.tmp / f"{name}-{len(self.procs)}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway.cli", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**self.env, **env},
+            )
+        p = Proc(name, proc, log, port)
+        self.procs.append(p)
+        return p
+
+    def gateway(self, processes: int = 1, **env: str) -> Proc:
+        port = free_port()
+        args = ["gateway", "--port", str(port), "--workers", str(processes)]
+        p = self._spawn("gateway", args, port, **env)
+        wait_for(lambda: httpx.get(f"{p.url}/readyz", timeout=1).status_code == 200,
+                 what=f"gateway on {port}: {p.output()[-500:] if p.log.exists() else ''}")
+        return p
+
+    def worker(self, *args: str, wait_model: str | None = "sim", **env: str) -> Proc:
+        p = self._spawn("worker", ["worker", *args], **env)
+        if wait_model is not None and self.procs:
+            gateways = [g for g in self.procs if g.name == "gateway"]
+            if gateways:
+                url = gateways[0].url
+                wait_for(lambda: any(m["id"] == wait_model
+                                     for m in httpx.get(f"{url}/v1/models").json()["data"]),
+                         what=f"worker serving {wait_model}: {p.output()[-500:]}")
+        return p
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.kill()

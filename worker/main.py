@@ -1,0 +1,52 @@
+"""`genq worker`: build the engine named in settings and serve until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from shared.settings import Settings
+from worker.engine import Engine
+from worker.service import Worker
+from worker.sim import SimEngine
+
+log = logging.getLogger("genq.worker")
+
+
+def build_engine(settings: Settings) -> Engine:
+    if settings.engine == "sim":
+        return SimEngine(
+            model_name=settings.model_name or "sim",
+            max_batch=settings.max_batch,
+            step_ms=settings.sim_step_ms,
+            prefill_ms_per_1k=settings.sim_prefill_ms_per_1k,
+            max_seq_len=settings.sim_max_seq_len,
+        )
+    if not settings.model_dir:
+        raise SystemExit("--engine exllamav2 needs --model DIR")
+    from worker.exl2 import ExLlamaV2Engine  # the only import of exllamav2, and a lazy one
+
+    return ExLlamaV2Engine.from_settings(settings)
+
+
+def install_signals(stop: object) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)  # type: ignore[arg-type]
+
+
+async def serve_worker(settings: Settings) -> int:
+    engine = build_engine(settings)
+    worker = Worker(settings, engine)
+    install_signals(worker.stop)
+    try:
+        await worker.run()
+    finally:
+        engine.close()
+        await worker.redis.aclose()
+    return 0 if worker.healthy else 1
+
+
+def run(settings: Settings) -> int:
+    return asyncio.run(serve_worker(settings))
