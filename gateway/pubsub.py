@@ -55,8 +55,10 @@ class PubSubRouter:
         async with self._lock:
             subs = self._subs.get(channel)
             if subs is None:
-                self._subs[channel] = subs = set()
+                # Registered only once SUBSCRIBE went out: a failed one must not leave the
+                # channel looking subscribed to the next stream of the same job.
                 await self._pubsub.subscribe(channel)
+                self._subs[channel] = subs = set()
                 self._has_channels.set()
             subs.add(sub)
         return sub

@@ -66,7 +66,7 @@ class EventFollower:
 
     async def batches(self) -> AsyncIterator[list[tuple[int, str, str]] | None]:
         """Batches of new events; None after `sse_keepalive_s` without any."""
-        backlog = await self.read_log()
+        backlog = await self._refill()  # Redis away: the loop below keeps re-reading
         if backlog:
             yield backlog
         idle_since = time.monotonic()

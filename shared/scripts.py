@@ -30,8 +30,13 @@ if not st then return {'missing'} end
 if st ~= 'queued' and st ~= 'running' then return {st} end
 local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 local seq = last_seq(KEYS[2])
-if attempt > tonumber(ARGV[3]) then
-  local msg = 'the job was attempted ' .. (attempt - 1) .. ' times (max_attempts ' .. ARGV[3] .. ')'
+-- a drain's hand-back is not a failure: those attempts are not counted against the job
+local returned = tonumber(redis.call('HGET', KEYS[1], 'handbacks') or '0')
+if attempt - returned > tonumber(ARGV[3]) then
+  local msg = 'the job failed ' .. (attempt - 1 - returned) .. ' attempts (max_attempts ' ..
+              ARGV[3] .. ')'
+  local last_error = redis.call('HGET', KEYS[1], 'last_error')
+  if last_error then msg = msg .. '; last error: ' .. last_error end
   local ev = cjson.encode({seq = seq + 1, attempt = attempt - 1, type = 'error',
                            code = 'max_attempts_exceeded', message = msg})
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '0-' .. (seq + 1), 'd', ev)
@@ -92,6 +97,28 @@ return 1
 """
 )
 
+# KEYS: job. ARGV: worker_id, attempt, counted (1: a failed attempt; 0: a drain's hand-back),
+# error. Fenced like EMIT: only the job's owner may give it back.
+# -> 1 the job is `queued` again (the caller re-queues its entry) | 0 fenced
+HAND_BACK = """
+local h = redis.call('HMGET', KEYS[1], 'worker', 'attempt', 'status')
+if h[1] ~= ARGV[1] or h[2] ~= ARGV[2] or h[3] ~= 'running' then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'queued')
+redis.call('HDEL', KEYS[1], 'worker')
+if ARGV[3] == '0' then redis.call('HINCRBY', KEYS[1], 'handbacks', 1) end
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'last_error', ARGV[4]) end
+return 1
+"""
+
+# KEYS: queue. ARGV: group, consumer. A consumer is deleted only with nothing pending: XGROUP
+# DELCONSUMER drops its pending entries, and a job whose entry is dropped is never reclaimed.
+# -> 1 deleted | 0 kept
+DELETE_IDLE_CONSUMER = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
 # KEYS: job, events, channel. ARGV: now, retention, maxlen, reason.
 # -> {'cancelled'} (was queued; event written) | {'running', worker} | {status} | {'missing'}
 CANCEL = (
@@ -128,6 +155,8 @@ class Scripts:
     emit: Any
     finish: Any
     cancel: Any
+    hand_back: Any
+    delete_idle_consumer: Any
 
     @classmethod
     def register(cls, redis: Any) -> Scripts:
@@ -136,4 +165,6 @@ class Scripts:
             emit=redis.register_script(EMIT),
             finish=redis.register_script(FINISH),
             cancel=redis.register_script(CANCEL),
+            hand_back=redis.register_script(HAND_BACK),
+            delete_idle_consumer=redis.register_script(DELETE_IDLE_CONSUMER),
         )

@@ -63,6 +63,12 @@ class Settings(BaseSettings):
     sim_step_ms: float = Field(default=20.0, ge=0)
     sim_prefill_ms_per_1k: float = Field(default=5.0, ge=0)
     sim_max_seq_len: int = Field(default=8192, ge=16)
+    sim_poison_marker: str | None = Field(
+        default=None,
+        min_length=1,
+        description="test-only fault injection: the sim engine fails every attempt of a job "
+        "whose prompt contains this string (off unless set)",
+    )
 
     @field_validator("key_prefix")
     @classmethod

@@ -51,6 +51,8 @@ class RunningJob:
     acc_logprobs: list[dict[str, Any]] | None = None
     end: tuple[str, dict[str, str]] | None = None
     """(status, record fields) once the job has ended locally."""
+    retry_error: str | None = None
+    """Set when the engine failed the job: it goes back to the queue for another attempt."""
 
     @property
     def id(self) -> str:

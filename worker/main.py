@@ -22,6 +22,7 @@ def build_engine(settings: Settings) -> Engine:
             step_ms=settings.sim_step_ms,
             prefill_ms_per_1k=settings.sim_prefill_ms_per_1k,
             max_seq_len=settings.sim_max_seq_len,
+            poison_marker=settings.sim_poison_marker,
         )
     if not settings.model_dir:
         raise SystemExit("--engine exllamav2 needs --model DIR")

@@ -6,9 +6,17 @@ Phases, each a task:
   flush      drain the engine's outputs; one pipeline per drain carries every job's events
              (EMIT/FINISH scripts, fenced on worker + attempt); ack what ended.
   heartbeat  refresh the heartbeat hash, the lease and the model card; touch held entries so
-             their idle time stays low (a dead worker's entries go idle and are reclaimed).
-  reclaim    XAUTOCLAIM entries idle past the lease: their worker is gone.
+             their idle time stays low (a dead worker's entries go idle and are reclaimed);
+             end running jobs past their deadline.
+  reclaim    XCLAIM entries idle past the lease whose worker's heartbeat is gone.
   control    the worker's control channel: cancels.
+
+Every loop runs under a supervisor: an unexpected exception is logged and the loop restarts,
+so no phase can die silently while the heartbeat keeps the worker looking alive.
+
+An engine error on one job is not the job's end: the job is handed back to the queue for
+another attempt (counted), and dead-lettered once its attempts are spent; the rest of the
+batch goes on. A drain's hand-back is not counted.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from shared.scripts import Scripts
 from shared.settings import Settings
 from worker.engine import Engine, EngineJob, StepOutput
 from worker.jobstate import Claim, RunningJob
+from worker.lease import LeaseClock, reclaimable
 from worker.runner import EngineRunner
 
 log = logging.getLogger("genq.worker")
@@ -41,6 +50,10 @@ _MAX_ENGINE_FAILURES = 5
 _EARLY_CANCELS_KEPT = 1000
 _FLUSH_RETRY_S = 0.2
 _EARLY_CANCEL_TTL_S = 60.0
+_LOOP_RESTART_S = 0.5
+_RECLAIM_SCAN = 1000
+"""Idle pending entries looked at per queue and reclaim round."""
+_DEAD_LETTERS_KEPT = 100_000
 
 
 class Worker:
@@ -66,6 +79,8 @@ class Worker:
         self._dirty: set[str] = set()
         self._early_cancels: dict[str, float] = {}
         self._cancel_reason: dict[str, str] = {}
+        self._expiring: set[str] = set()
+        self.lease = LeaseClock(settings.lease_s)
         self._flush_wanted = asyncio.Event()
         self._room = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -85,13 +100,14 @@ class Worker:
         await self._prepare()
         self.runner.start()
         log.info("worker started", extra={"worker_id": self.id, "model": self.model})
-        tasks = [
-            asyncio.create_task(self._claim_loop(), name="claim"),
-            asyncio.create_task(self._flush_loop(), name="flush"),
-            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
-            asyncio.create_task(self._reclaim_loop(), name="reclaim"),
-            asyncio.create_task(self._control_loop(), name="control"),
-        ]
+        loops = {
+            "claim": self._claim_loop,
+            "flush": self._flush_loop,
+            "heartbeat": self._heartbeat_loop,
+            "reclaim": self._reclaim_loop,
+            "control": self._control_loop,
+        }
+        tasks = [asyncio.create_task(self._supervise(n, f), name=n) for n, f in loops.items()]
         try:
             await self._stopping.wait()
             tasks[0].cancel()  # claim no more
@@ -107,10 +123,22 @@ class Worker:
     def stop(self) -> None:
         self._stopping.set()
 
+    async def _supervise(self, name: str, loop: Any) -> None:
+        """Run one phase forever: a crash is logged and the phase restarts."""
+        while True:
+            try:
+                await loop()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("worker loop crashed; restarting it", extra={"loop": name})
+                await asyncio.sleep(_LOOP_RESTART_S)
+                self._flush_wanted.set()  # whatever it was doing, the next flush picks up
+                self._room.set()
+
     async def _prepare(self) -> None:
-        for key in self.queues.values():
-            with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists
-                await self.redis.xgroup_create(key, CONSUMER_GROUP, id="0", mkstream=True)
+        await self._ensure_groups()
         card = self.engine.card
         await self.redis.hset(
             self.keys.model_card(self.model),
@@ -119,9 +147,19 @@ class Worker:
         await self.redis.sadd(self.keys.models(), self.model)
         await self._beat()
 
+    async def _ensure_groups(self) -> None:
+        for key in self.queues.values():
+            with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists
+                await self.redis.xgroup_create(key, CONSUMER_GROUP, id="0", mkstream=True)
+
     async def _drain(self, grace_s: float) -> None:
-        """Let running jobs finish for up to `grace_s`; hand the rest back for reclaim."""
+        """Hand back claims not started yet at once; let running jobs finish for up to
+        `grace_s`; hand the rest back. A failed hand-back leaves the entry to be reclaimed."""
         deadline = time.monotonic() + grace_s
+        waiting, self.waiting = self.waiting, []
+        for claim in waiting:
+            with contextlib.suppress(RedisError, OSError):
+                await self._requeue(claim)
         while self.running and time.monotonic() < deadline:
             self._room.clear()
             with contextlib.suppress(TimeoutError):
@@ -130,16 +168,24 @@ class Worker:
             assert self.runner is not None
             self.runner.cancel(job_id)
             run = self.running.pop(job_id)
-            await self._hand_back(run.claim)
-        for claim in self.waiting:
-            await self._hand_back(claim)
-        self.waiting.clear()
+            with contextlib.suppress(RedisError, OSError):
+                await self._hand_back(run, counted=False)
 
-    async def _hand_back(self, claim: Claim) -> None:
-        """Put a held job back in the queue for any worker, now (not after the lease)."""
+    async def _hand_back(self, run: RunningJob, *, counted: bool, error: str = "") -> None:
+        """Give a started job back to the queue for any worker, now (not after the lease).
+        Fenced: a job that already moved to another worker is left alone."""
+        reply = await self.scripts.hand_back(
+            keys=[self.keys.job(run.id)],
+            args=[self.id, str(run.attempt), "1" if counted else "0", error],
+        )
+        if reply:
+            await self._requeue(run.claim)
+        else:
+            log.warning("hand-back fenced: the job moved on", extra={"job_id": run.id})
+
+    async def _requeue(self, claim: Claim) -> None:
+        """A fresh queue entry for the job, and ours acknowledged, in one transaction."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self.keys.job(claim.job_id), "status", "queued")
-        pipe.hdel(self.keys.job(claim.job_id), "worker")
         pipe.xadd(claim.queue, {"job": claim.job_id, "tokens": claim.need_tokens})
         pipe.xack(claim.queue, CONSUMER_GROUP, claim.entry_id)
         pipe.xdel(claim.queue, claim.entry_id)
@@ -149,9 +195,9 @@ class Worker:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.worker(self.id))
         pipe.zrem(self.keys.workers(), self.id)
-        for key in self.queues.values():
-            pipe.xgroup_delconsumer(key, CONSUMER_GROUP, self.id)
         await pipe.execute()
+        for key in self.queues.values():
+            await self.scripts.delete_idle_consumer(keys=[key], args=[CONSUMER_GROUP, self.id])
 
     # ---- claim ------------------------------------------------------------------------
 
@@ -161,6 +207,9 @@ class Worker:
     async def _claim_loop(self) -> None:
         while True:
             try:
+                if not self.lease.held():  # claims now could not be started: wait for a beat
+                    await asyncio.sleep(self.settings.heartbeat_s)
+                    continue
                 await self._start_waiting()
                 free = self._free_slots()
                 if free <= 0 or self.waiting:
@@ -172,9 +221,15 @@ class Worker:
                     self.waiting.extend(claims)
             except asyncio.CancelledError:
                 raise
+            except ResponseError as exc:
+                log.warning("claim failed; retrying", extra={"error": str(exc)})
+                if "NOGROUP" in str(exc):  # Redis lost the group (restarted without AOF)
+                    with contextlib.suppress(RedisError, OSError):
+                        await self._ensure_groups()
+                await asyncio.sleep(_LOOP_RESTART_S)
             except (RedisError, OSError) as exc:
                 log.warning("claim failed; retrying", extra={"error": str(exc)})
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(_LOOP_RESTART_S)
 
     async def _claim(self, free: int) -> list[Claim]:
         """Take up to `free` entries, interactive first; block briefly when both are empty."""
@@ -212,6 +267,19 @@ class Worker:
             ready.append(self.waiting.pop(0))
         if not ready:
             return
+        if not self.lease.held():
+            # Paused or cut off for a whole lease: these entries may belong to another worker
+            # now. Drop them; if they are still ours, the reclaim loop takes them back.
+            log.warning("lease lapsed; dropping unstarted claims", extra={"claims": len(ready)})
+            self._room.set()
+            return
+        try:
+            await self._start(ready)
+        except BaseException:
+            self.waiting[:0] = ready  # START again later (a START that landed costs an attempt)
+            raise
+
+    async def _start(self, ready: list[Claim]) -> None:
         s = self.settings
         now = repr(time.time())
         pipe = self.redis.pipeline(transaction=False)
@@ -301,7 +369,9 @@ class Worker:
 
     async def _dead_letter(self, claim: Claim, attempts: int) -> None:
         entry = {"job": claim.job_id, "attempts": attempts, "at": repr(time.time())}
-        await self.redis.xadd(self.keys.dead_letters(), entry, maxlen=100_000, approximate=True)
+        await self.redis.xadd(
+            self.keys.dead_letters(), entry, maxlen=_DEAD_LETTERS_KEPT, approximate=True
+        )
         log.warning("job dead-lettered", extra={"job_id": claim.job_id, "attempts": attempts})
 
     async def _ack(self, claims: list[Claim]) -> None:
@@ -326,7 +396,7 @@ class Worker:
     def _collect(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             run = self.running.get(out.job_id)
-            if run is None or run.end is not None:
+            if run is None or run.end is not None or run.retry_error is not None:
                 continue
             if out.token_ids or out.text:
                 run.add_tokens(out.text, out.token_ids, out.logprobs)
@@ -334,7 +404,10 @@ class Worker:
                 run.prompt_tokens = out.prompt_tokens
                 run.cached_tokens = out.cached_tokens
             if out.error is not None:
-                run.fail("failed", "engine_error", out.error)
+                run.retry_error = out.error  # handed back after its tokens are flushed
+            elif out.finish_reason == "cancelled" and run.id in self._expiring:
+                self._expiring.discard(run.id)
+                run.fail("expired", "deadline_exceeded", "the job's timeout passed while it ran")
             elif out.finish_reason == "cancelled":
                 run.cancelled(self._cancel_reason.pop(run.id, "cancelled"))
             elif out.finish_reason is not None:
@@ -350,7 +423,8 @@ class Worker:
         s = self.settings
         pipe = self.redis.pipeline(transaction=False)
         order: list[tuple[RunningJob, list[str]]] = []
-        for job_id in self._dirty:
+        retries: list[RunningJob] = []
+        for job_id in list(self._dirty):
             run = self.running.get(job_id)
             if run is None:
                 continue
@@ -365,10 +439,15 @@ class Worker:
                 )
             elif events:
                 await self.scripts.emit(keys=self._job_keys(job_id), args=head + events, client=pipe)
+            elif run.retry_error is not None:
+                retries.append(run)
+                continue
             else:
                 continue
             order.append((run, events))
         self._dirty.clear()
+        if retries:
+            await self._retry(retries)
         if not order:
             return
         try:
@@ -393,9 +472,30 @@ class Worker:
             elif run.end is not None:
                 self.running.pop(run.id, None)
                 ended.append(run.claim)
+            elif run.retry_error is not None:
+                self._dirty.add(run.id)  # its tokens are out: hand it back at the next flush
+                self._flush_wanted.set()
         if ended:
-            await self._ack(ended)
             self._room.set()
+            try:
+                await self._ack(ended)
+            except (RedisError, OSError) as exc:  # their entries go idle and are reclaimed
+                log.warning("ack failed", extra={"error": str(exc)})
+
+    async def _retry(self, runs: list[RunningJob]) -> None:
+        """Jobs the engine failed: back to the queue for another attempt (counted by START,
+        which dead-letters the job once its attempts are spent)."""
+        for run in runs:
+            self.running.pop(run.id, None)
+            log.warning(
+                "engine failed a job; handing it back",
+                extra={"job_id": run.id, "attempt": run.attempt, "error": run.retry_error},
+            )
+            try:
+                await self._hand_back(run, counted=True, error=run.retry_error or "")
+            except (RedisError, OSError) as exc:  # still ours in the PEL: reclaimed later
+                log.warning("hand-back failed", extra={"job_id": run.id, "error": str(exc)})
+        self._room.set()
 
     def _job_keys(self, job_id: str) -> list[str]:
         k = self.keys
@@ -440,10 +540,23 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
+            self._expire_overdue()
             try:
                 await self._beat()
             except (RedisError, OSError) as exc:
+                self.lease.beat_failed()
                 log.warning("heartbeat failed", extra={"error": str(exc)})
+
+    def _expire_overdue(self) -> None:
+        """Stop running jobs past their deadline; they end `expired` (see `_collect`)."""
+        now = time.time()
+        for run in self.running.values():
+            deadline = run.spec.deadline
+            if deadline is not None and now > deadline and run.end is None and not run.retry_error:
+                if run.id not in self._expiring:
+                    self._expiring.add(run.id)
+                    assert self.runner is not None
+                    self.runner.cancel(run.id)
 
     async def _beat(self) -> None:
         now_m = time.monotonic()
@@ -476,30 +589,55 @@ class Worker:
         held: dict[str, list[str]] = {}
         for c in [r.claim for r in self.running.values()] + self.waiting:
             held.setdefault(c.queue, []).append(c.entry_id)
-        for queue, ids in held.items():  # reset idle time: these entries have a live owner
-            pipe.xclaim(queue, CONSUMER_GROUP, self.id, 0, ids, justid=True)
+        # Reset idle time: these entries have a live owner. Not after a lapsed lease: they may
+        # have moved to another worker, and taking them back would hide them from its reclaim.
+        if self.lease.held():
+            for queue, ids in held.items():
+                pipe.xclaim(queue, CONSUMER_GROUP, self.id, 0, ids, justid=True)
         await pipe.execute()
+        self.lease.beat_ok()
 
     async def _reclaim_loop(self) -> None:
-        """Take over entries whose owner stopped touching them for a whole lease."""
-        idle_ms = int(self.settings.lease_s * 1000)
+        """Take over entries idle for a whole lease whose owner's heartbeat is gone."""
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
-            if self._free_slots() <= 0 or self._stopping.is_set():
+            if self._stopping.is_set() or not self.lease.reclaim_allowed():
                 continue
             try:
                 for queue in self.queues.values():
-                    reply = await self.redis.xautoclaim(
-                        queue, CONSUMER_GROUP, self.id, idle_ms, "0-0", count=self._free_slots()
-                    )
-                    for entry_id, fields in reply[1]:
-                        if fields:
-                            claim = Claim(entry_id, queue, fields["job"], int(fields.get("tokens", 0)))
-                            log.info("reclaimed job", extra={"job_id": claim.job_id})
-                            self.waiting.append(claim)
-                    self._room.set()
+                    await self._reclaim(queue)
             except (RedisError, OSError) as exc:
                 log.warning("reclaim failed", extra={"error": str(exc)})
+
+    async def _reclaim(self, queue: str) -> None:
+        free = self._free_slots()
+        if free <= 0:
+            return
+        idle_ms = int(self.settings.lease_s * 1000)
+        pending = await self.redis.xpending_range(
+            queue, CONSUMER_GROUP, "-", "+", _RECLAIM_SCAN, idle=idle_ms
+        )
+        if not pending:
+            return
+        owners = sorted({p["consumer"] for p in pending} - {self.id})
+        pipe = self.redis.pipeline(transaction=False)
+        for owner in owners:
+            pipe.exists(self.keys.worker(owner))
+        alive = {o for o, n in zip(owners, await pipe.execute(), strict=True) if n}
+        held = {r.claim.entry_id for r in self.running.values()}
+        held |= {c.entry_id for c in self.waiting}
+        pairs = [(p["message_id"], p["consumer"]) for p in pending]
+        ids = reclaimable(pairs, self.id, held, alive)[:free]
+        if not ids:
+            return
+        # XCLAIM re-checks the idle time: an owner that touched an entry meanwhile keeps it.
+        claimed = await self.redis.xclaim(queue, CONSUMER_GROUP, self.id, idle_ms, ids)
+        for entry_id, fields in claimed:
+            if fields:
+                claim = Claim(entry_id, queue, fields["job"], int(fields.get("tokens", 0)))
+                log.info("reclaimed job", extra={"job_id": claim.job_id, "worker_id": self.id})
+                self.waiting.append(claim)
+        self._room.set()
 
 
 def _stream_items(reply: Any) -> list[tuple[str, list[tuple[str, dict[str, str]]]]]:

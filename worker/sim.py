@@ -4,6 +4,10 @@ Tokens are a pure function of (prompt ids, seed, sampler settings, position), so
 request always gives the same text, and a job resumed at position k continues exactly as an
 undisturbed run would. Each decode step takes `step_ms` whatever the batch size (like a GPU
 step); a new job first waits a prefill delay proportional to its prompt length.
+
+Fault injection (tests only, off by default): with `poison_marker` set, a job whose prompt
+contains that string fails in the engine at its first decode step, on every attempt, while the
+rest of the batch goes on: the worker's poison-job path (retry, then dead-letter) under test.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class _SimJob:
     generated: list[int] = field(default_factory=list)
     text: str = ""
     sent_chars: int = 0
+    poisoned: bool = False
 
 
 class SimEngine:
@@ -73,8 +78,10 @@ class SimEngine:
         step_ms: float = 20.0,
         prefill_ms_per_1k: float = 5.0,
         max_seq_len: int = 8192,
+        poison_marker: str | None = None,
     ) -> None:
         self._max_batch = max_batch
+        self._poison_marker = poison_marker
         self._step_s = step_ms / 1000.0
         self._prefill_s_per_token = prefill_ms_per_1k / 1000.0 / 1000.0
         self._tokenizer = build_tokenizer()
@@ -118,8 +125,14 @@ class SimEngine:
             base=_job_base(job),
             ready_at=time.monotonic() + prompt * self._prefill_s_per_token,
             position=len(job.resume_ids),
+            poisoned=self._is_poisoned(job),
         )
         self._jobs[job.id] = sim
+
+    def _is_poisoned(self, job: EngineJob) -> bool:
+        if self._poison_marker is None:
+            return False
+        return self._poison_marker in self._tokenizer.decode(job.input_ids)
 
     def cancel(self, job_id: str) -> bool:
         return self._jobs.pop(job_id, None) is not None
@@ -144,9 +157,9 @@ class SimEngine:
             time.sleep(min(s.ready_at for s in self._jobs.values()) - now)
             return []
         time.sleep(self._step_s)  # one decode step for the whole batch; sleep(0) yields the GIL
-        outputs = [self._advance(s) for s in ready]
+        outputs = [self._poison(s) if s.poisoned else self._advance(s) for s in ready]
         for out in outputs:
-            if out.finish_reason is not None:
+            if out.finish_reason is not None or out.error is not None:
                 del self._jobs[out.job_id]
         return outputs
 
@@ -172,6 +185,11 @@ class SimEngine:
         out.text = s.text[s.sent_chars : len(s.text) - hold]
         s.sent_chars += len(out.text)
         return out
+
+    def _poison(self, s: _SimJob) -> StepOutput:
+        return StepOutput(
+            job_id=s.job.id, error="sim engine: poison marker in the prompt (test fault injection)"
+        )
 
     def _token_at(self, base: int, position: int) -> tuple[int, str]:
         x = (base ^ ((position + 1) * 0x9E3779B97F4A7C15)) & _MASK64
