@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from redis.exceptions import RedisError
 
 from shared.schemas import FINAL_EVENT_TYPES, Sampling
 from worker.engine import EngineJob
@@ -120,7 +121,9 @@ async def _read_frames(response: httpx.Response, stream: Stream) -> None:
             continue
         if "data" in fields:
             stream.events.append(
-                Event(int(fields["id"]), fields["event"], json.loads(fields["data"]), time.monotonic())
+                Event(
+                    int(fields["id"]), fields["event"], json.loads(fields["data"]), time.monotonic()
+                )
             )
             if stream.finished:
                 return
@@ -172,14 +175,22 @@ def recovery_s(stream: Stream, killed_at: float) -> float | None:
 
 
 async def until(
-    predicate: Callable[[], Awaitable[bool]], timeout: float, what: str, poll: float = POLL_S
+    predicate: Callable[[], Awaitable[bool]], limit_s: float, what: str, poll: float = POLL_S
 ) -> None:
-    """Poll an async condition until it holds; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not await predicate():
+    """Poll an async condition until it holds; fail after `limit_s` seconds. A poll that hits
+    a connection error (Redis or a gateway is down on purpose) counts as "not yet"."""
+    deadline = time.monotonic() + limit_s
+    while not await _holds(predicate):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+            raise TimeoutError(f"timed out after {limit_s} s waiting for {what}")
         await asyncio.sleep(poll)
+
+
+async def _holds(predicate: Callable[[], Awaitable[bool]]) -> bool:
+    try:
+        return await predicate()
+    except (RedisError, httpx.TransportError, OSError):
+        return False
 
 
 def quantile(values: Sequence[float], q: float) -> float:

@@ -130,7 +130,7 @@ class KillResult:
 
 
 async def worker_kill(
-    env: Env, *, jobs: int = 50, max_tokens: int = 60, step_ms: int = 50, timeout: float = 60.0
+    env: Env, *, jobs: int = 50, max_tokens: int = 60, step_ms: int = 50, limit_s: float = 60.0
 ) -> KillResult:
     """Scenario 1: two workers, `jobs` streaming seeded jobs; SIGKILL the worker holding most
     of them once every stream is under way; every stream must still end exactly right."""
@@ -146,13 +146,13 @@ async def worker_kill(
     async def all_streaming() -> bool:
         return all(s.tokens() >= 3 for s in streams)
 
-    await until(all_streaming, timeout, "every stream to be under way")
+    await until(all_streaming, limit_s, "every stream to be under way")
     owners = Counter([await env.owner(s.job_id or "") for s in streams])
     victim_id, moved = owners.most_common(1)[0]
     victim = next(w for w in workers if w.proc.pid == worker_pid(victim_id or "0-0-0"))
     victim.kill()
     killed_at = time.monotonic()
-    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    _, pending = await asyncio.wait(tasks, timeout=limit_s)
     for t in pending:
         t.cancel()
     faults: dict[str, list[str]] = {}

@@ -4,7 +4,7 @@ goes on with exactly the text of an undisturbed run."""
 from __future__ import annotations
 
 from tests.chaos.harness import FAST_LEASES
-from tests.chaos.scenarios import Env, statuses, worker_kill
+from tests.chaos.scenarios import KEYS, Env, statuses, worker_kill
 
 LEASE_S = float(FAST_LEASES["GENQ_LEASE_S"])
 RECLAIM_BOUND_S = LEASE_S + 5  # the issue's bound: lease + 5 s
@@ -17,9 +17,9 @@ async def test_sigkill_worker_mid_stream_loses_and_repeats_nothing(env: Env) -> 
     assert result.lost == 0 and result.duplicated == 0 and result.wrong == 0, result.faults
     assert len(result.recoveries) == result.moved
     assert max(result.recoveries) < RECLAIM_BOUND_S
-    job_ids = [j for j in await env.redis.keys("genqchaos:job:*")]
+    job_ids = await env.redis.keys(KEYS.job("*"))
     assert len(job_ids) == 50
     ids = [k.split("{")[1].rstrip("}") for k in job_ids]
     assert await statuses(env, ids) == {"succeeded": 50}
     assert await env.pending() == 0
-    assert await env.redis.xlen("genqchaos:dead") == 0
+    assert await env.redis.xlen(KEYS.dead_letters()) == 0

@@ -1,0 +1,80 @@
+"""Scenario 5: SIGTERM drains. A busy worker stops claiming, finishes what it can within its
+grace period, hands the rest back at once (not after the lease), deletes its heartbeat and
+exits 0; nothing is lost. A gateway finishes its open streams and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+from tests.chaos.harness import Reference, Stream, follow, stream_faults, until
+from tests.chaos.scenarios import KEYS, Env, job_body, worker_pid
+
+GRACE_S = 2.0
+LEASE_S = "5"  # long, so a job resumed quickly was handed back, not reclaimed after the lease
+EXIT_SLACK_S = 2.0
+SHORT, LONG = 15, 100  # tokens: at 50 ms a step, one finishes within the grace, one cannot
+JOBS = 12
+TIMEOUT_S = 30.0
+
+
+async def test_sigterm_worker_finishes_or_hands_back_and_exits_0(env: Env) -> None:
+    env.cluster.gateway()
+    slow = {"GENQ_SHUTDOWN_GRACE_S": str(GRACE_S), "GENQ_LEASE_S": LEASE_S}
+    busy = env.worker("--step-ms", "50", **slow)
+    await env.wait_workers(1)
+    bodies = [job_body(i, SHORT if i % 2 else LONG) for i in range(JOBS)]
+    streams = [Stream(b) for b in bodies]
+    tasks = [asyncio.create_task(follow(env.http, env.gateways, s)) for s in streams]
+
+    async def streaming() -> bool:
+        return all(s.tokens() >= 3 for s in streams)
+
+    await until(streaming, TIMEOUT_S, "every stream under way")
+    busy_id = await env.owner(streams[0].job_id or "")
+    assert busy_id is not None and worker_pid(busy_id) == busy.proc.pid
+    env.worker("--step-ms", "50", wait_model=None, **slow)
+    await env.wait_workers(2)
+    busy.signal(signal.SIGTERM)
+    termed_at = time.monotonic()
+    rc = await asyncio.to_thread(busy.proc.wait, GRACE_S + EXIT_SLACK_S)
+    assert rc == 0
+    assert time.monotonic() - termed_at < GRACE_S + EXIT_SLACK_S
+    assert not await env.redis.exists(KEYS.worker(busy_id))
+    await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S)
+
+    reference = Reference()
+    for s in streams:
+        n = s.body["max_tokens"]
+        assert not stream_faults(s, reference.text(s.body["prompt"], s.body["seed"], n), n)
+        record = await env.record(s.job_id or "")
+        if n == SHORT:  # finished within the grace, on the draining worker
+            assert record["worker"] == busy_id and record["attempt"] == "1"
+        else:  # handed back: resumed at once elsewhere, and the hand-back cost no attempt
+            assert record["attempt"] == "2" and record["handbacks"] == "1"
+            resumed = next(e for e in s.events if e.type == "token" and e.data["attempt"] == 2)
+            assert resumed.at - termed_at < GRACE_S + EXIT_SLACK_S
+    assert await env.pending() == 0
+
+
+async def test_sigterm_gateway_finishes_open_streams_and_exits_0(env: Env) -> None:
+    gateway = env.cluster.gateway(GENQ_SHUTDOWN_GRACE_S="10")
+    env.worker("--step-ms", "50")
+    streams = [Stream(job_body(i, 40)) for i in range(3)]
+    only_this = [gateway.url]
+    tasks = [asyncio.create_task(follow(env.http, lambda: only_this, s)) for s in streams]
+
+    async def streaming() -> bool:
+        return all(s.tokens() >= 3 for s in streams)
+
+    await until(streaming, TIMEOUT_S, "every stream under way")
+    gateway.signal(signal.SIGTERM)
+    rc = await asyncio.to_thread(gateway.proc.wait, TIMEOUT_S)
+    assert rc == 0
+    await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S)
+    reference = Reference()
+    for s in streams:
+        assert s.reconnects == 0, "the stream was cut instead of finished"
+        ref = reference.text(s.body["prompt"], s.body["seed"], 40)
+        assert not stream_faults(s, ref, 40)
