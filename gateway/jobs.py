@@ -142,6 +142,8 @@ class JobService:
             k.queue(spec.model, spec.priority),
             {"job": spec.id, "tokens": prompt_tokens + spec.max_tokens},
         )
+        if spec.deadline is not None:  # workers sweep this index to expire jobs still queued
+            pipe.zadd(k.deadlines(), {spec.id: spec.deadline})
         await pipe.execute()
         view = JobView(
             id=spec.id,

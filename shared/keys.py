@@ -52,6 +52,10 @@ class Keys:
         """Set: names of models that have a card."""
         return f"{self.prefix}models"
 
+    def deadlines(self) -> str:
+        """Sorted set: ids of jobs with a timeout, scored by their deadline (unix seconds)."""
+        return f"{self.prefix}deadlines"
+
     def dead_letters(self) -> str:
         return f"{self.prefix}dead"
 

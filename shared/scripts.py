@@ -119,6 +119,30 @@ redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 
+# KEYS: job, events, channel. ARGV: now, retention, maxlen. A queued job past its deadline
+# ends `expired` here (its queue entry is acked when a worker reaches it: START answers
+# {'expired'}); a running one is left to its worker, which checks its own jobs' deadlines.
+# -> {'expired'} | {status} | {'missing'}
+EXPIRE = (
+    _LAST_SEQ
+    + """
+local h = redis.call('HMGET', KEYS[1], 'status', 'attempt')
+if not h[1] then return {'missing'} end
+if h[1] ~= 'queued' then return {h[1]} end
+local seq = last_seq(KEYS[2]) + 1
+local msg = 'the job timed out before a worker started it'
+local ev = cjson.encode({seq = seq, attempt = tonumber(h[2] or '0'), type = 'error',
+                         code = 'deadline_exceeded', message = msg})
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '0-' .. seq, 'd', ev)
+redis.call('PUBLISH', KEYS[3], ev)
+redis.call('HSET', KEYS[1], 'status', 'expired', 'finished_at', ARGV[1],
+           'error', cjson.encode({code = 'deadline_exceeded', message = msg}))
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return {'expired'}
+"""
+)
+
 # KEYS: job, events, channel. ARGV: now, retention, maxlen, reason.
 # -> {'cancelled'} (was queued; event written) | {'running', worker} | {status} | {'missing'}
 CANCEL = (
@@ -157,6 +181,7 @@ class Scripts:
     cancel: Any
     hand_back: Any
     delete_idle_consumer: Any
+    expire: Any
 
     @classmethod
     def register(cls, redis: Any) -> Scripts:
@@ -167,4 +192,5 @@ class Scripts:
             cancel=redis.register_script(CANCEL),
             hand_back=redis.register_script(HAND_BACK),
             delete_idle_consumer=redis.register_script(DELETE_IDLE_CONSUMER),
+            expire=redis.register_script(EXPIRE),
         )

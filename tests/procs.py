@@ -41,21 +41,38 @@ class RedisServer:
     dir: Path
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    config: Path | None = None
+    """A redis.conf to start from (e.g. deploy/redis.conf); else AOF with fsync always."""
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        durability = ["--appendonly", "yes", "--appendfsync", "always"]
+        durability += ["--maxmemory-policy", "noeviction"]
+        if self.config is not None:
+            durability = [str(self.config)]
         self.proc = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
-             "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "", "--appendonly", "yes",
-             "--appendfsync", "always", "--maxmemory-policy", "noeviction"],
+            [
+                shutil.which("redis-server") or "redis-server",
+                *durability,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        wait_for(lambda: socket.create_connection(("127.0.0.1", self.port), 0.2).close() is None,
-                 what="redis-server")
+        wait_for(
+            lambda: socket.create_connection(("127.0.0.1", self.port), 0.2).close() is None,
+            what="redis-server",
+        )
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -64,9 +81,9 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_server() -> Iterator[RedisServer]:
+def redis_server(config: Path | None = None) -> Iterator[RedisServer]:
     with tempfile.TemporaryDirectory(prefix="genq-test-redis-") as tmp:
-        server = RedisServer(Path(tmp))
+        server = RedisServer(Path(tmp), config=config)
         server.start()
         try:
             yield server
@@ -139,8 +156,10 @@ class Cluster:
         port = free_port()
         args = ["gateway", "--port", str(port), "--workers", str(processes)]
         p = self._spawn("gateway", args, port, **env)
-        wait_for(lambda: httpx.get(f"{p.url}/readyz", timeout=1).status_code == 200,
-                 what=f"gateway on {port}: {p.output()[-500:] if p.log.exists() else ''}")
+        wait_for(
+            lambda: httpx.get(f"{p.url}/readyz", timeout=1).status_code == 200,
+            what=f"gateway on {port}: {p.output()[-500:] if p.log.exists() else ''}",
+        )
         return p
 
     def worker(self, *args: str, wait_model: str | None = "sim", **env: str) -> Proc:
@@ -149,9 +168,12 @@ class Cluster:
             gateways = [g for g in self.procs if g.name == "gateway"]
             if gateways:
                 url = gateways[0].url
-                wait_for(lambda: any(m["id"] == wait_model
-                                     for m in httpx.get(f"{url}/v1/models").json()["data"]),
-                         what=f"worker serving {wait_model}: {p.output()[-500:]}")
+                wait_for(
+                    lambda: any(
+                        m["id"] == wait_model for m in httpx.get(f"{url}/v1/models").json()["data"]
+                    ),
+                    what=f"worker serving {wait_model}: {p.output()[-500:]}",
+                )
         return p
 
     def close(self) -> None:

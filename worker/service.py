@@ -54,6 +54,8 @@ _LOOP_RESTART_S = 0.5
 _RECLAIM_SCAN = 1000
 """Idle pending entries looked at per queue and reclaim round."""
 _DEAD_LETTERS_KEPT = 100_000
+_EXPIRE_SWEEP = 1000
+"""Overdue jobs looked at per heartbeat."""
 
 
 class Worker:
@@ -113,9 +115,7 @@ class Worker:
             tasks[0].cancel()  # claim no more
             await self._drain(self.settings.shutdown_grace_s)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _cancel_all(tasks)
             self.runner.stop()
             with contextlib.suppress(RedisError, OSError):
                 await self._leave()
@@ -546,17 +546,47 @@ class Worker:
             except (RedisError, OSError) as exc:
                 self.lease.beat_failed()
                 log.warning("heartbeat failed", extra={"error": str(exc)})
+                continue
+            try:
+                await self._expire_queued()
+            except (RedisError, OSError) as exc:
+                log.warning("deadline sweep failed", extra={"error": str(exc)})
+
+    async def _expire_queued(self) -> None:
+        """End queued jobs past their deadline, whoever's backlog they wait in (any worker may
+        sweep: the script only touches jobs still `queued`)."""
+        index = self.keys.deadlines()
+        now = time.time()
+        due: list[str] = await self.redis.zrangebyscore(  # type: ignore[assignment]
+            index, "-inf", now, start=0, num=_EXPIRE_SWEEP
+        )
+        if not due:
+            return
+        s = self.settings
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in due:
+            await self.scripts.expire(
+                keys=self._job_keys(job_id),
+                args=[repr(now), s.retention_s, s.event_log_maxlen],
+                client=pipe,
+            )
+        for job_id, reply in zip(due, await pipe.execute(), strict=True):
+            if reply[0] == "expired":
+                log.info("queued job expired", extra={"job_id": job_id})
+        # Running jobs are their worker's to expire (`_expire_overdue`), or a reclaimer's.
+        await self.redis.zrem(index, *due)
 
     def _expire_overdue(self) -> None:
         """Stop running jobs past their deadline; they end `expired` (see `_collect`)."""
         now = time.time()
         for run in self.running.values():
             deadline = run.spec.deadline
-            if deadline is not None and now > deadline and run.end is None and not run.retry_error:
-                if run.id not in self._expiring:
-                    self._expiring.add(run.id)
-                    assert self.runner is not None
-                    self.runner.cancel(run.id)
+            if deadline is None or now <= deadline or run.end is not None or run.retry_error:
+                continue
+            if run.id not in self._expiring:
+                self._expiring.add(run.id)
+                assert self.runner is not None
+                self.runner.cancel(run.id)
 
     async def _beat(self) -> None:
         now_m = time.monotonic()
@@ -614,30 +644,44 @@ class Worker:
         if free <= 0:
             return
         idle_ms = int(self.settings.lease_s * 1000)
-        pending = await self.redis.xpending_range(
+        pending: list[dict[str, Any]] = await self.redis.xpending_range(
             queue, CONSUMER_GROUP, "-", "+", _RECLAIM_SCAN, idle=idle_ms
         )
         if not pending:
             return
-        owners = sorted({p["consumer"] for p in pending} - {self.id})
+        owners = sorted({str(p["consumer"]) for p in pending} - {self.id})
         pipe = self.redis.pipeline(transaction=False)
         for owner in owners:
             pipe.exists(self.keys.worker(owner))
         alive = {o for o, n in zip(owners, await pipe.execute(), strict=True) if n}
         held = {r.claim.entry_id for r in self.running.values()}
         held |= {c.entry_id for c in self.waiting}
-        pairs = [(p["message_id"], p["consumer"]) for p in pending]
+        pairs = [(str(p["message_id"]), str(p["consumer"])) for p in pending]
         ids = reclaimable(pairs, self.id, held, alive)[:free]
         if not ids:
             return
         # XCLAIM re-checks the idle time: an owner that touched an entry meanwhile keeps it.
-        claimed = await self.redis.xclaim(queue, CONSUMER_GROUP, self.id, idle_ms, ids)
+        claimed: list[tuple[str, dict[str, str] | None]] = await self.redis.xclaim(
+            queue, CONSUMER_GROUP, self.id, idle_ms, ids  # type: ignore[arg-type,assignment]
+        )
         for entry_id, fields in claimed:
             if fields:
                 claim = Claim(entry_id, queue, fields["job"], int(fields.get("tokens", 0)))
                 log.info("reclaimed job", extra={"job_id": claim.job_id, "worker_id": self.id})
                 self.waiting.append(claim)
         self._room.set()
+
+
+async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel until done: a cancellation that lands inside a Redis client call can be
+    swallowed there (seen with fakeredis), and one missed cancel must not hang shutdown."""
+    while pending := [t for t in tasks if not t.done()]:
+        for t in pending:
+            t.cancel()
+        await asyncio.wait(pending, timeout=_LOOP_RESTART_S)
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            log.error("worker loop failed", exc_info=t.exception())
 
 
 def _stream_items(reply: Any) -> list[tuple[str, list[tuple[str, dict[str, str]]]]]:

@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import httpx
 import redis.asyncio as aioredis
@@ -28,6 +29,8 @@ from tests.chaos.harness import (
 from tests.procs import Cluster, Proc, RedisServer, redis_server
 
 PREFIX = "genqchaos:"
+# Every scenario's redis-server runs the shipped config (AOF, fsync every second, noeviction).
+DEPLOY_REDIS_CONF = Path(__file__).resolve().parents[2] / "deploy" / "redis.conf"
 KEYS = Keys(PREFIX)
 STARTUP_S = 30.0
 
@@ -44,8 +47,8 @@ class Env:
     def gateways(self) -> list[str]:
         return [p.url for p in self.cluster.procs if p.name == "gateway" and p.proc.poll() is None]
 
-    def worker(self, *args: str, **env: str) -> Proc:
-        return self.cluster.worker(*args, **env)
+    def worker(self, *args: str, wait_model: str | None = "sim", **env: str) -> Proc:
+        return self.cluster.worker(*args, wait_model=wait_model, **env)
 
     async def live_workers(self) -> int:
         return len([k async for k in self.redis.scan_iter(match=f"{PREFIX}worker:*")])
@@ -57,13 +60,26 @@ class Env:
         await until(enough, STARTUP_S, f"{n} live workers")
 
     async def owner(self, job_id: str) -> str | None:
-        return await self.redis.hget(KEYS.job(job_id), "worker")
+        return cast("str | None", await self.redis.hget(KEYS.job(job_id), "worker"))
 
     async def record(self, job_id: str) -> dict[str, str]:
-        return await self.redis.hgetall(KEYS.job(job_id))
+        return cast("dict[str, str]", await self.redis.hgetall(KEYS.job(job_id)))
 
     async def log(self, job_id: str) -> list[dict]:
-        return [json.loads(f["d"]) for _, f in await self.redis.xrange(KEYS.events(job_id))]
+        entries = cast(
+            "list[tuple[str, dict[str, str]]]", await self.redis.xrange(KEYS.events(job_id))
+        )
+        return [json.loads(f["d"]) for _, f in entries]
+
+    async def dead_letters(self) -> list[str]:
+        entries = cast(
+            "list[tuple[str, dict[str, str]]]", await self.redis.xrange(KEYS.dead_letters())
+        )
+        return [f["job"] for _, f in entries]
+
+    async def job_ids(self) -> list[str]:
+        keys = cast("list[str]", await self.redis.keys(KEYS.job("*")))
+        return [k.split("{")[1].rstrip("}") for k in keys]
 
     async def pending(self) -> int:
         total = 0
@@ -97,7 +113,7 @@ async def chaos_env(tmp: Path, **env: str) -> AsyncIterator[Env]:
 
 @contextlib.contextmanager
 def _cluster(tmp: Path, env: dict[str, str]) -> Iterator[tuple[RedisServer, Cluster]]:
-    with redis_server() as server:
+    with redis_server(DEPLOY_REDIS_CONF) as server:
         cluster = Cluster(server.url, tmp, PREFIX, **env)
         try:
             yield server, cluster

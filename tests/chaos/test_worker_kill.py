@@ -17,9 +17,8 @@ async def test_sigkill_worker_mid_stream_loses_and_repeats_nothing(env: Env) -> 
     assert result.lost == 0 and result.duplicated == 0 and result.wrong == 0, result.faults
     assert len(result.recoveries) == result.moved
     assert max(result.recoveries) < RECLAIM_BOUND_S
-    job_ids = await env.redis.keys(KEYS.job("*"))
-    assert len(job_ids) == 50
-    ids = [k.split("{")[1].rstrip("}") for k in job_ids]
+    ids = await env.job_ids()
+    assert len(ids) == 50
     assert await statuses(env, ids) == {"succeeded": 50}
     assert await env.pending() == 0
     assert await env.redis.xlen(KEYS.dead_letters()) == 0

@@ -1,0 +1,73 @@
+"""Deadlines and poison jobs, through the gateway app and an in-process sim worker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from shared.settings import Settings
+from tests.conftest import Stack, parse_sse, running_stack
+from worker.lease import reclaimable
+
+LONG = 5000  # tokens: at 1 ms a step, seconds of work
+
+
+async def _final_event(stack: Stack, job_id: str) -> tuple[str, dict]:
+    r = await stack.client.get(f"/v1/jobs/{job_id}/events")
+    events = parse_sse(r.text)
+    return events[-1][1], events[-1][2]
+
+
+async def test_running_job_past_its_deadline_ends_expired(stack: Stack) -> None:
+    job = await stack.submit(prompt="the model", max_tokens=LONG, timeout_s=0.3)
+    await stack.wait_status(job["id"], "running")
+    ended = await stack.wait_status(job["id"], "expired", "succeeded", timeout=5)
+    assert ended["status"] == "expired"
+    assert ended["error"]["code"] == "deadline_exceeded"
+    etype, data = await _final_event(stack, job["id"])
+    assert etype == "error" and data["code"] == "deadline_exceeded"
+
+
+async def test_queued_job_past_its_deadline_ends_expired_without_a_free_worker(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    async with running_stack(settings.model_copy(update={"max_batch": 1}), redis) as stack:
+        busy = await stack.submit(prompt="the model", max_tokens=LONG)
+        await stack.wait_status(busy["id"], "running")
+        job = await stack.submit(prompt="the model", max_tokens=10, timeout_s=0.3)
+        ended = await stack.wait_status(job["id"], "expired", timeout=5)
+        assert ended["error"]["code"] == "deadline_exceeded"
+        assert (await stack.client.get(f"/v1/jobs/{busy['id']}")).json()["status"] == "running"
+        etype, data = await _final_event(stack, job["id"])
+        assert etype == "error" and data["code"] == "deadline_exceeded"
+        await stack.client.delete(f"/v1/jobs/{busy['id']}")
+
+
+async def test_poison_job_is_dead_lettered_while_its_batch_goes_on(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    async with running_stack(settings, redis, poison_marker="POISON") as stack:
+        poison = await stack.submit(prompt="a POISON pill", max_tokens=20)
+        healthy = [await stack.submit(prompt=f"job {i}", max_tokens=200) for i in range(4)]
+        ended = await stack.wait_status(poison["id"], "failed")
+        assert ended["attempt"] == settings.max_attempts
+        assert ended["error"]["code"] == "max_attempts_exceeded"
+        assert "poison marker" in ended["error"]["message"]
+        for job in healthy:
+            done = await stack.wait_status(job["id"], "succeeded")
+            assert done["attempt"] == 1 and done["usage"]["completion_tokens"] == 200
+        dead: list[tuple[str, dict[str, str]]] = await redis.xrange(  # type: ignore[assignment]
+            stack.worker.keys.dead_letters()
+        )
+        assert [d["job"] for _, d in dead] == [poison["id"]]
+
+
+def test_reclaim_takes_entries_of_dead_owners_and_own_unheld_ones_only() -> None:
+    pending = [("1-0", "dead"), ("2-0", "alive"), ("3-0", "me"), ("4-0", "me")]
+    assert reclaimable(pending, "me", held={"3-0"}, alive={"alive"}) == ["1-0", "4-0"]
+
+
+async def test_poison_marker_is_off_by_default() -> None:
+    assert Settings().sim_poison_marker is None
+    await asyncio.sleep(0)
