@@ -99,7 +99,9 @@ class Worker:
         """Serve until `stop()`; then stop claiming, let running jobs finish, and leave."""
         loop = asyncio.get_running_loop()
         self.runner = EngineRunner(self.engine, loop, self._flush_wanted.set)
-        await self._prepare()
+        await self._prepare_when_redis_answers()
+        if self._stopping.is_set():
+            return
         self.runner.start()
         log.info("worker started", extra={"worker_id": self.id, "model": self.model})
         loops = {
@@ -137,15 +139,29 @@ class Worker:
                 self._flush_wanted.set()  # whatever it was doing, the next flush picks up
                 self._room.set()
 
+    async def _prepare_when_redis_answers(self) -> None:
+        """A worker started while Redis is away waits for it (until stopped) instead of dying."""
+        while not self._stopping.is_set():
+            try:
+                await self._prepare()
+                return
+            except (RedisError, OSError) as exc:
+                log.warning("Redis unreachable at start; retrying", extra={"error": str(exc)})
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), self.settings.heartbeat_s)
+
     async def _prepare(self) -> None:
         await self._ensure_groups()
+        await self._publish_card()
+        await self._beat()
+
+    async def _publish_card(self) -> None:
         card = self.engine.card
         await self.redis.hset(
             self.keys.model_card(self.model),
             mapping={"card": card.model_dump_json(), "tokenizer": self.engine.tokenizer_json},
         )
         await self.redis.sadd(self.keys.models(), self.model)
-        await self._beat()
 
     async def _ensure_groups(self) -> None:
         for key in self.queues.values():
@@ -522,6 +538,7 @@ class Worker:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.keys.control(self.id))
+                await self._recheck_cancels()
                 while True:
                     msg = await pubsub.get_message(timeout=5.0)
                     if msg is not None:
@@ -534,6 +551,19 @@ class Worker:
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
+
+    async def _recheck_cancels(self) -> None:
+        """Cancels published while the control channel was down are lost; the job records
+        still carry them (CANCEL sets `cancel`), so read those of every running job."""
+        ids = list(self.running)
+        if not ids:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(self.keys.job(job_id), "cancel")
+        for job_id, reason in zip(ids, await pipe.execute(), strict=True):
+            if reason:
+                self.cancel(job_id, reason)
 
     # ---- heartbeat and reclaim -------------------------------------------------------
 
@@ -611,6 +641,7 @@ class Worker:
         )
         lease_ms = int(self.settings.lease_s * 1000)
         pipe = self.redis.pipeline(transaction=False)
+        pipe.exists(self.keys.model_card(self.model))  # first: its reply is read below
         key = self.keys.worker(self.id)
         pipe.hset(key, mapping={k: json.dumps(v) for k, v in hb.model_dump().items()})
         pipe.pexpire(key, lease_ms)
@@ -624,8 +655,10 @@ class Worker:
         if self.lease.held():
             for queue, ids in held.items():
                 pipe.xclaim(queue, CONSUMER_GROUP, self.id, 0, ids, justid=True)
-        await pipe.execute()
+        card_exists, *_ = await pipe.execute()
         self.lease.beat_ok()
+        if not card_exists:  # Redis lost it (restarted without its data): gateways need it
+            await self._publish_card()
 
     async def _reclaim_loop(self) -> None:
         """Take over entries idle for a whole lease whose owner's heartbeat is gone."""

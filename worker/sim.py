@@ -127,7 +127,17 @@ class SimEngine:
             position=len(job.resume_ids),
             poisoned=self._is_poisoned(job),
         )
+        if job.resume_ids:
+            self._resume(sim)
         self._jobs[job.id] = sim
+
+    def _resume(self, s: _SimJob) -> None:
+        """Rebuild the text of the first `position` tokens and how much of it an earlier
+        attempt sent (all but what it held back as a possible stop-string start), so stop
+        strings spanning the resume point are found and held-back text is not lost."""
+        s.text = "".join(self._token_at(s.base, p)[1] for p in range(s.position))
+        stops = s.job.sampling.stop
+        s.sent_chars = len(s.text) - (_held_back(s.text, stops) if stops else 0)
 
     def _is_poisoned(self, job: EngineJob) -> bool:
         if self._poison_marker is None:
