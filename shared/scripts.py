@@ -18,6 +18,17 @@ local function last_seq(events)
   if #last == 0 then return 0 end
   return tonumber(string.match(last[1][1], '%-(%d+)$'))
 end
+
+-- The first seq in ARGV[from], ARGV[from+2], ... (up to ARGV[to]) that is new to the log;
+-- nil when all are replays. A new seq beyond last + 1 means the log lost its tail (Redis
+-- restarted without its last writes): writing it would leave a hole no reader gets past.
+local function first_new(last, from, to)
+  for i = from, to, 2 do
+    local seq = tonumber(ARGV[i])
+    if seq > last then return seq end
+  end
+  return nil
+end
 """
 
 # KEYS: job, events, channel. ARGV: worker_id, now, max_attempts, retention, maxlen.
@@ -57,13 +68,16 @@ return {'ok', attempt, seq, h[1], h[2] or ''}
 )
 
 # KEYS: job, events, channel. ARGV: worker_id, attempt, maxlen, then (seq, json) pairs.
-# -> 1 written | 0 fenced (this worker no longer owns the job)
+# -> 1 written | 0 fenced (this worker no longer owns the job) | -1 - last: nothing written,
+# the log ends at seq `last`, short of these events (the caller re-sends the missing ones)
 EMIT = (
     _LAST_SEQ
     + """
 local h = redis.call('HMGET', KEYS[1], 'worker', 'attempt', 'status')
 if h[1] ~= ARGV[1] or h[2] ~= ARGV[2] or h[3] ~= 'running' then return 0 end
 local last = last_seq(KEYS[2])
+local first = first_new(last, 4, #ARGV)
+if first and first > last + 1 then return -1 - last end
 for i = 4, #ARGV, 2 do
   if tonumber(ARGV[i]) > last then
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '0-' .. ARGV[i], 'd', ARGV[i + 1])
@@ -76,7 +90,7 @@ return 1
 
 # KEYS: job, events, channel. ARGV: worker_id, attempt, maxlen, retention, n_events,
 # then n (seq, json) pairs, then record (field, value) pairs (status among them).
-# -> 1 finished | 0 fenced
+# -> 1 finished | 0 fenced | -1 - last (as EMIT: nothing written)
 FINISH = (
     _LAST_SEQ
     + """
@@ -84,6 +98,8 @@ local h = redis.call('HMGET', KEYS[1], 'worker', 'attempt', 'status')
 if h[1] ~= ARGV[1] or h[2] ~= ARGV[2] or h[3] ~= 'running' then return 0 end
 local n = tonumber(ARGV[5])
 local last = last_seq(KEYS[2])
+local first = first_new(last, 6, 5 + 2 * n)
+if first and first > last + 1 then return -1 - last end
 for i = 6, 5 + 2 * n, 2 do
   if tonumber(ARGV[i]) > last then
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '0-' .. ARGV[i], 'd', ARGV[i + 1])

@@ -48,6 +48,12 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(default=1.0, gt=0)
     lease_s: float = Field(default=5.0, gt=0)
     claim_block_ms: int = Field(default=1000, ge=1)
+    log_repair_window_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="a worker keeps the events it wrote this long, to re-send them if Redis "
+        "restarts without its last writes (AOF everysec loses up to ~2 s on a host crash)",
+    )
     batch_share: int = Field(
         default=4, ge=1, description="when both queues have work, every Nth claim takes a batch job"
     )

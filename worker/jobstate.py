@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,8 @@ class RunningJob:
     """(status, record fields) once the job has ended locally."""
     retry_error: str | None = None
     """Set when the engine failed the job: it goes back to the queue for another attempt."""
+    recent: deque[tuple[float, list[str]]] = field(default_factory=deque)
+    """(monotonic time, seq/JSON pairs) of recent successful flushes, to repair the log."""
 
     @property
     def id(self) -> str:
@@ -60,6 +63,26 @@ class RunningJob:
 
     def _push(self, json: str) -> None:
         self.pending += (str(self.seq), json)
+
+    def remember(self, events: list[str], window_s: float) -> None:
+        """Keep what a flush wrote for `window_s`, in case Redis loses it."""
+        now = time.monotonic()
+        if events and window_s > 0:
+            self.recent.append((now, events))
+        while self.recent and now - self.recent[0][0] > window_s:
+            self.recent.popleft()
+
+    def written_after(self, last_seq: int) -> list[str] | None:
+        """The remembered pairs from `last_seq + 1` on; None if they do not reach back that far
+        (the log's lost tail is older than the repair window)."""
+        pairs = [x for _, events in self.recent for x in events]
+        out: list[str] = []
+        for i in range(0, len(pairs), 2):
+            if int(pairs[i]) > last_seq:
+                out += pairs[i : i + 2]
+        if not out or int(out[0]) != last_seq + 1:
+            return None
+        return out
 
     def started(self, worker_id: str) -> None:
         self.seq += 1

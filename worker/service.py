@@ -467,7 +467,9 @@ class Worker:
         if not order:
             return
         try:
-            results = await pipe.execute()
+            # Per-command errors come back in place: one job's rejected write must not fail
+            # (and so retry forever) the flush of every other job in the pipeline.
+            results = await pipe.execute(raise_on_error=False)
         except (RedisError, OSError) as exc:
             # Nothing is lost: the events go again (the scripts skip seqs already written).
             log.warning("flush failed; retrying", extra={"error": str(exc)})
@@ -478,8 +480,16 @@ class Worker:
             self._flush_wanted.set()
             return
         ended: list[Claim] = []
-        for (run, _), ok in zip(order, results, strict=True):
-            if not ok:  # fenced: another worker owns this job now
+        lost_tail: list[tuple[RunningJob, list[str], int]] = []
+        for (run, events), ok in zip(order, results, strict=True):
+            if isinstance(ok, Exception):
+                log.error("Redis rejected events", extra={"job_id": run.id, "error": str(ok)})
+                run.end, run.retry_error = None, f"Redis rejected the job's events: {ok}"
+                self._dirty.add(run.id)  # handed back (counted) at the next flush
+                self._flush_wanted.set()
+            elif ok < 0:  # Redis lost the end of the log: nothing was written
+                lost_tail.append((run, events, -1 - ok))
+            elif not ok:  # fenced: another worker owns this job now
                 log.warning("lost ownership; dropping job", extra={"job_id": run.id})
                 assert self.runner is not None
                 self.runner.cancel(run.id)
@@ -488,15 +498,39 @@ class Worker:
             elif run.end is not None:
                 self.running.pop(run.id, None)
                 ended.append(run.claim)
-            elif run.retry_error is not None:
+            else:
+                run.remember(events, s.log_repair_window_s)
+            if ok > 0 and run.end is None and run.retry_error is not None:
                 self._dirty.add(run.id)  # its tokens are out: hand it back at the next flush
                 self._flush_wanted.set()
+        for run, events, last in lost_tail:
+            await self._repair(run, events, last)
         if ended:
             self._room.set()
             try:
                 await self._ack(ended)
             except (RedisError, OSError) as exc:  # their entries go idle and are reclaimed
                 log.warning("ack failed", extra={"error": str(exc)})
+
+    async def _repair(self, run: RunningJob, events: list[str], last: int) -> None:
+        """The job's log ends at `last`, short of what this worker wrote (Redis restarted
+        without its last writes): write the lost events again, from memory, so readers see
+        exactly what live subscribers saw. Past the repair window, hand the job back: the
+        next attempt continues from what the log holds."""
+        missing = run.written_after(last)
+        if missing is None:
+            log.warning("job log lost beyond repair; handing back", extra={"job_id": run.id})
+            self.running.pop(run.id, None)
+            assert self.runner is not None
+            self.runner.cancel(run.id)
+            self._room.set()
+            with contextlib.suppress(RedisError, OSError):
+                await self._hand_back(run, counted=False)
+            return
+        log.warning("job log lost its tail; re-sending", extra={"job_id": run.id, "from": last})
+        run.pending[:0] = missing + events
+        self._dirty.add(run.id)
+        self._flush_wanted.set()
 
     async def _retry(self, runs: list[RunningJob]) -> None:
         """Jobs the engine failed: back to the queue for another attempt (counted by START,

@@ -71,3 +71,37 @@ def test_reclaim_takes_entries_of_dead_owners_and_own_unheld_ones_only() -> None
 async def test_poison_marker_is_off_by_default() -> None:
     assert Settings().sim_poison_marker is None
     await asyncio.sleep(0)
+
+
+# A job's log as a Redis restart that lost its last ARGV[1] writes leaves it: rebuilt without
+# them, atomically (XDEL would not do: the stream would still remember its top id).
+_LOSE_TAIL = """
+local entries = redis.call('XRANGE', KEYS[1], '-', '+')
+redis.call('DEL', KEYS[1])
+for i = 1, #entries - tonumber(ARGV[1]) do
+  redis.call('XADD', KEYS[1], entries[i][1], unpack(entries[i][2]))
+end
+return redis.call('XLEN', KEYS[1])
+"""
+
+
+async def test_worker_rewrites_events_redis_lost_so_the_log_has_no_hole(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    async with running_stack(settings, redis, step_ms=20) as stack:
+        job = await stack.submit(prompt="the model", max_tokens=100)
+        events_key = stack.worker.keys.events(job["id"])
+
+        async def wait_log(n: int) -> None:  # a poll: Redis offers nothing to await here
+            while await redis.xlen(events_key) < n:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(wait_log(6), 5)
+        await redis.eval(_LOSE_TAIL, 1, events_key, 3)
+        done = await stack.wait_status(job["id"], "succeeded")
+        r = await stack.client.get(f"/v1/jobs/{job['id']}/events")
+        events = parse_sse(r.text)
+        assert [e[0] for e in events] == list(range(1, len(events) + 1))
+        assert events[-1][1] == "done"
+        assert "".join(e[2]["text"] for e in events if e[1] == "token") == done["text"]
+        assert sum(e[2]["count"] for e in events if e[1] == "token") == 100
