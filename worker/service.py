@@ -290,12 +290,16 @@ class Worker:
             self._room.set()
             return
         try:
-            await self._start(ready)
+            replies, sent = await self._start(ready)
         except BaseException:
             self.waiting[:0] = ready  # START again later (a START that landed costs an attempt)
             raise
+        await self._settle(ready, replies, sent)
 
-    async def _start(self, ready: list[Claim]) -> None:
+    async def _start(
+        self, ready: list[Claim]
+    ) -> tuple[list[Any], dict[str, tuple[list[int], list[str]]]]:
+        """START each claim (one pipeline) and read what retried ones already sent."""
         s = self.settings
         now = repr(time.time())
         pipe = self.redis.pipeline(transaction=False)
@@ -309,18 +313,46 @@ class Worker:
         sent = await self._sent_tokens(
             [c.job_id for c, r in zip(ready, replies, strict=True) if r[0] == "ok" and int(r[1]) > 1]
         )
+        return replies, sent
+
+    async def _settle(
+        self,
+        ready: list[Claim],
+        replies: list[Any],
+        sent: dict[str, tuple[list[int], list[str]]],
+    ) -> None:
+        """Begin the STARTed jobs; ack the claims of jobs that had already ended. A failure
+        here touches one claim only: an entry not acked stays pending and is reclaimed."""
         done_claims: list[Claim] = []
         for claim, reply in zip(ready, replies, strict=True):
             if reply[0] == "ok":
                 resumed = sent.get(claim.job_id, ([], []))
-                self._begin(claim, int(reply[1]), int(reply[2]), reply[3], reply[4], resumed)
-            else:
-                if reply[0] == "exhausted":
+                try:
+                    self._begin(claim, int(reply[1]), int(reply[2]), reply[3], reply[4], resumed)
+                except Exception as exc:  # e.g. a record that does not parse: fails alone
+                    await self._give_up_start(claim, int(reply[1]), exc)
+                continue
+            if reply[0] == "exhausted":
+                with contextlib.suppress(RedisError, OSError):
                     await self._dead_letter(claim, int(reply[1]))
-                done_claims.append(claim)
+            done_claims.append(claim)
         if done_claims:
-            await self._ack(done_claims)
+            with contextlib.suppress(RedisError, OSError):
+                await self._ack(done_claims)
         self._flush_wanted.set()
+
+    async def _give_up_start(self, claim: Claim, attempt: int, exc: Exception) -> None:
+        """A job that could not even begin: back to the queue as a failed attempt, so it is
+        dead-lettered once they are spent instead of crashing the claim loop forever."""
+        log.error("could not begin job", extra={"job_id": claim.job_id, "error": str(exc)})
+        self.running.pop(claim.job_id, None)
+        error = f"the worker could not begin the job: {exc}"
+        with contextlib.suppress(RedisError, OSError):
+            reply = await self.scripts.hand_back(
+                keys=[self.keys.job(claim.job_id)], args=[self.id, str(attempt), "1", error]
+            )
+            if reply:
+                await self._requeue(claim)
 
     async def _sent_tokens(self, job_ids: list[str]) -> dict[str, tuple[list[int], list[str]]]:
         """For retried jobs: the token ids and text an earlier attempt already published."""

@@ -105,3 +105,22 @@ async def test_worker_rewrites_events_redis_lost_so_the_log_has_no_hole(
         assert events[-1][1] == "done"
         assert "".join(e[2]["text"] for e in events if e[1] == "token") == done["text"]
         assert sum(e[2]["count"] for e in events if e[1] == "token") == 100
+
+
+async def test_job_whose_record_cannot_be_read_is_dead_lettered_and_claiming_goes_on(
+    stack: Stack,
+) -> None:
+    keys, bad = stack.worker.keys, "f" * 32
+    await stack.redis.hset(keys.job(bad), mapping={"spec": "{not json", "status": "queued"})
+    await stack.redis.xadd(keys.queue("sim", "interactive"), {"job": bad, "tokens": 10})
+    healthy = await stack.submit(prompt="the model", max_tokens=5)
+    assert (await stack.wait_status(healthy["id"], "succeeded"))["attempt"] == 1
+
+    async def failed() -> bool:
+        return await stack.redis.hget(keys.job(bad), "status") == "failed"
+
+    async with asyncio.timeout(10):
+        while not await failed():  # noqa: ASYNC110 (a poll: Redis offers nothing to await)
+            await asyncio.sleep(0.02)
+    error = await stack.redis.hget(keys.job(bad), "error")
+    assert error is not None and "could not begin the job" in error
