@@ -309,11 +309,15 @@ class Worker:
                 args=[self.id, now, s.max_attempts, s.retention_s, s.event_log_maxlen],
                 client=pipe,
             )
-        replies = await pipe.execute()
-        sent = await self._sent_tokens(
-            [c.job_id for c, r in zip(ready, replies, strict=True) if r[0] == "ok" and int(r[1]) > 1]
-        )
-        return replies, sent
+        # A START that Redis rejects (a damaged record) comes back in place and sets aside
+        # that claim alone; connection errors still raise and every claim is tried again.
+        replies = await pipe.execute(raise_on_error=False)
+        retried = [
+            c.job_id
+            for c, r in zip(ready, replies, strict=True)
+            if not isinstance(r, Exception) and r[0] == "ok" and int(r[1]) > 1
+        ]
+        return replies, await self._sent_tokens(retried)
 
     async def _settle(
         self,
@@ -325,6 +329,10 @@ class Worker:
         here touches one claim only: an entry not acked stays pending and is reclaimed."""
         done_claims: list[Claim] = []
         for claim, reply in zip(ready, replies, strict=True):
+            if isinstance(reply, Exception):
+                # Left pending and not held: it is retried after a lease, costing only itself.
+                log.error("START rejected", extra={"job_id": claim.job_id, "error": str(reply)})
+                continue
             if reply[0] == "ok":
                 resumed = sent.get(claim.job_id, ([], []))
                 try:
@@ -532,9 +540,9 @@ class Worker:
                 ended.append(run.claim)
             else:
                 run.remember(events, s.log_repair_window_s)
-            if ok > 0 and run.end is None and run.retry_error is not None:
-                self._dirty.add(run.id)  # its tokens are out: hand it back at the next flush
-                self._flush_wanted.set()
+                if run.retry_error is not None:  # its tokens are out: hand it back next flush
+                    self._dirty.add(run.id)
+                    self._flush_wanted.set()
         for run, events, last in lost_tail:
             await self._repair(run, events, last)
         if ended:
@@ -565,12 +573,14 @@ class Worker:
         self._flush_wanted.set()
 
     async def _retry(self, runs: list[RunningJob]) -> None:
-        """Jobs the engine failed: back to the queue for another attempt (counted by START,
-        which dead-letters the job once its attempts are spent)."""
+        """Jobs that failed (in the engine, or Redis rejected their writes): back to the queue
+        for another attempt (counted by START, which dead-letters them once spent)."""
+        assert self.runner is not None
         for run in runs:
             self.running.pop(run.id, None)
+            self.runner.cancel(run.id)  # the engine may still hold it (a write Redis rejected)
             log.warning(
-                "engine failed a job; handing it back",
+                "job failed; handing it back",
                 extra={"job_id": run.id, "attempt": run.attempt, "error": run.retry_error},
             )
             try:

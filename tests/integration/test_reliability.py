@@ -124,3 +124,16 @@ async def test_job_whose_record_cannot_be_read_is_dead_lettered_and_claiming_goe
             await asyncio.sleep(0.02)
     error = await stack.redis.hget(keys.job(bad), "error")
     assert error is not None and "could not begin the job" in error
+
+
+async def test_a_job_whose_keys_redis_rejects_does_not_block_the_others(stack: Stack) -> None:
+    keys = stack.worker.keys
+    damaged = await stack.submit(prompt="the model", max_tokens=LONG)
+    await stack.wait_status(damaged["id"], "running")
+    await stack.redis.delete(keys.events(damaged["id"]))
+    await stack.redis.set(keys.events(damaged["id"]), "not a stream")  # WRONGTYPE from now on
+    healthy = [await stack.submit(prompt=f"job {i}", max_tokens=20) for i in range(3)]
+    for job in healthy:
+        assert (await stack.wait_status(job["id"], "succeeded"))["attempt"] == 1
+    record = await stack.redis.hgetall(keys.job(damaged["id"]))
+    assert record["status"] == "queued" and "WRONGTYPE" in record["last_error"]
