@@ -172,20 +172,24 @@ class Worker:
         """Hand back claims not started yet at once; let running jobs finish for up to
         `grace_s`; hand the rest back. A failed hand-back leaves the entry to be reclaimed."""
         deadline = time.monotonic() + grace_s
-        waiting, self.waiting = self.waiting, []
-        for claim in waiting:
-            with contextlib.suppress(RedisError, OSError):
-                await self._requeue(claim)
+        await self._requeue_waiting()
         while self.running and time.monotonic() < deadline:
             self._room.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._room.wait(), deadline - time.monotonic())
+        await self._requeue_waiting()  # what a reclaim in flight at SIGTERM brought in
         for job_id in list(self.running):
             assert self.runner is not None
             self.runner.cancel(job_id)
             run = self.running.pop(job_id)
             with contextlib.suppress(RedisError, OSError):
                 await self._hand_back(run, counted=False)
+
+    async def _requeue_waiting(self) -> None:
+        waiting, self.waiting = self.waiting, []
+        for claim in waiting:
+            with contextlib.suppress(RedisError, OSError):
+                await self._requeue(claim)
 
     async def _hand_back(self, run: RunningJob, *, counted: bool, error: str = "") -> None:
         """Give a started job back to the queue for any worker, now (not after the lease).

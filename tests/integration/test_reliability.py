@@ -8,7 +8,7 @@ import redis.asyncio as aioredis
 
 from shared.settings import Settings
 from tests.conftest import Stack, parse_sse, running_stack
-from worker.lease import reclaimable
+from worker.lease import LeaseClock, reclaimable
 
 LONG = 5000  # tokens: at 1 ms a step, seconds of work
 
@@ -68,9 +68,8 @@ def test_reclaim_takes_entries_of_dead_owners_and_own_unheld_ones_only() -> None
     assert reclaimable(pending, "me", held={"3-0"}, alive={"alive"}) == ["1-0", "4-0"]
 
 
-async def test_poison_marker_is_off_by_default() -> None:
+def test_poison_marker_is_off_by_default() -> None:
     assert Settings().sim_poison_marker is None
-    await asyncio.sleep(0)
 
 
 # A job's log as a Redis restart that lost its last ARGV[1] writes leaves it: rebuilt without
@@ -137,3 +136,16 @@ async def test_a_job_whose_keys_redis_rejects_does_not_block_the_others(stack: S
         assert (await stack.wait_status(job["id"], "succeeded"))["attempt"] == 1
     record = await stack.redis.hgetall(keys.job(damaged["id"]))
     assert record["status"] == "queued" and "WRONGTYPE" in record["last_error"]
+
+
+def test_lease_clock_waits_a_lease_after_an_outage_before_reclaiming() -> None:
+    clock = LeaseClock(lease_s=60.0)
+    assert clock.held() and clock.reclaim_allowed()  # a fresh worker may reclaim at once
+    clock.beat_failed()
+    assert not clock.reclaim_allowed()
+    clock.beat_ok()
+    assert clock.held() and not clock.reclaim_allowed()  # Redis is back: give others a lease
+    clock.ok_since = (clock.ok_since or 0.0) - 60.0
+    assert clock.reclaim_allowed()
+    clock.last_ok -= 60.0
+    assert not clock.held()  # paused past the lease: claims may have moved
