@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--priority", choices=["interactive", "batch"], default="interactive")
     p.add_argument("--api-key")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+    p = sub.add_parser("synth-model", help="write a random-weight Llama model (tests, planning)")
+    p.add_argument("dir")
+    p.add_argument("--shape", choices=["tiny", "1b", "8b"], default="tiny")
+    p.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -106,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.bench import main as bench
 
         return bench(args)
+    if args.command == "synth-model":
+        from worker.synth import synth_model
+
+        print(synth_model(args.dir, args.shape, args.seed))
+        return 0
     return 2
 
 
