@@ -159,7 +159,8 @@ class Worker:
         return self.engine.max_batch - len(self.running) - len(self.waiting)
 
     async def _claim_loop(self) -> None:
-        while True:
+        # The flag, not only cancellation: a client may swallow a cancel during a blocking read.
+        while not self._stopping.is_set():
             try:
                 await self._start_waiting()
                 free = self._free_slots()
