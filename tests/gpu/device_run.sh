@@ -4,7 +4,7 @@
 # Logs and JSON figures go to $OUT (default /tmp/genq-out).
 set -x
 OUT=${OUT:-/tmp/genq-out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" /tmp/genq-logs
 steps=${*:-tests bench64}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, exllamav2, flash_attn; print(torch.__version__, exllamav2.__version__, flash_attn.__version__)" >> "$OUT/gpu.txt" 2>&1
@@ -15,15 +15,17 @@ for step in $steps; do
     tests)
       python3 -m gateway.cli synth-model /tmp/tiny --shape tiny
       GENQ_TEST_TINY_MODEL=/tmp/tiny timeout 300 python3 -m pytest -q -m gpu tests/gpu $W \
-        -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
+        -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest > "$OUT/gpu-tests.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/gpu-tests.log" ;;
     bench64|sweep|procs*)
       [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m gateway.cli synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
       timeout 330 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --bare --system \
-        --genq-bench --json-out "$OUT/bench64.json" --logs "$OUT/logs64" > "$OUT/bench64.log" 2>&1 ;;
+        --genq-bench --json-out "$OUT/bench64.json" --logs /tmp/genq-logs/bench64 > "$OUT/bench64.log" 2>&1 ;;
     sweep)
       timeout 400 python3 -m worker.benchgpu --model /tmp/m8b --sweep 1,8,32,64,128,256 \
-        --max-batch 256 --json-out "$OUT/sweep.json" --logs "$OUT/logs-sweep" > "$OUT/sweep.log" 2>&1 ;;
+        --max-batch 256 --json-out "$OUT/sweep.json" --logs /tmp/genq-logs/sweep > "$OUT/sweep.log" 2>&1 ;;
   esac
 done
+# $OUT takes at most 8 files: every process log goes back as one archive
+tar czf "$OUT/logs.tgz" -C /tmp genq-logs 2>/dev/null
