@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="a generation worker (one per GPU)")
     _engine_flags(p)
+    p.add_argument("--gpus", help="GPUs to run on, e.g. 0,1: one supervised set of worker "
+                   "processes per GPU (default: the visible ones)")
+    p.add_argument("--procs-per-gpu", type=int, default=1, help="worker processes per GPU; "
+                   "--max-batch and --cache-tokens are then per GPU, shared among them")
 
     p = sub.add_parser("submit", help="submit one prompt and print its text")
     p.add_argument("prompt")
@@ -99,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
 
         run_gateway(_settings(), args.host, args.port, args.workers)
         return 0
+    if args.command == "worker" and (args.gpus or args.procs_per_gpu > 1):
+        from worker.launcher import run as launch
+
+        return launch(_settings(**_engine_settings(args)), args.gpus, args.procs_per_gpu)
     if args.command == "worker":
         from worker.main import run
 

@@ -141,7 +141,10 @@ def run_bare(settings: Settings, jobs: list[Job], streams: int) -> dict:
 class System:
     """`genq gateway` + `genq worker` processes on the Redis of GENQ_REDIS_URL."""
 
-    def __init__(self, model: Path, worker_args: list[str], gateways: int, logs: Path) -> None:
+    def __init__(
+        self, model: Path, worker_args: list[str], gateways: int, logs: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.model = model
         self.port = 18000 + os.getpid() % 1000
         self.logs = logs
@@ -150,7 +153,7 @@ class System:
         url = os.environ.get("GENQ_REDIS_URL", "redis://127.0.0.1:6379/0")
         self.redis = redis.Redis.from_url(url, decode_responses=True)
         self.env = {**os.environ, "GENQ_REDIS_URL": url, "GENQ_KEY_PREFIX": prefix,
-                    "PYTHONUNBUFFERED": "1"}
+                    "PYTHONUNBUFFERED": "1", **(env or {})}
         self.procs: list[subprocess.Popen[bytes]] = []
         self._spawn("gateway", ["gateway", "--port", str(self.port), "--workers", str(gateways)])
         engine = ["--engine", "sim"] if model.name == SIM else ["--engine", "exllamav2",
@@ -191,7 +194,7 @@ class System:
             worker, usage = self.redis.hmget(key, ["worker", "usage"])
             if not worker:
                 continue
-            w = out.setdefault(worker.rsplit("-", 1)[0], {"jobs": 0, "tokens": 0})
+            w = out.setdefault(worker, {"jobs": 0, "tokens": 0})
             w["jobs"] += 1
             with contextlib.suppress(ValueError, TypeError):
                 w["tokens"] += int(json.loads(usage)["completion_tokens"])
@@ -274,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system", action="store_true")
     p.add_argument("--sweep", default="", help="concurrency levels for the system, e.g. 1,8,64")
     p.add_argument("--worker-arg", action="append", default=[], help="extra `genq worker` flag")
+    p.add_argument("--worker-env", action="append", default=[], help="K=V for the processes")
     p.add_argument("--workers", type=int, default=1, help="worker processes to wait for")
     p.add_argument("--gateways", type=int, default=1, help="gateway (uvicorn) processes")
     p.add_argument("--genq-bench", action="store_true", help="also run the `genq bench` command")
@@ -307,12 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.system or levels:
         logs = Path(a.logs)
         logs.mkdir(parents=True, exist_ok=True)
-        system = System(model, worker_args, a.gateways, logs)
+        env = dict(kv.split("=", 1) for kv in a.worker_env)
+        system = System(model, worker_args, a.gateways, logs, env)
         try:
             system.wait_ready(a.workers)
             warm = workload(a.workers * 2, a.prompt_min, a.prompt_max, 8, vocab)
             run_system(system, warm, len(warm), "warm-up")
-            extra = {"worker_args": " ".join(worker_args), "gateways": a.gateways}
+            extra = {"worker_args": " ".join(worker_args), "gateways": a.gateways, "env": env}
             if a.system:
                 report(run_system(system, jobs_for(a.streams), a.streams, "system") | extra)
                 if results and results[0]["run"] == "bare generator":

@@ -17,14 +17,27 @@ for step in $steps; do
       GENQ_TEST_TINY_MODEL=/tmp/tiny timeout 300 python3 -m pytest -q -m gpu tests/gpu $W \
         -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest > "$OUT/gpu-tests.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/gpu-tests.log" ;;
-    bench64|sweep|procs*)
+    bench64*|bare*|sweep|procs*)
       [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m gateway.cli synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
       timeout 330 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --bare --system \
         --genq-bench --json-out "$OUT/bench64.json" --logs /tmp/genq-logs/bench64 > "$OUT/bench64.log" 2>&1 ;;
+    bench64gil)  # the same system run with CPython's default 5 ms GIL switch interval
+      timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --system \
+        --worker-env GENQ_GIL_SWITCH_INTERVAL_S=0.005 --json-out "$OUT/bench64gil.json" \
+        --logs /tmp/genq-logs/bench64gil > "$OUT/bench64gil.log" 2>&1 ;;
+    bare128)  # the bare generator at 128 streams (its best, per ../shared/gpu/README.md)
+      timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --streams 128 --bare \
+        --requests-per-stream 1 --json-out "$OUT/bare128.json" > "$OUT/bare128.log" 2>&1 ;;
     sweep)
-      timeout 400 python3 -m worker.benchgpu --model /tmp/m8b --sweep 1,8,32,64,128,256 \
-        --max-batch 256 --json-out "$OUT/sweep.json" --logs /tmp/genq-logs/sweep > "$OUT/sweep.log" 2>&1 ;;
+      timeout 330 python3 -m worker.benchgpu --model /tmp/m8b --sweep 1,8,32,64,128,192,256 \
+        --max-batch 256 --requests-per-stream 1 --json-out "$OUT/sweep.json" \
+        --logs /tmp/genq-logs/sweep > "$OUT/sweep.log" 2>&1 ;;
+    procs[1-4])  # N worker processes on the one GPU, total concurrency 64..256
+      n=${step#procs}
+      timeout 300 python3 -m worker.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \
+        --max-batch 256 --requests-per-stream 1 --worker-arg=--procs-per-gpu=$n --workers $n \
+        --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1 ;;
   esac
 done
 # $OUT takes at most 8 files: every process log goes back as one archive
