@@ -17,7 +17,7 @@ for step in $steps; do
       GENQ_TEST_TINY_MODEL=/tmp/tiny timeout 300 python3 -m pytest -q -m gpu tests/gpu $W \
         -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest > "$OUT/gpu-tests.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/gpu-tests.log" ;;
-    bench64*|bare*|sweep|procs*)
+    bench64*|bare*|sweep*|procs*)
       [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m gateway.cli synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
       timeout 330 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --bare --system \
@@ -27,16 +27,21 @@ for step in $steps; do
         --worker-env GENQ_GIL_SWITCH_INTERVAL_S=0.005 --json-out "$OUT/bench64gil.json" \
         --logs /tmp/genq-logs/bench64gil > "$OUT/bench64gil.log" 2>&1 ;;
     bare128)  # the bare generator at 128 streams (its best, per ../shared/gpu/README.md)
-      timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --streams 128 --bare \
+      timeout 70 python3 -m worker.benchgpu --model /tmp/m8b --streams 128 --bare \
         --requests-per-stream 1 --json-out "$OUT/bare128.json" > "$OUT/bare128.log" 2>&1 ;;
     sweep)
       timeout 330 python3 -m worker.benchgpu --model /tmp/m8b --sweep 1,8,32,64,128,192,256 \
         --max-batch 256 --requests-per-stream 1 --json-out "$OUT/sweep.json" \
         --logs /tmp/genq-logs/sweep > "$OUT/sweep.log" 2>&1 ;;
+    sweep256)  # one gateway process's Redis pool (256 connections) can't carry 256 streams
+      timeout 90 python3 -m worker.benchgpu --model /tmp/m8b --sweep 256 --max-batch 256 \
+        --requests-per-stream 1 --gateways 2 --json-out "$OUT/sweep256.json" \
+        --logs /tmp/genq-logs/sweep256 > "$OUT/sweep256.log" 2>&1 ;;
     procs[1-4])  # N worker processes on the one GPU, total concurrency 64..256
       n=${step#procs}
-      timeout 300 python3 -m worker.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \
+      timeout 140 python3 -m worker.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \
         --max-batch 256 --requests-per-stream 1 --worker-arg=--procs-per-gpu=$n --workers $n \
+        --gateways 2 \
         --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1 ;;
   esac
 done
