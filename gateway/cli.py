@@ -32,6 +32,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-split", help="exllamav2: GB per GPU, e.g. 20,24 (default: autosplit)")
 
 
+def _launcher_flags(p: argparse.ArgumentParser, default_procs: str) -> None:
+    p.add_argument("--gpus", help="GPUs to run on, e.g. 0,1: a supervised set of worker "
+                   "processes per GPU (default: the visible ones)")
+    p.add_argument("--procs-per-gpu", default=default_procs, help="worker processes per GPU, "
+                   "or 'auto' (as many as memory and CPU allow, at most 4); --max-batch and "
+                   f"--cache-tokens are per GPU, shared among them (default: {default_procs})")
+
+
 def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
     keys = ["model_dir", "model_name", "sim_step_ms", "max_batch", "cache_tokens", "cache_mode",
             "max_seq_len", "max_chunk_size", "gpu_split"]
@@ -49,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     _engine_flags(p)
+    _launcher_flags(p, default_procs="auto")
 
     p = sub.add_parser("gateway", help="the HTTP gateway (stateless; run as many as you like)")
     p.add_argument("--host", default="127.0.0.1")
@@ -57,10 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="a generation worker (one per GPU)")
     _engine_flags(p)
-    p.add_argument("--gpus", help="GPUs to run on, e.g. 0,1: one supervised set of worker "
-                   "processes per GPU (default: the visible ones)")
-    p.add_argument("--procs-per-gpu", type=int, default=1, help="worker processes per GPU; "
-                   "--max-batch and --cache-tokens are then per GPU, shared among them")
+    _launcher_flags(p, default_procs="1")
 
     p = sub.add_parser("submit", help="submit one prompt and print its text")
     p.add_argument("prompt")
@@ -96,14 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     logfmt.setup(args.log_level)
     if args.command == "serve":
         from gateway.serve import run_serve
+        from worker.launcher import serve as serve_several
 
-        return run_serve(_settings(**_engine_settings(args)), args.host, args.port)
+        settings = _settings(**_engine_settings(args))
+        code = serve_several(settings, args.host, args.port, args.gpus, args.procs_per_gpu)
+        return run_serve(settings, args.host, args.port) if code is None else code
     if args.command == "gateway":
         from gateway.serve import run_gateway
 
         run_gateway(_settings(), args.host, args.port, args.workers)
         return 0
-    if args.command == "worker" and (args.gpus or args.procs_per_gpu > 1):
+    if args.command == "worker" and (args.gpus or args.procs_per_gpu != "1"):
         from worker.launcher import run as launch
 
         return launch(_settings(**_engine_settings(args)), args.gpus, args.procs_per_gpu)

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 import uvicorn
 
 from gateway.app import create_app
+from shared import runtime
 from shared.redisconn import connect
 from shared.settings import Settings
 from worker.main import build_engine, install_signals
@@ -101,12 +102,12 @@ def run_serve(settings: Settings, host: str, port: int) -> int:
             else:
                 log.warning("no redis-server found: using in-process fakeredis (one process only)")
                 client = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
-        return asyncio.run(_serve(settings, client, host, port))
+        return runtime.run(_serve(settings, client, host, port))
 
 
 async def _serve(settings: Settings, client: aioredis.Redis, host: str, port: int) -> int:
     worker = Worker(settings, build_engine(settings), redis=client)
-    app = create_app(settings, redis=client)
+    app = create_app(settings, redis=client, raw_pubsub=settings.redis_url is not None)
     config = uvicorn.Config(
         app,
         host=host,

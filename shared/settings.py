@@ -48,6 +48,13 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(default=1.0, gt=0)
     lease_s: float = Field(default=5.0, gt=0)
     claim_block_ms: int = Field(default=1000, ge=1)
+    flush_interval_ms: float = Field(
+        default=15.0, ge=0, description="least time between event flushes (first tokens and "
+        "job ends go at once); tokens produced meanwhile fold into one event per job"
+    )
+    gil_switch_interval_s: float = Field(
+        default=0.0005, gt=0, description="sys.setswitchinterval in worker processes"
+    )
     batch_share: int = Field(
         default=4, ge=1, description="when both queues have work, every Nth claim takes a batch job"
     )

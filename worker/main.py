@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 
+from shared import runtime
 from shared.settings import Settings
 from worker.engine import Engine
 from worker.service import Worker
@@ -37,8 +39,12 @@ def install_signals(stop: object) -> None:
 
 
 async def serve_worker(settings: Settings) -> int:
+    # The engine thread computes while this thread does Redis I/O: hand the GIL over sooner
+    # than CPython's 5 ms default, or every Redis reply waits out the engine's time slice.
+    sys.setswitchinterval(settings.gil_switch_interval_s)
     engine = build_engine(settings)
     worker = Worker(settings, engine)
+    runtime.tune_gc()
     install_signals(worker.stop)
     try:
         await worker.run()
@@ -49,4 +55,4 @@ async def serve_worker(settings: Settings) -> int:
 
 
 def run(settings: Settings) -> int:
-    return asyncio.run(serve_worker(settings))
+    return runtime.run(serve_worker(settings))

@@ -40,6 +40,8 @@ log = logging.getLogger("genq.worker")
 _MAX_ENGINE_FAILURES = 5
 _EARLY_CANCELS_KEPT = 1000
 _FLUSH_RETRY_S = 0.2
+_TASK_STOP_TIMEOUT_S = 2.0
+_CONTROL_POLL_S = 1.0
 _EARLY_CANCEL_TTL_S = 60.0
 
 
@@ -67,8 +69,11 @@ class Worker:
         self._early_cancels: dict[str, float] = {}
         self._cancel_reason: dict[str, str] = {}
         self._flush_wanted = asyncio.Event()
+        self._urgent: set[str] = set()
+        """Dirty jobs whose events should not wait for the flush interval."""
         self._room = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._closing = False
         self._claims_since_batch = 0
         self._started_at = time.time()
         self._tokens_at_beat = (time.monotonic(), 0)
@@ -93,13 +98,17 @@ class Worker:
             asyncio.create_task(self._control_loop(), name="control"),
         ]
         try:
-            await self._stopping.wait()
-            tasks[0].cancel()  # claim no more
+            await self._stopping.wait()  # the claim loop sees it too and claims no more
             await self._drain(self.settings.shutdown_grace_s)
         finally:
+            self._closing = True  # loops check it too: a swallowed cancel must not hang us
+            self._flush_wanted.set()
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Bounded: a Redis client can swallow a cancel that races a read timeout.
+            _, stuck = await asyncio.wait(tasks, timeout=_TASK_STOP_TIMEOUT_S)
+            if stuck:
+                log.warning("tasks did not stop", extra={"tasks": [t.get_name() for t in stuck]})
             self.runner.stop()
             with contextlib.suppress(RedisError, OSError):
                 await self._leave()
@@ -280,6 +289,7 @@ class Worker:
         self.running[spec.id] = run
         self._dirty.add(spec.id)
         run.started(self.id)
+        self._urgent.add(spec.id)  # `started` (and an end at once, if any) need not wait
         if cancel or spec.id in self._early_cancels:
             self._early_cancels.pop(spec.id, None)
             run.cancelled(cancel or "cancelled")
@@ -315,14 +325,39 @@ class Worker:
     # ---- flush ------------------------------------------------------------------------
 
     async def _flush_loop(self) -> None:
-        while True:
+        """Flush every `flush_interval_ms`; a job's first tokens and its end go out at once.
+
+        Between flushes the engine keeps stepping and each job's tokens fold into one event,
+        so the cost per token falls as load rises instead of swamping Redis and gateways.
+        """
+        assert self.runner is not None
+        interval = self.settings.flush_interval_ms / 1000
+        last_full = 0.0
+        loop = asyncio.get_running_loop()
+        armed = False
+
+        def due_now() -> None:
+            nonlocal armed
+            armed = False
+            self._flush_wanted.set()
+
+        while not self._closing:
             await self._flush_wanted.wait()
             self._flush_wanted.clear()
-            assert self.runner is not None
             self._collect(self.runner.drain())
             if not self._dirty:
                 continue
-            await self._flush()
+            due = interval - (time.monotonic() - last_full)
+            if due <= 0:
+                last_full = time.monotonic()
+                await self._flush(set(self._dirty))
+            else:
+                urgent = self._urgent & self._dirty
+                if urgent:
+                    await self._flush(urgent)
+                if self._dirty and not armed:
+                    armed = True
+                    loop.call_later(due, due_now)
 
     def _collect(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -330,6 +365,8 @@ class Worker:
             if run is None or run.end is not None:
                 continue
             if out.token_ids or out.text:
+                if run.first_token_wall is None:
+                    self._urgent.add(run.id)
                 run.add_tokens(out.text, out.token_ids, out.logprobs)
             if out.prompt_tokens:
                 run.prompt_tokens = out.prompt_tokens
@@ -340,18 +377,22 @@ class Worker:
                 run.cancelled(self._cancel_reason.pop(run.id, "cancelled"))
             elif out.finish_reason is not None:
                 run.finish(out.finish_reason)
+            if run.end is not None:
+                self._urgent.add(run.id)
             self._dirty.add(out.job_id)
         if self.runner is not None and self.runner.failures >= _MAX_ENGINE_FAILURES:
             log.error("engine keeps failing; stopping", extra={"worker_id": self.id})
             self.healthy = False
             self.stop()
 
-    async def _flush(self) -> None:
-        """One pipeline: every dirty job's pending events (EMIT), or its end (FINISH)."""
+    async def _flush(self, job_ids: set[str]) -> None:
+        """One pipeline: these jobs' pending events (EMIT), or their ends (FINISH)."""
         s = self.settings
         pipe = self.redis.pipeline(transaction=False)
         order: list[tuple[RunningJob, list[str]]] = []
-        for job_id in self._dirty:
+        self._dirty -= job_ids
+        self._urgent -= job_ids
+        for job_id in job_ids:
             run = self.running.get(job_id)
             if run is None:
                 continue
@@ -369,7 +410,6 @@ class Worker:
             else:
                 continue
             order.append((run, events))
-        self._dirty.clear()
         if not order:
             return
         try:
@@ -419,12 +459,12 @@ class Worker:
         self.runner.cancel(job_id)
 
     async def _control_loop(self) -> None:
-        while True:
+        while not self._closing:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.keys.control(self.id))
-                while True:
-                    msg = await pubsub.get_message(timeout=5.0)
+                while not self._closing:
+                    msg = await pubsub.get_message(timeout=_CONTROL_POLL_S)
                     if msg is not None:
                         self.cancel(ControlMessage.model_validate_json(msg["data"]).cancel)
             except asyncio.CancelledError:
@@ -439,7 +479,7 @@ class Worker:
     # ---- heartbeat and reclaim -------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.settings.heartbeat_s)
             try:
                 await self._beat()
@@ -484,7 +524,7 @@ class Worker:
     async def _reclaim_loop(self) -> None:
         """Take over entries whose owner stopped touching them for a whole lease."""
         idle_ms = int(self.settings.lease_s * 1000)
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.settings.heartbeat_s)
             if self._free_slots() <= 0 or self._stopping.is_set():
                 continue
