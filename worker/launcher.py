@@ -14,6 +14,7 @@ reclaimed by the queue as usual) and passes SIGTERM/SIGINT on, so that every chi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from shared.settings import Settings
@@ -38,6 +40,17 @@ KILL_MARGIN_S = 10.0
 """After SIGTERM a child has `shutdown_grace_s` plus this to leave before it is killed."""
 PAGE_TOKENS = 256
 DEFAULT_CACHE_TOKENS_PER_JOB = 1024
+
+# `--procs-per-gpu auto`: as many processes as memory and CPU allow, up to the point where
+# more stopped paying on an H200 with an 8B model (docs/benchmarks.md, issue 5).
+AUTO_MAX_PROCS = 4
+CORES_PER_PROC = 4
+"""Generator thread, its sampling threads and the asyncio side of one worker process."""
+PROC_OVERHEAD_BYTES = 3 * 1024**3
+"""Per process beside weights and cache: CUDA context, activations, scratch buffers."""
+GPU_MEMORY_USABLE = 0.9
+CACHE_BYTES_PER_ELEMENT = {"FP16": 2.0, "Q8": 1.125, "Q6": 0.875, "Q4": 0.625}
+"""K/V bytes per element by cache mode, quantisation scales included (approximate)."""
 
 
 @dataclass
@@ -172,5 +185,102 @@ def parse_gpus(spec: str | None) -> list[str]:
     return [g for g in visible.split(",") if g] if visible else ["0"]
 
 
-def run(settings: Settings, gpus: str | None, procs_per_gpu: int) -> int:
-    return Launcher(settings, parse_gpus(gpus), procs_per_gpu).run()
+def _gpu_free_bytes(gpu: str) -> int | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", gpu],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+        return int(out.split()[0]) * 1024**2
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def _model_bytes(model_dir: Path) -> tuple[int, int]:
+    """(weight bytes, K/V elements per cached token) of a model folder."""
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    return weights, 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim
+
+
+def auto_procs(settings: Settings, gpus: list[str]) -> int:
+    """Worker processes per GPU when none is given: one copy of the weights per process must
+    fit beside the GPU's cache, each process wants CORES_PER_PROC cores, at most
+    AUTO_MAX_PROCS. The sim engine, an unknown GPU or model: 1."""
+    if settings.engine != "exllamav2" or not settings.model_dir:
+        return 1
+    free = _gpu_free_bytes(gpus[0])
+    try:
+        weights, kv_per_token = _model_bytes(Path(settings.model_dir))
+    except (OSError, ValueError, KeyError):
+        return 1
+    if free is None or weights == 0:
+        return 1
+    cache_tokens = settings.cache_tokens or settings.max_batch * DEFAULT_CACHE_TOKENS_PER_JOB
+    cache = cache_tokens * kv_per_token * CACHE_BYTES_PER_ELEMENT[settings.cache_mode]
+    by_memory = int((free * GPU_MEMORY_USABLE - cache) // (weights + PROC_OVERHEAD_BYTES))
+    by_cpu = (os.cpu_count() or 1) // (CORES_PER_PROC * len(gpus))
+    return max(1, min(AUTO_MAX_PROCS, by_memory, by_cpu))
+
+
+def resolve_procs(settings: Settings, gpus: list[str], spec: str | int | None) -> int:
+    if spec is None or spec == "auto":
+        n = auto_procs(settings, gpus)
+        log.info("worker processes per GPU chosen", extra={"procs_per_gpu": n, "gpus": gpus})
+        return n
+    return max(1, int(spec))
+
+
+def run(settings: Settings, gpus: str | None, procs_per_gpu: str | int | None) -> int:
+    gpu_list = parse_gpus(gpus)
+    return Launcher(settings, gpu_list, resolve_procs(settings, gpu_list, procs_per_gpu)).run()
+
+
+def serve(settings: Settings, host: str, port: int, gpus: str | None,
+          procs_per_gpu: str | int | None) -> int | None:
+    """`genq serve` with several worker processes: this process runs the gateway, a child
+    runs the launcher. None when one in-process worker will do (then `genq serve` runs as
+    usual): one process per GPU chosen, or no redis-server to share between processes."""
+    from gateway.serve import private_redis, run_gateway
+
+    gpu_list = parse_gpus(gpus)
+    n = resolve_procs(settings, gpu_list, procs_per_gpu)
+    if n == 1 and len(gpu_list) == 1:
+        return None
+    with contextlib.ExitStack() as stack:
+        url = settings.redis_url or stack.enter_context(private_redis())
+        if url is None:
+            log.warning("no redis-server to share between worker processes: running one")
+            return None
+        settings = settings.model_copy(update={"redis_url": url})
+        os.environ.update(settings_env(settings))  # the gateway's uvicorn reads GENQ_*
+        workers = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "worker", "--gpus", ",".join(gpu_list),
+             "--procs-per-gpu", str(n)],
+            env=os.environ.copy(),
+        )
+        print(f"genq serving on http://{host}:{port} with {n} worker process(es) per GPU "
+              f"on GPU(s) {','.join(gpu_list)}", flush=True)
+
+        def drain(*_: object) -> None:
+            # uvicorn re-raises the signal that stopped it once it is done; this handler
+            # catches that (instead of the default, which would kill us before the workers
+            # drained) and starts the workers' drain beside the gateway's.
+            if workers.poll() is None:
+                workers.send_signal(signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, drain)
+        signal.signal(signal.SIGINT, drain)
+        try:
+            run_gateway(settings, host, port, 1)
+        finally:
+            drain()
+            try:
+                code = workers.wait(settings.shutdown_grace_s + 2 * KILL_MARGIN_S)
+            except subprocess.TimeoutExpired:
+                workers.kill()
+                code = workers.wait()
+    return code

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+import uuid
+
+import httpx
+import pytest
 
 import worker.launcher as launcher
 from shared.settings import Settings
+from tests.conftest import REDIS_URL
+from tests.procs import free_port, wait_for
 from worker.launcher import Launcher, child_settings, parse_gpus, settings_env
 
 
@@ -74,3 +83,49 @@ def test_sigterm_drains_every_child() -> None:
     t.join(10)
     assert result == [0]
     assert all(c.proc is not None and c.proc.returncode == 0 for c in la.children)
+
+
+@pytest.mark.e2e
+def test_serve_with_several_worker_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    env = {**os.environ, "GENQ_REDIS_URL": REDIS_URL, "PYTHONUNBUFFERED": "1",
+           "GENQ_KEY_PREFIX": f"genqtest:{uuid.uuid4().hex[:8]}:", "GENQ_SIM_STEP_MS": "1"}
+    with open(tmp_path / "serve.log", "wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--procs-per-gpu",
+             "2"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: httpx.get(f"{url}/v1/models").json()["data"][0]["workers"] == 2,
+                 timeout=30, what="two sim workers")
+        r = httpx.post(f"{url}/v1/jobs", json={"model": "sim", "prompt": "hi", "max_tokens": 5,
+                                               "stream": True}, timeout=10)
+        assert r.status_code == 200 and "event: done" in r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()[-2000:]
+
+
+def _model(tmp_path, weight_gib: float):  # type: ignore[no-untyped-def]
+    cfg = {"num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+           "num_hidden_layers": 32}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.truncate(int(weight_gib * 1024**3))  # sparse: only the size matters
+    return tmp_path
+
+
+def test_auto_procs_fits_weights_cache_and_cores(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    model = _model(tmp_path, 15)
+    monkeypatch.setattr(launcher, "_gpu_free_bytes", lambda gpu: 140 * 1024**3)
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
+    s = Settings(engine="exllamav2", model_dir=str(model), max_batch=256, cache_tokens=196_608)
+    assert launcher.auto_procs(s, ["0"]) == 4  # 8B fp16 on an H200: capped at 4
+    assert launcher.auto_procs(s, ["0", "1"]) == 2  # 16 cores for 2 GPUs
+    big = _model(tmp_path, 130)  # a 70B-class model fits once
+    assert launcher.auto_procs(s.model_copy(update={"model_dir": str(big)}), ["0"]) == 1
+    monkeypatch.setattr(launcher, "_gpu_free_bytes", lambda gpu: None)  # no nvidia-smi
+    assert launcher.auto_procs(s, ["0"]) == 1
+    assert launcher.auto_procs(Settings(), ["0"]) == 1  # the sim engine
