@@ -20,7 +20,7 @@ for step in $steps; do
     bench64*|bare*|sweep*|procs*)
       [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m gateway.cli synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
-      timeout 330 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --bare --system \
+      timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --bare --system \
         --genq-bench --json-out "$OUT/bench64.json" --logs /tmp/genq-logs/bench64 > "$OUT/bench64.log" 2>&1 ;;
     bench64gil)  # the same system run with CPython's default 5 ms GIL switch interval
       timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --system \
@@ -37,6 +37,14 @@ for step in $steps; do
       timeout 90 python3 -m worker.benchgpu --model /tmp/m8b --sweep 256 --max-batch 256 \
         --requests-per-stream 1 --gateways 2 --json-out "$OUT/sweep256.json" \
         --logs /tmp/genq-logs/sweep256 > "$OUT/sweep256.log" 2>&1 ;;
+    gpus1)  # issue 5 on a 2-GPU machine: 4 processes on one GPU at 256 streams...
+      timeout 110 python3 -m worker.benchgpu --model /tmp/m8b --sweep 256 --max-batch 256 \
+        --requests-per-stream 1 --worker-arg=--gpus=0 --worker-arg=--procs-per-gpu=4 --workers 4 \
+        --gateways 2 --json-out "$OUT/gpus1.json" --logs /tmp/genq-logs/gpus1 > "$OUT/gpus1.log" 2>&1 ;;
+    gpus2)  # ...and 4 on each of two GPUs at 256 and 512 streams
+      timeout 170 python3 -m worker.benchgpu --model /tmp/m8b --sweep 256,512 --max-batch 256 \
+        --requests-per-stream 1 --worker-arg=--gpus=0,1 --worker-arg=--procs-per-gpu=4 --workers 8 \
+        --gateways 4 --json-out "$OUT/gpus2.json" --logs /tmp/genq-logs/gpus2 > "$OUT/gpus2.log" 2>&1 ;;
     procs[1-4])  # N worker processes on the one GPU, total concurrency 64..256
       n=${step#procs}
       timeout 140 python3 -m worker.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \
