@@ -19,6 +19,10 @@ class Settings(BaseSettings):
     redis_socket_timeout_s: float = 10.0
     redis_health_check_s: float = 15.0
     redis_retries: int = 5
+    redis_max_connections: int = Field(default=256, ge=4)
+    redis_pool_timeout_s: float = Field(
+        default=10.0, gt=0, description="wait this long for a free pooled connection"
+    )
 
     # Jobs
     retention_s: int = Field(default=86_400, ge=1, description="TTL of a finished job's keys")
