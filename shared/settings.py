@@ -56,8 +56,12 @@ class Settings(BaseSettings):
         default=15.0, ge=0, description="least time between event flushes (first tokens and "
         "job ends go at once); tokens produced meanwhile fold into one event per job"
     )
-    gil_switch_interval_s: float = Field(
-        default=0.0005, gt=0, description="sys.setswitchinterval in worker processes"
+    gil_switch_interval_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="sys.setswitchinterval in worker processes; default 0.5 ms for the sim "
+        "engine (pure-Python steps starve Redis I/O otherwise), CPython's 5 ms for exllamav2 "
+        "(measured faster: its long Python stretches suffer from frequent hand-overs)",
     )
     batch_share: int = Field(
         default=4, ge=1, description="when both queues have work, every Nth claim takes a batch job"

@@ -14,6 +14,8 @@ from worker.service import Worker
 from worker.sim import SimEngine
 
 log = logging.getLogger("genq.worker")
+_SIM_GIL_SWITCH_S = 0.0005
+_DEFAULT_GIL_SWITCH_S = 0.005  # CPython's own default
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -39,9 +41,12 @@ def install_signals(stop: object) -> None:
 
 
 async def serve_worker(settings: Settings) -> int:
-    # The engine thread computes while this thread does Redis I/O: hand the GIL over sooner
-    # than CPython's 5 ms default, or every Redis reply waits out the engine's time slice.
-    sys.setswitchinterval(settings.gil_switch_interval_s)
+    # The engine thread computes while this thread does Redis I/O; how often the GIL changes
+    # hands decides who waits (docs/benchmarks.md has both measurements).
+    interval = settings.gil_switch_interval_s
+    if interval is None:
+        interval = _SIM_GIL_SWITCH_S if settings.engine == "sim" else _DEFAULT_GIL_SWITCH_S
+    sys.setswitchinterval(interval)
     engine = build_engine(settings)
     worker = Worker(settings, engine)
     runtime.tune_gc()
