@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
@@ -40,7 +41,8 @@ def create_app(
         cards = CardCache(client, keys, settings.card_cache_s)
         backend: PubSubBackend
         if use_raw and settings.redis_url:
-            backend = RawPubSub(settings.redis_url, settings.redis_socket_timeout_s)
+            name = f"genq-gateway-pubsub-{os.getpid()}"
+            backend = RawPubSub(settings.redis_url, settings.redis_socket_timeout_s, name)
         else:
             backend = RedisPyPubSub(client)
         router = PubSubRouter(backend)

@@ -50,8 +50,9 @@ def _pack(*parts: str) -> bytes:
 class RawPubSub(asyncio.Protocol):
     """One Redis connection in subscribed mode; reconnects and resubscribes by itself."""
 
-    def __init__(self, url: str, connect_timeout_s: float) -> None:
+    def __init__(self, url: str, connect_timeout_s: float, name: str = "genq-gateway") -> None:
         opts = parse_url(url)
+        self.name = name
         self._host = str(opts.get("host", "127.0.0.1"))
         self._port = int(opts.get("port", 6379))
         self._auth = [a for a in (opts.get("username"), opts.get("password")) if a]
@@ -90,6 +91,7 @@ class RawPubSub(asyncio.Protocol):
         self._lost = asyncio.get_running_loop().create_future()
         if self._auth:
             transport.write(_pack("AUTH", *self._auth))
+        transport.write(_pack("CLIENT", "SETNAME", self.name))  # visible in CLIENT LIST
         if self._channels:
             transport.write(_pack("SUBSCRIBE", *self._channels))
 
