@@ -140,7 +140,7 @@ def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 async def _readyz(target: Target, peak: dict[str, float], stop: asyncio.Event) -> None:

@@ -19,8 +19,11 @@ def _settings(**overrides: Any) -> Settings:
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", choices=["sim", "exllamav2"], help="default: sim, or exllamav2 "
-                   "when --model is given")
+    p.add_argument(
+        "--engine",
+        choices=["sim", "exllamav2"],
+        help="default: sim, or exllamav2 when --model is given",
+    )
     p.add_argument("--model", dest="model_dir", help="model directory (exllamav2 engine)")
     p.add_argument("--model-name", help="name clients ask for (default: sim / the folder name)")
     p.add_argument("--step-ms", type=float, dest="sim_step_ms", help="sim: decode step time")
@@ -33,16 +36,32 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _launcher_flags(p: argparse.ArgumentParser, default_procs: str) -> None:
-    p.add_argument("--gpus", help="GPUs to run on, e.g. 0,1: a supervised set of worker "
-                   "processes per GPU (default: the visible ones)")
-    p.add_argument("--procs-per-gpu", default=default_procs, help="worker processes per GPU, "
-                   "or 'auto' (as many as memory and CPU allow, at most 4); --max-batch and "
-                   f"--cache-tokens are per GPU, shared among them (default: {default_procs})")
+    p.add_argument(
+        "--gpus",
+        help="GPUs to run on, e.g. 0,1: a supervised set of worker "
+        "processes per GPU (default: the visible ones)",
+    )
+    p.add_argument(
+        "--procs-per-gpu",
+        default=default_procs,
+        help="worker processes per GPU, "
+        "or 'auto' (as many as memory and CPU allow, at most 4); --max-batch and "
+        f"--cache-tokens are per GPU, shared among them (default: {default_procs})",
+    )
 
 
 def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
-    keys = ["model_dir", "model_name", "sim_step_ms", "max_batch", "cache_tokens", "cache_mode",
-            "max_seq_len", "max_chunk_size", "gpu_split"]
+    keys = [
+        "model_dir",
+        "model_name",
+        "sim_step_ms",
+        "max_batch",
+        "cache_tokens",
+        "cache_mode",
+        "max_seq_len",
+        "max_chunk_size",
+        "gpu_split",
+    ]
     out = {k: getattr(a, k, None) for k in keys}
     out["engine"] = a.engine or ("exllamav2" if a.model_dir else None)
     return {k: v for k, v in out.items() if k in Settings.model_fields}

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import ssl
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 import hiredis
 import redis.asyncio as aioredis
@@ -56,7 +56,9 @@ class RawPubSub(asyncio.Protocol):
         self._host = str(opts.get("host", "127.0.0.1"))
         self._port = int(opts.get("port", 6379))
         self._auth = [a for a in (opts.get("username"), opts.get("password")) if a]
-        self._ssl = ssl.create_default_context() if opts.get("connection_class") is SSLConnection else None
+        self._ssl = (
+            ssl.create_default_context() if opts.get("connection_class") is SSLConnection else None
+        )
         self._timeout = connect_timeout_s
         self._channels: set[str] = set()
         self._transport: asyncio.Transport | None = None
@@ -72,7 +74,9 @@ class RawPubSub(asyncio.Protocol):
         while not self._closed:
             try:
                 async with asyncio.timeout(self._timeout):
-                    await loop.create_connection(lambda: self, self._host, self._port, ssl=self._ssl)
+                    await loop.create_connection(
+                        lambda: self, self._host, self._port, ssl=self._ssl
+                    )
             except (OSError, TimeoutError) as exc:
                 log.warning("pub/sub connect failed; retrying", extra={"error": str(exc)})
                 await asyncio.sleep(backoff)
@@ -86,14 +90,15 @@ class RawPubSub(asyncio.Protocol):
             await self._lost
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport
+        t = cast(asyncio.Transport, transport)  # uvloop's transports are no asyncio.Transport
+        self._transport = t
         self._reader = hiredis.Reader(encoding="utf-8", errors="replace")
         self._lost = asyncio.get_running_loop().create_future()
         if self._auth:
-            transport.write(_pack("AUTH", *self._auth))
-        transport.write(_pack("CLIENT", "SETNAME", self.name))  # visible in CLIENT LIST
+            t.write(_pack("AUTH", *self._auth))
+        t.write(_pack("CLIENT", "SETNAME", self.name))  # visible in CLIENT LIST
         if self._channels:
-            transport.write(_pack("SUBSCRIBE", *self._channels))
+            t.write(_pack("SUBSCRIBE", *self._channels))
 
     def data_received(self, data: bytes) -> None:
         self._reader.feed(data)

@@ -62,8 +62,23 @@ def private_redis() -> Iterator[str | None]:
     with tempfile.TemporaryDirectory(prefix="genq-redis-") as tmp:
         port = free_port()
         proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", tmp, "--save", "",
-             "--appendonly", "yes", "--appendfsync", "everysec", "--maxmemory-policy", "noeviction"],
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                tmp,
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--maxmemory-policy",
+                "noeviction",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -101,7 +116,9 @@ def run_serve(settings: Settings, host: str, port: int) -> int:
                 client = connect(settings)
             else:
                 log.warning("no redis-server found: using in-process fakeredis (one process only)")
-                client = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+                client = fakeredis.FakeAsyncRedis(
+                    server=fakeredis.FakeServer(), decode_responses=True
+                )
         return runtime.run(_serve(settings, client, host, port))
 
 

@@ -16,7 +16,7 @@ _GC_THRESHOLDS = (50_000, 20, 100)
 
 
 def tune_gc() -> None:
-    """Freeze what startup allocated (never collected again) and collect young objects less often."""
+    """Freeze what startup allocated (never scanned again); collect young objects less often."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(*_GC_THRESHOLDS)

@@ -93,7 +93,8 @@ return 1
 )
 
 # KEYS: job, events, channel. ARGV: now, retention, maxlen, reason.
-# -> {'done'} (was queued; cancelled now, event written) | {'running', worker} | {status} | {'missing'}
+# -> {'done'} (was queued; cancelled now, event written) | {'running', worker} | {status}
+#    | {'missing'}
 CANCEL = (
     _LAST_SEQ
     + """

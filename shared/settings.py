@@ -13,7 +13,8 @@ class Settings(BaseSettings):
 
     # Redis
     redis_url: str | None = Field(
-        default=None, description="redis://… of the shared Redis; unset means `genq serve` embeds one"
+        default=None,
+        description="redis://… of the shared Redis; unset means `genq serve` embeds one",
     )
     key_prefix: str = "genq:"
     redis_socket_timeout_s: float = 10.0
@@ -35,7 +36,9 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(default=256, ge=1)
 
     # Gateway
-    api_keys: list[str] = Field(default_factory=list, description="accepted bearer tokens; empty = open")
+    api_keys: list[str] = Field(
+        default_factory=list, description="accepted bearer tokens; empty = open"
+    )
     sse_keepalive_s: float = Field(default=15.0, gt=0)
     stream_idle_poll_s: float = Field(
         default=2.0, gt=0, description="a stream silent this long re-reads the event log"
@@ -53,8 +56,10 @@ class Settings(BaseSettings):
     lease_s: float = Field(default=5.0, gt=0)
     claim_block_ms: int = Field(default=1000, ge=1)
     flush_interval_ms: float = Field(
-        default=15.0, ge=0, description="least time between event flushes (first tokens and "
-        "job ends go at once); tokens produced meanwhile fold into one event per job"
+        default=15.0,
+        ge=0,
+        description="least time between event flushes (first tokens and "
+        "job ends go at once); tokens produced meanwhile fold into one event per job",
     )
     gil_switch_interval_s: float | None = Field(
         default=None,
@@ -72,7 +77,9 @@ class Settings(BaseSettings):
     cache_mode: Literal["FP16", "Q4", "Q6", "Q8"] = "FP16"
     max_seq_len: int | None = Field(default=None, ge=16, description="default: the model's")
     max_chunk_size: int = Field(default=2048, ge=16)
-    gpu_split: str | None = Field(default=None, description="GB per GPU, e.g. '20,24'; default auto")
+    gpu_split: str | None = Field(
+        default=None, description="GB per GPU, e.g. '20,24'; default auto"
+    )
 
     # sim engine
     sim_step_ms: float = Field(default=20.0, ge=0)
@@ -83,5 +90,7 @@ class Settings(BaseSettings):
     @classmethod
     def _prefix_is_safe(cls, v: str) -> str:
         if not v or any(c in v for c in " {}*?"):
-            raise ValueError("key_prefix must be non-empty and free of spaces, braces and glob chars")
+            raise ValueError(
+                "key_prefix must be non-empty and free of spaces, braces and glob chars"
+            )
         return v

@@ -48,14 +48,30 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
-             "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "", "--appendonly", "yes",
-             "--appendfsync", "always", "--maxmemory-policy", "noeviction"],
+            [
+                shutil.which("redis-server") or "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--maxmemory-policy",
+                "noeviction",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        wait_for(lambda: socket.create_connection(("127.0.0.1", self.port), 0.2).close() is None,
-                 what="redis-server")
+        wait_for(
+            lambda: socket.create_connection(("127.0.0.1", self.port), 0.2).close() is None,
+            what="redis-server",
+        )
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -139,8 +155,10 @@ class Cluster:
         port = free_port()
         args = ["gateway", "--port", str(port), "--workers", str(processes)]
         p = self._spawn("gateway", args, port, **env)
-        wait_for(lambda: httpx.get(f"{p.url}/readyz", timeout=1).status_code == 200,
-                 what=f"gateway on {port}: {p.output()[-500:] if p.log.exists() else ''}")
+        wait_for(
+            lambda: httpx.get(f"{p.url}/readyz", timeout=1).status_code == 200,
+            what=f"gateway on {port}: {p.output()[-500:] if p.log.exists() else ''}",
+        )
         return p
 
     def worker(self, *args: str, wait_model: str | None = "sim", **env: str) -> Proc:
@@ -149,9 +167,12 @@ class Cluster:
             gateways = [g for g in self.procs if g.name == "gateway"]
             if gateways:
                 url = gateways[0].url
-                wait_for(lambda: any(m["id"] == wait_model
-                                     for m in httpx.get(f"{url}/v1/models").json()["data"]),
-                         what=f"worker serving {wait_model}: {p.output()[-500:]}")
+                wait_for(
+                    lambda: any(
+                        m["id"] == wait_model for m in httpx.get(f"{url}/v1/models").json()["data"]
+                    ),
+                    what=f"worker serving {wait_model}: {p.output()[-500:]}",
+                )
         return p
 
     def close(self) -> None:

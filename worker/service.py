@@ -58,7 +58,9 @@ class Worker:
         self.engine = engine
         self.model = model_name or settings.model_name or engine.card.name
         self.engine.card.name = self.model
-        self.id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.id = (
+            settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
         self.keys = Keys(settings.key_prefix)
         self.redis = redis or connect(settings)
         self.scripts = Scripts.register(self.redis)
@@ -205,7 +207,11 @@ class Worker:
 
     async def _read(self, streams: dict[str, str], count: int, block: int | None) -> list[Claim]:
         reply = await self.redis.xreadgroup(
-            CONSUMER_GROUP, self.id, streams, count=count, block=block  # type: ignore[arg-type]
+            CONSUMER_GROUP,
+            self.id,
+            streams,
+            count=count,
+            block=block,  # type: ignore[arg-type]
         )
         return [
             Claim(entry_id, queue, fields["job"], int(fields.get("tokens", 0)))
@@ -233,7 +239,11 @@ class Worker:
             )
         replies = await pipe.execute()
         sent = await self._sent_tokens(
-            [c.job_id for c, r in zip(ready, replies, strict=True) if r[0] == "ok" and int(r[1]) > 1]
+            [
+                c.job_id
+                for c, r in zip(ready, replies, strict=True)
+                if r[0] == "ok" and int(r[1]) > 1
+            ]
         )
         done_claims: list[Claim] = []
         for claim, reply in zip(ready, replies, strict=True):
@@ -403,10 +413,14 @@ class Worker:
                 record = [x for kv in fields.items() for x in kv]
                 args = [*head, str(s.retention_s), str(len(events) // 2), *events]
                 await self.scripts.finish(
-                    keys=self._job_keys(job_id), args=[*args, "status", status, *record], client=pipe
+                    keys=self._job_keys(job_id),
+                    args=[*args, "status", status, *record],
+                    client=pipe,
                 )
             elif events:
-                await self.scripts.emit(keys=self._job_keys(job_id), args=head + events, client=pipe)
+                await self.scripts.emit(
+                    keys=self._job_keys(job_id), args=head + events, client=pipe
+                )
             else:
                 continue
             order.append((run, events))
@@ -535,7 +549,9 @@ class Worker:
                     )
                     for entry_id, fields in reply[1]:
                         if fields:
-                            claim = Claim(entry_id, queue, fields["job"], int(fields.get("tokens", 0)))
+                            claim = Claim(
+                                entry_id, queue, fields["job"], int(fields.get("tokens", 0))
+                            )
                             log.info("reclaimed job", extra={"job_id": claim.job_id})
                             self.waiting.append(claim)
                     self._room.set()

@@ -48,9 +48,13 @@ def worker_timings(url: str, prefix: str) -> dict[str, float]:
     def p(v: list[float], q: float) -> float:
         return round(1000 * v[min(len(v) - 1, int(q * len(v)))], 2) if v else float("nan")
 
-    return {"worker_queue_ms_p50": p(queue, 0.5), "worker_queue_ms_p99": p(queue, 0.99),
-            "worker_ttft_ms_p50": p(ttft, 0.5), "worker_ttft_ms_p99": p(ttft, 0.99),
-            "events_per_job": round(sum(lens) / max(1, len(lens)), 1)}
+    return {
+        "worker_queue_ms_p50": p(queue, 0.5),
+        "worker_queue_ms_p99": p(queue, 0.99),
+        "worker_ttft_ms_p50": p(ttft, 0.5),
+        "worker_ttft_ms_p99": p(ttft, 0.99),
+        "events_per_job": round(sum(lens) / max(1, len(lens)), 1),
+    }
 
 
 def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | None = None) -> dict:
@@ -63,18 +67,35 @@ def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | No
         if redis_pid is not None:
             procs["redis"] = redis_pid
         if args.gateway_procs > 1:  # uvicorn's children do the work
-            children = subprocess.run(["pgrep", "-P", str(gw.proc.pid)], capture_output=True,
-                                      text=True).stdout.split()
+            children = subprocess.run(
+                ["pgrep", "-P", str(gw.proc.pid)], capture_output=True, text=True
+            ).stdout.split()
             for i, pid in enumerate(children):
                 procs[f"gateway{i}"] = int(pid)
         before = {k: cpu_seconds(p) for k, p in procs.items()}
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         out = subprocess.run(
-            [sys.executable, "-m", "gateway.cli", "bench", "--url", gw.url, "--concurrency",
-             str(args.concurrency), "--requests", str(args.requests), "--max-tokens",
-             str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens), "--json"],
-            capture_output=True, text=True, check=False,
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "bench",
+                "--url",
+                gw.url,
+                "--concurrency",
+                str(args.concurrency),
+                "--requests",
+                str(args.requests),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--prompt-tokens",
+                str(args.prompt_tokens),
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         wall = time.perf_counter() - t0
         figures = json.loads(out.stdout)

@@ -52,8 +52,10 @@ def test_stream_started_on_one_gateway_resumes_on_another(cluster: Cluster) -> N
     cluster.worker("--step-ms", "20")
     seen: list[tuple[int, str, dict]] = []
     with httpx.stream(
-        "POST", f"{a.url}/v1/jobs", json={"model": "sim", "prompt": "hi", "max_tokens": 60,
-                                          "seed": 5, "stream": True}, timeout=10
+        "POST",
+        f"{a.url}/v1/jobs",
+        json={"model": "sim", "prompt": "hi", "max_tokens": 60, "seed": 5, "stream": True},
+        timeout=10,
     ) as r:
         job_id = r.headers["x-job-id"]
         buf = ""
@@ -64,8 +66,9 @@ def test_stream_started_on_one_gateway_resumes_on_another(cluster: Cluster) -> N
             if sum(1 for e in seen if e[1] == "token") >= 10:
                 break  # the client drops gateway A mid-stream
     last = seen[-1][0]
-    r = httpx.get(f"{b.url}/v1/jobs/{job_id}/events", headers={"Last-Event-ID": str(last)},
-                  timeout=20)
+    r = httpx.get(
+        f"{b.url}/v1/jobs/{job_id}/events", headers={"Last-Event-ID": str(last)}, timeout=20
+    )
     rest = parse_sse(r.text)
     events = seen + rest
     assert [e[0] for e in events] == list(range(1, len(events) + 1))
@@ -90,8 +93,12 @@ def test_cancel_frees_the_slot_within_a_second(cluster: Cluster) -> None:
 
     t0 = time.monotonic()
     assert httpx.delete(f"{gw.url}/v1/jobs/{running}").status_code == 200
-    wait_for(lambda: _status(gw.url, third) in ("running", "succeeded"), timeout=1.0,
-             interval=0.01, what="the freed slot taken by the next job")
+    wait_for(
+        lambda: _status(gw.url, third) in ("running", "succeeded"),
+        timeout=1.0,
+        interval=0.01,
+        what="the freed slot taken by the next job",
+    )
     assert time.monotonic() - t0 < 1.0
     assert _status(gw.url, running) == "cancelled"
     assert httpx.get(f"{gw.url}/v1/jobs/{queued}").json()["attempt"] == 0  # never ran
@@ -100,16 +107,25 @@ def test_cancel_frees_the_slot_within_a_second(cluster: Cluster) -> None:
 def test_disconnecting_stream_with_cancel_on_disconnect_cancels(cluster: Cluster) -> None:
     gw = cluster.gateway()
     cluster.worker("--step-ms", "50")
-    body = {"model": "sim", "prompt": "x", "max_tokens": 2000, "stream": True,
-            "cancel_on_disconnect": True}
+    body = {
+        "model": "sim",
+        "prompt": "x",
+        "max_tokens": 2000,
+        "stream": True,
+        "cancel_on_disconnect": True,
+    }
     with httpx.stream("POST", f"{gw.url}/v1/jobs", json=body, timeout=10) as r:
         job_id = r.headers["x-job-id"]
         for line in r.iter_lines():
             if line == "event: token":
                 break
     t0 = time.monotonic()
-    wait_for(lambda: _status(gw.url, job_id) == "cancelled", timeout=1.0, interval=0.01,
-             what="cancel after disconnect")
+    wait_for(
+        lambda: _status(gw.url, job_id) == "cancelled",
+        timeout=1.0,
+        interval=0.01,
+        what="cancel after disconnect",
+    )
     assert time.monotonic() - t0 < 1.0
 
 
@@ -157,18 +173,33 @@ def test_genq_serve_runs_on_its_embedded_defaults(tmp_path: Path) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GENQ_")}
     env["GENQ_SIM_STEP_MS"] = "2"
-    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
+    log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
     )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: httpx.get(f"{url}/v1/models").json()["data"], what="genq serve")
         out = subprocess.run(
-            [sys.executable, "-m", "gateway.cli", "submit", "hello", "--url", url,
-             "--max-tokens", "8", "--stream"],
-            capture_output=True, text=True, timeout=30, env=env,
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "submit",
+                "hello",
+                "--url",
+                url,
+                "--max-tokens",
+                "8",
+                "--stream",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=env,
         )
         assert out.returncode == 0, out.stderr
         assert len(out.stdout.split()) == 8
@@ -185,9 +216,24 @@ def test_bench_prints_its_figures(cluster: Cluster) -> None:
     gw = cluster.gateway()
     cluster.worker("--step-ms", "1")
     out = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "bench", "--url", gw.url, "--concurrency", "8",
-         "--requests", "16", "--max-tokens", "20", "--json"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "bench",
+            "--url",
+            gw.url,
+            "--concurrency",
+            "8",
+            "--requests",
+            "16",
+            "--max-tokens",
+            "20",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout)

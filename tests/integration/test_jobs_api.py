@@ -17,7 +17,10 @@ async def test_job_runs_to_completion_and_reports_result(stack: Stack) -> None:
     done = await stack.wait_status(job["id"], "succeeded")
     assert done["finish_reason"] == "length"
     assert done["usage"] == {
-        "prompt_tokens": 2, "completion_tokens": 12, "total_tokens": 14, "cached_tokens": 0
+        "prompt_tokens": 2,
+        "completion_tokens": 12,
+        "total_tokens": 14,
+        "cached_tokens": 0,
     }
     assert done["text"] and done["attempt"] == 1 and done["worker"] == stack.worker.id
     assert done["metadata"] == {"user": "u1"}
@@ -53,7 +56,9 @@ async def test_events_replay_and_resume_with_last_event_id(stack: Stack) -> None
     await stack.wait_status(job["id"], "succeeded")
     whole = parse_sse((await stack.client.get(f"/v1/jobs/{job['id']}/events")).text)
     tail = parse_sse(
-        (await stack.client.get(f"/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": "5"})).text
+        (
+            await stack.client.get(f"/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": "5"})
+        ).text
     )
     assert tail == whole[5:]
     assert [e[0] for e in whole] == list(range(1, len(whole) + 1))
@@ -99,7 +104,12 @@ async def test_idempotency_key_returns_the_same_job(stack: Stack) -> None:
         ({"model": "sim", "prompt": "x", "bogus": 1}, 422, "bogus", ["not permitted"]),
         ({"model": "sim"}, 422, "body", ["exactly one"]),
         ({"model": "sim", "input_ids": [1, 10**9]}, 400, "input_ids", ["vocabulary"]),
-        ({"model": "sim", "prompt": "x", "metadata": {"k": "v" * 20000}}, 400, "metadata", ["16384"]),
+        (
+            {"model": "sim", "prompt": "x", "metadata": {"k": "v" * 20000}},
+            400,
+            "metadata",
+            ["16384"],
+        ),
         ({"prompt": "x"}, 422, "model", ["required"]),
     ],
 )
@@ -164,13 +174,17 @@ async def test_cancel_queued_job_never_runs(settings, redis) -> None:  # type: i
         assert [e[1] for e in events] == ["queued", "cancelled"]
 
 
-async def test_interactive_is_admitted_before_batch_and_batch_still_progresses(settings, redis) -> None:  # type: ignore[no-untyped-def]
+async def test_interactive_is_admitted_before_batch_and_batch_still_progresses(
+    settings, redis
+) -> None:  # type: ignore[no-untyped-def]
     settings.max_batch = 1
     settings.batch_share = 3
     async with running_stack(settings, redis, step_ms=5) as stack:
         blocker = await stack.submit(prompt="block", max_tokens=20)
         await stack.wait_status(blocker["id"], "running")
-        batch = [await stack.submit(prompt=f"b{i}", max_tokens=2, priority="batch") for i in range(3)]
+        batch = [
+            await stack.submit(prompt=f"b{i}", max_tokens=2, priority="batch") for i in range(3)
+        ]
         inter = [await stack.submit(prompt=f"i{i}", max_tokens=2) for i in range(6)]
         ids = [j["id"] for j in batch + inter]
         for i in ids:

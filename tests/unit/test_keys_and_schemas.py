@@ -12,7 +12,10 @@ from shared.settings import Settings
 
 def test_keys_of_one_job_share_a_cluster_hash_tag() -> None:
     k = Keys("app:")
-    tags = {key[key.index("{") : key.index("}") + 1] for key in (k.job("ab"), k.events("ab"), k.channel("ab"))}
+    tags = {
+        key[key.index("{") : key.index("}") + 1]
+        for key in (k.job("ab"), k.events("ab"), k.channel("ab"))
+    }
     assert tags == {"{ab}"}
     assert all(key.startswith("app:") for key in (k.queue("m", "batch"), k.worker("w"), k.models()))
 
@@ -33,7 +36,9 @@ def test_unsafe_prefix_is_refused() -> None:
 
 
 def test_stream_events_parse_by_type() -> None:
-    ev = STREAM_EVENT.validate_json('{"seq": 3, "type": "token", "text": "x", "token_ids": [1], "count": 1}')
+    ev = STREAM_EVENT.validate_json(
+        '{"seq": 3, "type": "token", "text": "x", "token_ids": [1], "count": 1}'
+    )
     assert isinstance(ev, TokenEvent) and ev.count == 1
     with pytest.raises(ValidationError):
         STREAM_EVENT.validate_json('{"seq": 3, "type": "nope"}')
