@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -85,6 +85,13 @@ class Settings(BaseSettings):
     sim_step_ms: float = Field(default=20.0, ge=0)
     sim_prefill_ms_per_1k: float = Field(default=5.0, ge=0)
     sim_max_seq_len: int = Field(default=8192, ge=16)
+
+    @model_validator(mode="after")
+    def _engine_follows_model(self) -> Settings:
+        """A model directory means the real engine unless an engine was named."""
+        if self.model_dir and "engine" not in self.model_fields_set:
+            self.engine = "exllamav2"
+        return self
 
     @field_validator("key_prefix")
     @classmethod
