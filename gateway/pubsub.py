@@ -67,6 +67,9 @@ class PubSubRouter:
             return sub
         self._subs[channel] = {sub}
         self._to_unsubscribe.discard(channel)
+        if self._backend.immediate:  # a socket write: no batch, no wait for the event loop
+            await self._backend.subscribe(channel)
+            return sub
         self._to_subscribe.add(channel)
         await asyncio.shield(self._schedule())
         return sub
@@ -79,6 +82,9 @@ class PubSubRouter:
         if not subs:
             del self._subs[sub.channel]
             self._to_subscribe.discard(sub.channel)
+            if self._backend.immediate:
+                await self._backend.unsubscribe(sub.channel)
+                return
             self._to_unsubscribe.add(sub.channel)
             self._schedule()
 

@@ -30,6 +30,9 @@ _POLL_S = 1.0
 
 
 class PubSubBackend(Protocol):
+    immediate: bool
+    """True when (un)subscribe only writes to a socket buffer: no batching needed."""
+
     async def run(self, on_message: OnMessage, on_reconnect: Callable[[], None]) -> None: ...
 
     async def subscribe(self, *channels: str) -> None: ...
@@ -49,6 +52,8 @@ def _pack(*parts: str) -> bytes:
 
 class RawPubSub(asyncio.Protocol):
     """One Redis connection in subscribed mode; reconnects and resubscribes by itself."""
+
+    immediate = True
 
     def __init__(self, url: str, connect_timeout_s: float, name: str = "genq-gateway") -> None:
         opts = parse_url(url)
@@ -135,6 +140,8 @@ class RawPubSub(asyncio.Protocol):
 
 class RedisPyPubSub:
     """redis-py's PubSub behind the same interface (fakeredis, tests)."""
+
+    immediate = False
 
     def __init__(self, redis: aioredis.Redis) -> None:
         self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
