@@ -324,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                     bare, sysr = results[0], results[-1]
                     report(ratio(bare, sysr))
             for c in levels:
+                print(f"# starting {c} streams", file=sys.stderr, flush=True)
                 report(run_system(system, jobs_for(c), c, "system sweep") | extra)
             if a.genq_bench:
                 mid = (a.prompt_min + a.prompt_max) // 2

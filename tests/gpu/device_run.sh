@@ -45,6 +45,14 @@ for step in $steps; do
       timeout 170 python3 -m worker.benchgpu --model /tmp/m8b --sweep 256,512 --max-batch 256 \
         --requests-per-stream 1 --worker-arg=--gpus=0,1 --worker-arg=--procs-per-gpu=4 --workers 8 \
         --gateways 4 --json-out "$OUT/gpus2.json" --logs /tmp/genq-logs/gpus2 > "$OUT/gpus2.log" 2>&1 ;;
+    gpus2n3)  # 3 per GPU on two GPUs at 512 streams, with a CPU snapshot mid-run
+      timeout 170 python3 -m worker.benchgpu --model /tmp/m8b --sweep 512 --max-batch 256 \
+        --requests-per-stream 1 --worker-arg=--gpus=0,1 --worker-arg=--procs-per-gpu=3 --workers 6 \
+        --gateways 4 --json-out "$OUT/gpus2n3.json" --logs /tmp/genq-logs/gpus2n3 \
+        > "$OUT/gpus2n3.log" 2>&1 &
+      bench=$!
+      until grep -q "# starting" "$OUT/gpus2n3.log" || ! kill -0 $bench 2>/dev/null; do sleep 1; done
+      sleep 12; top -b -n1 -w 200 | head -45 > "$OUT/top.txt"; wait $bench ;;
     procs[1-4])  # N worker processes on the one GPU, total concurrency 64..256
       n=${step#procs}
       timeout 140 python3 -m worker.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \
