@@ -67,6 +67,7 @@ class RawPubSub(asyncio.Protocol):
         self._timeout = connect_timeout_s
         self._channels: set[str] = set()
         self._transport: asyncio.Transport | None = None
+        self._outbox: list[bytes] = []
         self._reader = hiredis.Reader(encoding="utf-8", errors="replace")
         self._lost: asyncio.Future[None] | None = None
         self._on_message: OnMessage = lambda c, d: None
@@ -98,6 +99,7 @@ class RawPubSub(asyncio.Protocol):
         t = cast(asyncio.Transport, transport)  # uvloop's transports are no asyncio.Transport
         self._transport = t
         self._reader = hiredis.Reader(encoding="utf-8", errors="replace")
+        self._outbox = []  # superseded by the full SUBSCRIBE below
         self._lost = asyncio.get_running_loop().create_future()
         if self._auth:
             t.write(_pack("AUTH", *self._auth))
@@ -122,13 +124,25 @@ class RawPubSub(asyncio.Protocol):
 
     async def subscribe(self, *channels: str) -> None:
         self._channels.update(channels)
-        if self._transport is not None:
-            self._transport.write(_pack("SUBSCRIBE", *channels))
+        self._queue(_pack("SUBSCRIBE", *channels))
 
     async def unsubscribe(self, *channels: str) -> None:
         self._channels.difference_update(channels)
+        self._queue(_pack("UNSUBSCRIBE", *channels))
+
+    def _queue(self, command: bytes) -> None:
+        """Write at the end of this loop iteration: one syscall for every stream that started
+        or ended in it, before any of them can await a reply from Redis."""
+        if self._transport is None:
+            return  # sent with the whole channel set on (re)connect
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._write_out)
+        self._outbox.append(command)
+
+    def _write_out(self) -> None:
+        data, self._outbox = b"".join(self._outbox), []
         if self._transport is not None:
-            self._transport.write(_pack("UNSUBSCRIBE", *channels))
+            self._transport.write(data)
 
     async def close(self) -> None:
         self._closed = True
