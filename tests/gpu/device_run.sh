@@ -17,7 +17,7 @@ for step in $steps; do
       GENQ_TEST_TINY_MODEL=/tmp/tiny timeout 300 python3 -m pytest -q -m gpu tests/gpu $W \
         -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest > "$OUT/gpu-tests.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/gpu-tests.log" ;;
-    bench64*|bare*|sweep*|procs*)
+    bench64*|bare*|sweep*|procs*|gpus*)
       [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m gateway.cli synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
       timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --bare --system \
