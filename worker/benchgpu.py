@@ -174,7 +174,7 @@ class System:
         while time.monotonic() < deadline:
             for p in self.procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"{p.args} exited with {p.returncode}; see {self.logs}")
+                    raise RuntimeError(f"{p.args!r} exited with {p.returncode}; see {self.logs}")
             try:
                 models = httpx.get(f"{self.url}/v1/models", timeout=2).json()["data"]
                 if any(m["id"] == self.model.name for m in models) and self.workers() >= workers:

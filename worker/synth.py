@@ -210,6 +210,13 @@ def _write_weights(s: Shape, out: Path, seed: int) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
+def _special_id(tok: Tokenizer, token: str) -> int:
+    token_id = tok.token_to_id(token)
+    if token_id is None:  # the trainer was given it as a special token: always there
+        raise RuntimeError(f"tokenizer lacks {token}")
+    return int(token_id)
+
+
 def synth_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0) -> Path:
     """Write a random-weight Llama checkpoint of `shape` into `out_dir`; returns the folder."""
     s = SHAPES[shape]
@@ -217,8 +224,8 @@ def synth_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0) -> Path
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(s.tokenizer_vocab, CORPUS_BYTES[shape])
     tok.save(str(out / "tokenizer.json"))
-    bos_id = tok.token_to_id(BOS)
-    eos_ids = [tok.token_to_id(EOS), tok.token_to_id(EOT)]
+    bos_id = _special_id(tok, BOS)
+    eos_ids = [_special_id(tok, EOS), _special_id(tok, EOT)]
     (out / "config.json").write_text(json.dumps(_config(s, bos_id, eos_ids), indent=1))
     (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tok), indent=1))
     (out / "generation_config.json").write_text(

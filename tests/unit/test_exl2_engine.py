@@ -4,6 +4,7 @@ generator with the same methods and page accounting. No torch here (CI runs on C
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -163,8 +164,9 @@ def run_to_end(engine: ExLlamaV2Engine, limit: int = 100) -> list:
     raise AssertionError("jobs did not finish")
 
 
-def test_no_torch_needed() -> None:
-    assert "torch" not in sys.modules and "exllamav2" not in sys.modules
+def test_importing_the_engine_needs_no_torch() -> None:
+    code = "import sys, worker.exl2; assert not {'torch', 'exllamav2'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # ---- admission ----------------------------------------------------------------------------
