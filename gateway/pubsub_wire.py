@@ -123,16 +123,19 @@ class RawPubSub(asyncio.Protocol):
             log.warning("pub/sub connection lost; reconnecting", extra={"error": str(exc)})
 
     async def subscribe(self, *channels: str) -> None:
+        """Written at once: the caller queues its job next and wants to be listening first."""
         self._channels.update(channels)
-        self._queue(_pack("SUBSCRIBE", *channels))
+        if self._transport is not None:
+            self._outbox.append(_pack("SUBSCRIBE", *channels))
+            self._write_out()
 
     async def unsubscribe(self, *channels: str) -> None:
         self._channels.difference_update(channels)
         self._queue(_pack("UNSUBSCRIBE", *channels))
 
     def _queue(self, command: bytes) -> None:
-        """Write at the end of this loop iteration: one syscall for every stream that started
-        or ended in it, before any of them can await a reply from Redis."""
+        """Write at the end of this loop iteration: one syscall for every stream that ended
+        in it."""
         if self._transport is None:
             return  # sent with the whole channel set on (re)connect
         if not self._outbox:
@@ -141,7 +144,7 @@ class RawPubSub(asyncio.Protocol):
 
     def _write_out(self) -> None:
         data, self._outbox = b"".join(self._outbox), []
-        if self._transport is not None:
+        if self._transport is not None and data:
             self._transport.write(data)
 
     async def close(self) -> None:
