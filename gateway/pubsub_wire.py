@@ -78,6 +78,10 @@ class RawPubSub(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         backoff, first = _BACKOFF_START_S, True
         while not self._closed:
+            # Made here, not in connection_made: uvloop calls that only after
+            # create_connection has returned.
+            lost: asyncio.Future[None] = loop.create_future()
+            self._lost = lost
             try:
                 async with asyncio.timeout(self._timeout):
                     await loop.create_connection(
@@ -89,18 +93,19 @@ class RawPubSub(asyncio.Protocol):
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
                 continue
             backoff = _BACKOFF_START_S
+            if self._closed and self._transport is not None:  # closed while connecting
+                self._transport.close()
+                return
             if not first:
                 on_reconnect()  # messages may have been missed: streams re-read their logs
             first = False
-            assert self._lost is not None
-            await self._lost
+            await lost
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         t = cast(asyncio.Transport, transport)  # uvloop's transports are no asyncio.Transport
         self._transport = t
         self._reader = hiredis.Reader(encoding="utf-8", errors="replace")
         self._outbox = []  # superseded by the full SUBSCRIBE below
-        self._lost = asyncio.get_running_loop().create_future()
         if self._auth:
             t.write(_pack("AUTH", *self._auth))
         t.write(_pack("CLIENT", "SETNAME", self.name))  # visible in CLIENT LIST
