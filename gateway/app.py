@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
@@ -13,24 +14,38 @@ from gateway import errors
 from gateway.cards import CardCache
 from gateway.jobs import JobService
 from gateway.pubsub import PubSubRouter
+from gateway.pubsub_wire import PubSubBackend, RawPubSub, RedisPyPubSub
 from gateway.routes import health, jobs, models
 from gateway.state import GatewayState
-from shared import __version__
+from shared import __version__, runtime
 from shared.keys import Keys
 from shared.redisconn import connect
 from shared.scripts import Scripts
 from shared.settings import Settings
 
 
-def create_app(settings: Settings, redis: aioredis.Redis | None = None) -> FastAPI:
-    """The gateway app. `redis` may be given (tests, `genq serve`); else from settings."""
+def create_app(
+    settings: Settings, redis: aioredis.Redis | None = None, *, raw_pubsub: bool | None = None
+) -> FastAPI:
+    """The gateway app. `redis` may be given (tests, `genq serve`); else from settings.
+
+    `raw_pubsub`: stream events over genq's own hiredis pub/sub connection to
+    `settings.redis_url` (default when the app makes its own client) rather than redis-py's.
+    """
+    use_raw = (redis is None) if raw_pubsub is None else raw_pubsub
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = redis or connect(settings)
         keys = Keys(settings.key_prefix)
         cards = CardCache(client, keys, settings.card_cache_s)
-        router = PubSubRouter(client)
+        backend: PubSubBackend
+        if use_raw and settings.redis_url:
+            name = f"genq-gateway-pubsub-{os.getpid()}"
+            backend = RawPubSub(settings.redis_url, settings.redis_socket_timeout_s, name)
+        else:
+            backend = RedisPyPubSub(client)
+        router = PubSubRouter(backend)
         state = GatewayState(
             settings=settings,
             redis=client,
@@ -40,15 +55,16 @@ def create_app(settings: Settings, redis: aioredis.Redis | None = None) -> FastA
             jobs=JobService(settings, client, Scripts.register(client), cards),
         )
         app.state.genq = state
+        runtime.tune_gc()
         receiver = asyncio.create_task(router.run(), name="pubsub-router")
         try:
             yield
         finally:
             state.draining = True
+            await router.close()
             receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await receiver
-            await router.close()
             if redis is None:
                 await client.aclose()
 

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from shared import runtime
+
 _WORDS = "the of and to in is that for it as was with be by on not this are or from at".split()
 _READYZ_EVERY_S = 0.5
 
@@ -138,7 +140,7 @@ def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 async def _readyz(target: Target, peak: dict[str, float], stop: asyncio.Event) -> None:
@@ -245,7 +247,7 @@ def _progress(done: int, total: int) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    summary = asyncio.run(run_bench(args))
+    summary = runtime.run(run_bench(args))
     if args.json:
         print(json.dumps(summary))
     else:

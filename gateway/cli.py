@@ -19,8 +19,11 @@ def _settings(**overrides: Any) -> Settings:
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", choices=["sim", "exllamav2"], help="default: sim, or exllamav2 "
-                   "when --model is given")
+    p.add_argument(
+        "--engine",
+        choices=["sim", "exllamav2"],
+        help="default: sim, or exllamav2 when --model is given",
+    )
     p.add_argument("--model", dest="model_dir", help="model directory (exllamav2 engine)")
     p.add_argument("--model-name", help="name clients ask for (default: sim / the folder name)")
     p.add_argument("--step-ms", type=float, dest="sim_step_ms", help="sim: decode step time")
@@ -32,9 +35,33 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-split", help="exllamav2: GB per GPU, e.g. 20,24 (default: autosplit)")
 
 
+def _launcher_flags(p: argparse.ArgumentParser, default_procs: str) -> None:
+    p.add_argument(
+        "--gpus",
+        help="GPUs to run on, e.g. 0,1: a supervised set of worker "
+        "processes per GPU (default: the visible ones)",
+    )
+    p.add_argument(
+        "--procs-per-gpu",
+        default=default_procs,
+        help="worker processes per GPU, "
+        "or 'auto' (as many as memory and CPU allow, at most 4); --max-batch and "
+        f"--cache-tokens are per GPU, shared among them (default: {default_procs})",
+    )
+
+
 def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
-    keys = ["model_dir", "model_name", "sim_step_ms", "max_batch", "cache_tokens", "cache_mode",
-            "max_seq_len", "max_chunk_size", "gpu_split"]
+    keys = [
+        "model_dir",
+        "model_name",
+        "sim_step_ms",
+        "max_batch",
+        "cache_tokens",
+        "cache_mode",
+        "max_seq_len",
+        "max_chunk_size",
+        "gpu_split",
+    ]
     out = {k: getattr(a, k, None) for k in keys}
     out["engine"] = a.engine or ("exllamav2" if a.model_dir else None)
     return {k: v for k, v in out.items() if k in Settings.model_fields}
@@ -49,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     _engine_flags(p)
+    _launcher_flags(p, default_procs="auto")
 
     p = sub.add_parser("gateway", help="the HTTP gateway (stateless; run as many as you like)")
     p.add_argument("--host", default="127.0.0.1")
@@ -57,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="a generation worker (one per GPU)")
     _engine_flags(p)
+    _launcher_flags(p, default_procs="1")
 
     p = sub.add_parser("submit", help="submit one prompt and print its text")
     p.add_argument("prompt")
@@ -79,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--priority", choices=["interactive", "batch"], default="interactive")
     p.add_argument("--api-key")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+    p = sub.add_parser("synth-model", help="write a random-weight Llama model (tests, planning)")
+    p.add_argument("dir")
+    p.add_argument("--shape", choices=["tiny", "1b", "8b"], default="tiny")
+    p.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -87,13 +121,20 @@ def main(argv: list[str] | None = None) -> int:
     logfmt.setup(args.log_level)
     if args.command == "serve":
         from gateway.serve import run_serve
+        from worker.launcher import serve as serve_several
 
-        return run_serve(_settings(**_engine_settings(args)), args.host, args.port)
+        settings = _settings(**_engine_settings(args))
+        code = serve_several(settings, args.host, args.port, args.gpus, args.procs_per_gpu)
+        return run_serve(settings, args.host, args.port) if code is None else code
     if args.command == "gateway":
         from gateway.serve import run_gateway
 
         run_gateway(_settings(), args.host, args.port, args.workers)
         return 0
+    if args.command == "worker" and (args.gpus or args.procs_per_gpu != "1"):
+        from worker.launcher import run as launch
+
+        return launch(_settings(**_engine_settings(args)), args.gpus, args.procs_per_gpu)
     if args.command == "worker":
         from worker.main import run
 
@@ -106,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.bench import main as bench
 
         return bench(args)
+    if args.command == "synth-model":
+        from worker.synth import synth_model
+
+        print(synth_model(args.dir, args.shape, args.seed))
+        return 0
     return 2
 
 

@@ -11,7 +11,7 @@ from gateway.state import GatewayState
 from shared.errors import Unauthorized
 
 
-def get_state(request: Request) -> GatewayState:
+async def get_state(request: Request) -> GatewayState:
     state: GatewayState = request.app.state.genq
     return state
 
@@ -19,7 +19,7 @@ def get_state(request: Request) -> GatewayState:
 State = Annotated[GatewayState, Depends(get_state)]
 
 
-def require_key(state: State, authorization: Annotated[str | None, Header()] = None) -> None:
+async def require_key(state: State, authorization: Annotated[str | None, Header()] = None) -> None:
     """Bearer-token auth when GENQ_API_KEYS is set; open otherwise."""
     keys = state.settings.api_keys
     if not keys:

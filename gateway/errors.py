@@ -42,7 +42,9 @@ def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 def _redis_error(_: Request, exc: Exception) -> JSONResponse:
     log.warning("redis unavailable", extra={"error": str(exc)})
-    body = error_body("the queue is unavailable; retry shortly", "server_error", None, "unavailable")
+    body = error_body(
+        "the queue is unavailable; retry shortly", "server_error", None, "unavailable"
+    )
     return JSONResponse(body, 503, headers={"Retry-After": "1"})
 
 

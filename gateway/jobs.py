@@ -182,7 +182,9 @@ class JobService:
                     code="idempotency_key_reused",
                 )
             return _view(earlier_id, raw)
-        raise Conflict("Idempotency-Key is being claimed concurrently; retry", param="Idempotency-Key")
+        raise Conflict(
+            "Idempotency-Key is being claimed concurrently; retry", param="Idempotency-Key"
+        )
 
     async def get(self, job_id: str) -> JobView:
         raw = await self.redis.hgetall(self.keys.job(self.validate_id(job_id)))

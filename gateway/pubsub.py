@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.pubsub_wire import PubSubBackend
+
 log = logging.getLogger("genq.gateway.pubsub")
-_RECONNECT_BACKOFF_MAX_S = 2.0
 
 
 class Subscription:
@@ -40,11 +39,21 @@ class Subscription:
 
 
 class PubSubRouter:
-    def __init__(self, redis: aioredis.Redis) -> None:
-        self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
+    """Channel bookkeeping is local and instant; SUBSCRIBE/UNSUBSCRIBE go out in batches.
+
+    Every stream subscribing through one lock, one command at a time, turns into a convoy
+    under load (each waits out the event loop for the one before it). Instead, changes
+    accumulate in sets and one task sends them together; `subscribe` waits only for the
+    batch that carries its channel.
+    """
+
+    def __init__(self, backend: PubSubBackend) -> None:
+        self._backend = backend
         self._subs: dict[str, set[Subscription]] = {}
-        self._has_channels = asyncio.Event()
-        self._lock = asyncio.Lock()
+        self._to_subscribe: set[str] = set()
+        self._to_unsubscribe: set[str] = set()
+        self._batch_sent: asyncio.Future[None] | None = None
+        self._sender: asyncio.Task[None] | None = None
 
     @property
     def channels(self) -> int:
@@ -52,62 +61,74 @@ class PubSubRouter:
 
     async def subscribe(self, channel: str) -> Subscription:
         sub = Subscription(self, channel)
-        async with self._lock:
-            subs = self._subs.get(channel)
-            if subs is None:
-                # Registered only once SUBSCRIBE went out: a failed one must not leave the
-                # channel looking subscribed to the next stream of the same job.
-                await self._pubsub.subscribe(channel)
-                self._subs[channel] = subs = set()
-                self._has_channels.set()
+        subs = self._subs.get(channel)
+        if subs is not None:
             subs.add(sub)
+            return sub
+        self._subs[channel] = {sub}
+        self._to_unsubscribe.discard(channel)
+        if self._backend.immediate:  # a socket write: no batch, no wait for the event loop
+            await self._backend.subscribe(channel)
+            return sub
+        self._to_subscribe.add(channel)
+        await asyncio.shield(self._schedule())
         return sub
 
     async def unsubscribe(self, sub: Subscription) -> None:
-        async with self._lock:
-            subs = self._subs.get(sub.channel)
-            if subs is None:
+        subs = self._subs.get(sub.channel)
+        if subs is None:
+            return
+        subs.discard(sub)
+        if not subs:
+            del self._subs[sub.channel]
+            self._to_subscribe.discard(sub.channel)
+            if self._backend.immediate:
+                await self._backend.unsubscribe(sub.channel)
                 return
-            subs.discard(sub)
-            if not subs:
-                del self._subs[sub.channel]
-                with contextlib.suppress(RedisError, OSError):
-                    await self._pubsub.unsubscribe(sub.channel)
+            self._to_unsubscribe.add(sub.channel)
+            self._schedule()
+
+    def _schedule(self) -> asyncio.Future[None]:
+        """The future of the batch that will carry the pending changes."""
+        if self._batch_sent is None or self._batch_sent.done():
+            self._batch_sent = asyncio.get_running_loop().create_future()
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send_batches())
+        return self._batch_sent
+
+    async def _send_batches(self) -> None:
+        while self._to_subscribe or self._to_unsubscribe:
+            batch_sent = self._batch_sent
+            subscribe, self._to_subscribe = self._to_subscribe, set()
+            unsubscribe, self._to_unsubscribe = self._to_unsubscribe, set()
+            self._batch_sent = None
+            try:
+                if subscribe:
+                    await self._backend.subscribe(*subscribe)
+                if unsubscribe:
+                    await self._backend.unsubscribe(*unsubscribe)
+            except (RedisError, OSError) as exc:
+                # The backend reconnects and resubscribes everything it was asked for.
+                log.warning("pub/sub (un)subscribe failed", extra={"error": str(exc)})
+            if batch_sent is not None and not batch_sent.done():
+                batch_sent.set_result(None)
+        if self._batch_sent is not None and not self._batch_sent.done():
+            self._batch_sent.set_result(None)
 
     async def run(self) -> None:
-        """Receive forever; on a broken connection, back off and resubscribe everything."""
-        backoff = 0.05
-        while True:
-            await self._has_channels.wait()
-            try:
-                while True:
-                    msg = await self._pubsub.get_message(timeout=None)
-                    if msg is not None and msg["type"] == "message":
-                        self._dispatch(msg["channel"], msg["data"])
-                    backoff = 0.05
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, OSError, RuntimeError) as exc:
-                log.warning("pub/sub receive failed; reconnecting", extra={"error": str(exc)})
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _RECONNECT_BACKOFF_MAX_S)
-                await self._resubscribe()
+        """Receive until closed; the backend reconnects and resubscribes by itself."""
+        await self._backend.run(self._dispatch, self._wake_all)
 
     def _dispatch(self, channel: str, data: str) -> None:
         for sub in self._subs.get(channel, ()):
             sub.buffer.append(data)
             sub.wake.set()
 
-    async def _resubscribe(self) -> None:
-        async with self._lock:
-            with contextlib.suppress(RedisError, OSError):
-                await self._pubsub.aclose()
-                if self._subs:
-                    await self._pubsub.subscribe(*self._subs)
-        for subs in self._subs.values():  # let every stream re-read its log
+    def _wake_all(self) -> None:
+        """After a reconnect: live messages may be lost, so every stream re-reads its log."""
+        for subs in self._subs.values():
             for sub in subs:
                 sub.wake.set()
 
     async def close(self) -> None:
-        with contextlib.suppress(RedisError, OSError):
-            await self._pubsub.aclose()
+        await self._backend.close()

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 import uvicorn
 
 from gateway.app import create_app
+from shared import runtime
 from shared.redisconn import connect
 from shared.settings import Settings
 from worker.main import build_engine, install_signals
@@ -70,8 +71,23 @@ def private_redis() -> Iterator[str | None]:
     with tempfile.TemporaryDirectory(prefix="genq-redis-") as tmp:
         port = free_port()
         proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", tmp, "--save", "",
-             "--appendonly", "yes", "--appendfsync", "everysec", "--maxmemory-policy", "noeviction"],
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                tmp,
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--maxmemory-policy",
+                "noeviction",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -109,13 +125,15 @@ def run_serve(settings: Settings, host: str, port: int) -> int:
                 client = connect(settings)
             else:
                 log.warning("no redis-server found: using in-process fakeredis (one process only)")
-                client = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
-        return asyncio.run(_serve(settings, client, host, port))
+                client = fakeredis.FakeAsyncRedis(
+                    server=fakeredis.FakeServer(), decode_responses=True
+                )
+        return runtime.run(_serve(settings, client, host, port))
 
 
 async def _serve(settings: Settings, client: aioredis.Redis, host: str, port: int) -> int:
     worker = Worker(settings, build_engine(settings), redis=client)
-    app = create_app(settings, redis=client)
+    app = create_app(settings, redis=client, raw_pubsub=settings.redis_url is not None)
     config = uvicorn.Config(
         app,
         host=host,

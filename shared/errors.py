@@ -1,16 +1,16 @@
 """genq's error tree. Raised as values inside the services; translated to HTTP in one place.
 
-    GenqError
-    ├── BadRequest            400  invalid input the schema could not catch
-    │   └── PromptTooLong     400  prompt + max_tokens over the model's limit
-    ├── Unauthorized          401
-    ├── NotFound              404
-    │   ├── JobNotFound
-    │   └── ModelNotFound
-    ├── Conflict              409  e.g. cancelling a finished job
-    ├── Unprocessable         422  e.g. an idempotency key reused with another body
-    ├── TooManyRequests       429
-    └── Unavailable           503  Redis unreachable, no worker for the model
+GenqError
+├── BadRequest            400  invalid input the schema could not catch
+│   └── PromptTooLong     400  prompt + max_tokens over the model's limit
+├── Unauthorized          401
+├── NotFound              404
+│   ├── JobNotFound
+│   └── ModelNotFound
+├── Conflict              409  e.g. cancelling a finished job
+├── Unprocessable         422  e.g. an idempotency key reused with another body
+├── TooManyRequests       429
+└── Unavailable           503  Redis unreachable, no worker for the model
 """
 
 from __future__ import annotations

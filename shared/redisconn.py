@@ -21,6 +21,9 @@ def connect(settings: Settings, url: str | None = None, **overrides: Any) -> aio
     if not target:
         raise ValueError("no Redis URL: set GENQ_REDIS_URL (or use `genq serve`)")
     options: dict[str, Any] = dict(
+        # Blocking: a burst of streams waits for a free connection instead of failing.
+        connection_pool_class=aioredis.BlockingConnectionPool,
+        timeout=settings.redis_pool_timeout_s,
         decode_responses=True,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), settings.redis_retries),
         retry_on_error=list(RETRY_ON),
@@ -28,7 +31,8 @@ def connect(settings: Settings, url: str | None = None, **overrides: Any) -> aio
         socket_timeout=settings.redis_socket_timeout_s,
         socket_connect_timeout=settings.redis_socket_timeout_s,
         socket_keepalive=True,
-        max_connections=256,
+        max_connections=settings.redis_max_connections,
     )
     options.update(overrides)
-    return aioredis.Redis.from_url(target, **options)
+    pool = options.pop("connection_pool_class").from_url(target, **options)
+    return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool

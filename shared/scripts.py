@@ -160,7 +160,8 @@ return {'expired'}
 )
 
 # KEYS: job, events, channel. ARGV: now, retention, maxlen, reason.
-# -> {'cancelled'} (was queued; event written) | {'running', worker} | {status} | {'missing'}
+# -> {'done'} (was queued; cancelled now, event written) | {'running', worker} | {status}
+#    | {'missing'}
 CANCEL = (
     _LAST_SEQ
     + """
@@ -176,7 +177,7 @@ if st == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[1])
   redis.call('EXPIRE', KEYS[1], ARGV[2])
   redis.call('EXPIRE', KEYS[2], ARGV[2])
-  return {'cancelled'}
+  return {'done'}
 end
 if st == 'running' then
   redis.call('HSET', KEYS[1], 'cancel', ARGV[4])

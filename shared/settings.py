@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -13,12 +13,17 @@ class Settings(BaseSettings):
 
     # Redis
     redis_url: str | None = Field(
-        default=None, description="redis://… of the shared Redis; unset means `genq serve` embeds one"
+        default=None,
+        description="redis://… of the shared Redis; unset means `genq serve` embeds one",
     )
     key_prefix: str = "genq:"
     redis_socket_timeout_s: float = 10.0
     redis_health_check_s: float = 15.0
     redis_retries: int = 5
+    redis_max_connections: int = Field(default=256, ge=4)
+    redis_pool_timeout_s: float = Field(
+        default=10.0, gt=0, description="wait this long for a free pooled connection"
+    )
 
     # Jobs
     retention_s: int = Field(default=86_400, ge=1, description="TTL of a finished job's keys")
@@ -31,7 +36,9 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(default=256, ge=1)
 
     # Gateway
-    api_keys: list[str] = Field(default_factory=list, description="accepted bearer tokens; empty = open")
+    api_keys: list[str] = Field(
+        default_factory=list, description="accepted bearer tokens; empty = open"
+    )
     sse_keepalive_s: float = Field(default=15.0, gt=0)
     stream_idle_poll_s: float = Field(
         default=2.0, gt=0, description="a stream silent this long re-reads the event log"
@@ -54,6 +61,19 @@ class Settings(BaseSettings):
         description="a worker keeps the events it wrote this long, to re-send them if Redis "
         "restarts without its last writes (AOF everysec loses up to ~2 s on a host crash)",
     )
+    flush_interval_ms: float = Field(
+        default=15.0,
+        ge=0,
+        description="least time between event flushes (first tokens and "
+        "job ends go at once); tokens produced meanwhile fold into one event per job",
+    )
+    gil_switch_interval_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="sys.setswitchinterval in worker processes; default 0.5 ms for the sim "
+        "engine (pure-Python steps starve Redis I/O otherwise), CPython's 5 ms for exllamav2 "
+        "(measured faster: its long Python stretches suffer from frequent hand-overs)",
+    )
     batch_share: int = Field(
         default=4, ge=1, description="when both queues have work, every Nth claim takes a batch job"
     )
@@ -63,7 +83,9 @@ class Settings(BaseSettings):
     cache_mode: Literal["FP16", "Q4", "Q6", "Q8"] = "FP16"
     max_seq_len: int | None = Field(default=None, ge=16, description="default: the model's")
     max_chunk_size: int = Field(default=2048, ge=16)
-    gpu_split: str | None = Field(default=None, description="GB per GPU, e.g. '20,24'; default auto")
+    gpu_split: str | None = Field(
+        default=None, description="GB per GPU, e.g. '20,24'; default auto"
+    )
 
     # sim engine
     sim_step_ms: float = Field(default=20.0, ge=0)
@@ -76,9 +98,18 @@ class Settings(BaseSettings):
         "whose prompt contains this string (off unless set)",
     )
 
+    @model_validator(mode="after")
+    def _engine_follows_model(self) -> Settings:
+        """A model directory means the real engine unless an engine was named."""
+        if self.model_dir and "engine" not in self.model_fields_set:
+            self.engine = "exllamav2"
+        return self
+
     @field_validator("key_prefix")
     @classmethod
     def _prefix_is_safe(cls, v: str) -> str:
         if not v or any(c in v for c in " {}*?"):
-            raise ValueError("key_prefix must be non-empty and free of spaces, braces and glob chars")
+            raise ValueError(
+                "key_prefix must be non-empty and free of spaces, braces and glob chars"
+            )
         return v

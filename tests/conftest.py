@@ -79,7 +79,8 @@ async def running_stack(
     options.update(engine_options)
     worker = Worker(settings, SimEngine(**options), redis=redis)
     task = asyncio.create_task(worker.run())
-    app = create_app(settings, redis=redis)
+    raw_pubsub = not isinstance(redis, fakeredis.FakeAsyncRedis)  # real Redis: genq's own reader
+    app = create_app(settings, redis=redis, raw_pubsub=raw_pubsub)
     try:
         async with app.router.lifespan_context(app):
             while not await redis.exists(worker.keys.model_card(worker.model)):

@@ -87,7 +87,10 @@ class RunningJob:
     def started(self, worker_id: str) -> None:
         self.seq += 1
         ev = StartedEvent(
-            seq=self.seq, attempt=self.attempt, worker=worker_id, resumed_tokens=len(self.resumed_ids)
+            seq=self.seq,
+            attempt=self.attempt,
+            worker=worker_id,
+            resumed_tokens=len(self.resumed_ids),
         )
         self._push(ev.model_dump_json())
 
@@ -170,7 +173,9 @@ class RunningJob:
         self._fold_tokens()
         self.seq += 1
         self._push(
-            ErrorEvent(seq=self.seq, attempt=self.attempt, code=code, message=message).model_dump_json()
+            ErrorEvent(
+                seq=self.seq, attempt=self.attempt, code=code, message=message
+            ).model_dump_json()
         )
         error = {"code": code, "message": message}
         self.end = (status, {"finished_at": repr(time.time()), "error": json.dumps(error)})

@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 
+from shared import runtime
 from shared.settings import Settings
 from worker.engine import Engine
 from worker.service import Worker
 from worker.sim import SimEngine
 
 log = logging.getLogger("genq.worker")
+_SIM_GIL_SWITCH_S = 0.0005
+_DEFAULT_GIL_SWITCH_S = 0.005  # CPython's own default
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -38,8 +42,15 @@ def install_signals(stop: object) -> None:
 
 
 async def serve_worker(settings: Settings) -> int:
+    # The engine thread computes while this thread does Redis I/O; how often the GIL changes
+    # hands decides who waits (docs/benchmarks.md has both measurements).
+    interval = settings.gil_switch_interval_s
+    if interval is None:
+        interval = _SIM_GIL_SWITCH_S if settings.engine == "sim" else _DEFAULT_GIL_SWITCH_S
+    sys.setswitchinterval(interval)
     engine = build_engine(settings)
     worker = Worker(settings, engine)
+    runtime.tune_gc()
     install_signals(worker.stop)
     try:
         await worker.run()
@@ -50,4 +61,4 @@ async def serve_worker(settings: Settings) -> int:
 
 
 def run(settings: Settings) -> int:
-    return asyncio.run(serve_worker(settings))
+    return runtime.run(serve_worker(settings))

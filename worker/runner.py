@@ -89,7 +89,9 @@ class EngineRunner:
                     self.engine.add(arg)
                 except Exception as exc:  # a job the engine refuses fails alone
                     log.warning("engine refused job", extra={"job_id": arg.id, "error": str(exc)})
-                    outputs.append(StepOutput(job_id=arg.id, error=f"engine refused the job: {exc}"))
+                    outputs.append(
+                        StepOutput(job_id=arg.id, error=f"engine refused the job: {exc}")
+                    )
             else:
                 assert isinstance(arg, str)
                 if self.engine.cancel(arg):
@@ -113,4 +115,6 @@ class EngineRunner:
 
     def _fail_all(self, exc: Exception) -> list[StepOutput]:
         """After a failed step no job's state can be trusted: end them all with an error."""
-        return [StepOutput(job_id=i, error=f"engine step failed: {exc}") for i in self.engine.reset()]
+        return [
+            StepOutput(job_id=i, error=f"engine step failed: {exc}") for i in self.engine.reset()
+        ]

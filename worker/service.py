@@ -29,7 +29,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
@@ -49,6 +49,8 @@ log = logging.getLogger("genq.worker")
 _MAX_ENGINE_FAILURES = 5
 _EARLY_CANCELS_KEPT = 1000
 _FLUSH_RETRY_S = 0.2
+_TASK_STOP_TIMEOUT_S = 2.0
+_CONTROL_POLL_S = 1.0
 _EARLY_CANCEL_TTL_S = 60.0
 _LOOP_RESTART_S = 0.5
 _RECLAIM_SCAN = 1000
@@ -71,7 +73,9 @@ class Worker:
         self.engine = engine
         self.model = model_name or settings.model_name or engine.card.name
         self.engine.card.name = self.model
-        self.id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.id = (
+            settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
         self.keys = Keys(settings.key_prefix)
         self.redis = redis or connect(settings)
         self.scripts = Scripts.register(self.redis)
@@ -84,8 +88,11 @@ class Worker:
         self._expiring: set[str] = set()
         self.lease = LeaseClock(settings.lease_s)
         self._flush_wanted = asyncio.Event()
+        self._urgent: set[str] = set()
+        """Dirty jobs whose events should not wait for the flush interval."""
         self._room = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._closing = False
         self._claims_since_batch = 0
         self._started_at = time.time()
         self._tokens_at_beat = (time.monotonic(), 0)
@@ -113,11 +120,17 @@ class Worker:
         }
         tasks = [asyncio.create_task(self._supervise(n, f), name=n) for n, f in loops.items()]
         try:
-            await self._stopping.wait()
-            tasks[0].cancel()  # claim no more
+            await self._stopping.wait()  # the claim loop sees it too and claims no more
             await self._drain(self.settings.shutdown_grace_s)
         finally:
-            await _cancel_all(tasks)
+            self._closing = True  # loops check it too: a swallowed cancel must not hang us
+            self._flush_wanted.set()
+            for t in tasks:
+                t.cancel()
+            # Bounded: a Redis client can swallow a cancel that races a read timeout.
+            _, stuck = await asyncio.wait(tasks, timeout=_TASK_STOP_TIMEOUT_S)
+            if stuck:
+                log.warning("tasks did not stop", extra={"tasks": [t.get_name() for t in stuck]})
             self.runner.stop()
             with contextlib.suppress(RedisError, OSError):
                 await self._leave()
@@ -126,8 +139,8 @@ class Worker:
         self._stopping.set()
 
     async def _supervise(self, name: str, loop: Any) -> None:
-        """Run one phase forever: a crash is logged and the phase restarts."""
-        while True:
+        """Run one phase until closing: a crash is logged and the phase restarts."""
+        while not self._closing:
             try:
                 await loop()
                 return
@@ -225,7 +238,8 @@ class Worker:
         return self.engine.max_batch - len(self.running) - len(self.waiting)
 
     async def _claim_loop(self) -> None:
-        while True:
+        # The flag, not only cancellation: a client may swallow a cancel during a blocking read.
+        while not self._stopping.is_set():
             try:
                 if not self.lease.held():  # claims now could not be started: wait for a beat
                     await asyncio.sleep(self.settings.heartbeat_s)
@@ -239,6 +253,8 @@ class Worker:
                 claims = await self._claim(free)
                 if claims:
                     self.waiting.extend(claims)
+                if self._stopping.is_set():  # a read that SIGTERM overtook: give them back now
+                    await self._requeue_waiting()
             except asyncio.CancelledError:
                 raise
             except ResponseError as exc:
@@ -270,7 +286,11 @@ class Worker:
 
     async def _read(self, streams: dict[str, str], count: int, block: int | None) -> list[Claim]:
         reply = await self.redis.xreadgroup(
-            CONSUMER_GROUP, self.id, streams, count=count, block=block  # type: ignore[arg-type]
+            CONSUMER_GROUP,
+            self.id,
+            streams,
+            count=count,
+            block=block,  # type: ignore[arg-type]
         )
         return [
             Claim(entry_id, queue, fields["job"], int(fields.get("tokens", 0)))
@@ -407,6 +427,7 @@ class Worker:
         self.running[spec.id] = run
         self._dirty.add(spec.id)
         run.started(self.id)
+        self._urgent.add(spec.id)  # `started` (and an end at once, if any) need not wait
         if cancel or spec.id in self._early_cancels:
             self._early_cancels.pop(spec.id, None)
             run.cancelled(cancel or "cancelled")
@@ -444,14 +465,39 @@ class Worker:
     # ---- flush ------------------------------------------------------------------------
 
     async def _flush_loop(self) -> None:
-        while True:
+        """Flush every `flush_interval_ms`; a job's first tokens and its end go out at once.
+
+        Between flushes the engine keeps stepping and each job's tokens fold into one event,
+        so the cost per token falls as load rises instead of swamping Redis and gateways.
+        """
+        assert self.runner is not None
+        interval = self.settings.flush_interval_ms / 1000
+        last_full = 0.0
+        loop = asyncio.get_running_loop()
+        armed = False
+
+        def due_now() -> None:
+            nonlocal armed
+            armed = False
+            self._flush_wanted.set()
+
+        while not self._closing:
             await self._flush_wanted.wait()
             self._flush_wanted.clear()
-            assert self.runner is not None
             self._collect(self.runner.drain())
             if not self._dirty:
                 continue
-            await self._flush()
+            due = interval - (time.monotonic() - last_full)
+            if due <= 0:
+                last_full = time.monotonic()
+                await self._flush(set(self._dirty))
+            else:
+                urgent = self._urgent & self._dirty
+                if urgent:
+                    await self._flush(urgent)
+                if self._dirty and not armed:
+                    armed = True
+                    loop.call_later(due, due_now)
 
     def _collect(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -459,6 +505,8 @@ class Worker:
             if run is None or run.end is not None or run.retry_error is not None:
                 continue
             if out.token_ids or out.text:
+                if run.first_token_wall is None:
+                    self._urgent.add(run.id)
                 run.add_tokens(out.text, out.token_ids, out.logprobs)
             if out.prompt_tokens:
                 run.prompt_tokens = out.prompt_tokens
@@ -472,19 +520,23 @@ class Worker:
                 run.cancelled(self._cancel_reason.pop(run.id, "cancelled"))
             elif out.finish_reason is not None:
                 run.finish(out.finish_reason)
+            if run.end is not None or run.retry_error is not None:
+                self._urgent.add(run.id)
             self._dirty.add(out.job_id)
         if self.runner is not None and self.runner.failures >= _MAX_ENGINE_FAILURES:
             log.error("engine keeps failing; stopping", extra={"worker_id": self.id})
             self.healthy = False
             self.stop()
 
-    async def _flush(self) -> None:
-        """One pipeline: every dirty job's pending events (EMIT), or its end (FINISH)."""
+    async def _flush(self, job_ids: set[str]) -> None:
+        """One pipeline: these jobs' pending events (EMIT), or their ends (FINISH)."""
         s = self.settings
         pipe = self.redis.pipeline(transaction=False)
         order: list[tuple[RunningJob, list[str]]] = []
         retries: list[RunningJob] = []
-        for job_id in list(self._dirty):
+        self._dirty -= job_ids
+        self._urgent -= job_ids
+        for job_id in job_ids:
             run = self.running.get(job_id)
             if run is None:
                 continue
@@ -495,17 +547,20 @@ class Worker:
                 record = [x for kv in fields.items() for x in kv]
                 args = [*head, str(s.retention_s), str(len(events) // 2), *events]
                 await self.scripts.finish(
-                    keys=self._job_keys(job_id), args=[*args, "status", status, *record], client=pipe
+                    keys=self._job_keys(job_id),
+                    args=[*args, "status", status, *record],
+                    client=pipe,
                 )
             elif events:
-                await self.scripts.emit(keys=self._job_keys(job_id), args=head + events, client=pipe)
+                await self.scripts.emit(
+                    keys=self._job_keys(job_id), args=head + events, client=pipe
+                )
             elif run.retry_error is not None:
                 retries.append(run)
                 continue
             else:
                 continue
             order.append((run, events))
-        self._dirty.clear()
         if retries:
             await self._retry(retries)
         if not order:
@@ -529,8 +584,7 @@ class Worker:
             if isinstance(ok, Exception):
                 log.error("Redis rejected events", extra={"job_id": run.id, "error": str(ok)})
                 run.end, run.retry_error = None, f"Redis rejected the job's events: {ok}"
-                self._dirty.add(run.id)  # handed back (counted) at the next flush
-                self._flush_wanted.set()
+                self._flush_soon(run.id)  # handed back (counted) at the next flush
             elif ok < 0:  # Redis lost the end of the log: nothing was written
                 lost_tail.append((run, events, -1 - ok))
             elif not ok:  # fenced: another worker owns this job now
@@ -545,8 +599,7 @@ class Worker:
             else:
                 run.remember(events, s.log_repair_window_s)
                 if run.retry_error is not None:  # its tokens are out: hand it back next flush
-                    self._dirty.add(run.id)
-                    self._flush_wanted.set()
+                    self._flush_soon(run.id)
         for run, events, last in lost_tail:
             await self._repair(run, events, last)
         if ended:
@@ -573,7 +626,12 @@ class Worker:
             return
         log.warning("job log lost its tail; re-sending", extra={"job_id": run.id, "from": last})
         run.pending[:0] = missing + events
-        self._dirty.add(run.id)
+        self._flush_soon(run.id)
+
+    def _flush_soon(self, job_id: str) -> None:
+        """Flush this job at once, not at the next flush interval."""
+        self._dirty.add(job_id)
+        self._urgent.add(job_id)
         self._flush_wanted.set()
 
     async def _retry(self, runs: list[RunningJob]) -> None:
@@ -614,13 +672,13 @@ class Worker:
         self.runner.cancel(job_id)
 
     async def _control_loop(self) -> None:
-        while True:
+        while not self._closing:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.keys.control(self.id))
                 await self._recheck_cancels()
-                while True:
-                    msg = await pubsub.get_message(timeout=5.0)
+                while not self._closing:
+                    msg = await pubsub.get_message(timeout=_CONTROL_POLL_S)
                     if msg is not None:
                         self.cancel(ControlMessage.model_validate_json(msg["data"]).cancel)
             except asyncio.CancelledError:
@@ -648,7 +706,7 @@ class Worker:
     # ---- heartbeat and reclaim -------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.settings.heartbeat_s)
             self._expire_overdue()
             try:
@@ -742,7 +800,7 @@ class Worker:
 
     async def _reclaim_loop(self) -> None:
         """Take over entries idle for a whole lease whose owner's heartbeat is gone."""
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.settings.heartbeat_s)
             if self._stopping.is_set() or not self.lease.reclaim_allowed():
                 continue
@@ -774,27 +832,13 @@ class Worker:
         if not ids:
             return
         # XCLAIM re-checks the idle time: an owner that touched an entry meanwhile keeps it.
-        claimed: list[tuple[str, dict[str, str] | None]] = await self.redis.xclaim(
-            queue, CONSUMER_GROUP, self.id, idle_ms, ids  # type: ignore[arg-type,assignment]
-        )
-        for entry_id, fields in claimed:
+        reply = await self.redis.xclaim(queue, CONSUMER_GROUP, self.id, idle_ms, cast(Any, ids))
+        for entry_id, fields in cast("list[tuple[str, dict[str, str] | None]]", reply):
             if fields:
                 claim = Claim(entry_id, queue, fields["job"], int(fields.get("tokens", 0)))
                 log.info("reclaimed job", extra={"job_id": claim.job_id, "worker_id": self.id})
                 self.waiting.append(claim)
         self._room.set()
-
-
-async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancel until done: a cancellation that lands inside a Redis client call can be
-    swallowed there (seen with fakeredis), and one missed cancel must not hang shutdown."""
-    while pending := [t for t in tasks if not t.done()]:
-        for t in pending:
-            t.cancel()
-        await asyncio.wait(pending, timeout=_LOOP_RESTART_S)
-    for t in tasks:
-        if not t.cancelled() and t.exception() is not None:
-            log.error("worker loop failed", exc_info=t.exception())
 
 
 def _stream_items(reply: Any) -> list[tuple[str, list[tuple[str, dict[str, str]]]]]:

@@ -87,7 +87,9 @@ class SimEngine:
         self._tokenizer = build_tokenizer()
         self.tokenizer_json = self._tokenizer.to_str()
         self._words = self._single_token_words()
-        self._eos_id = self._tokenizer.token_to_id(EOS)
+        eos_id = self._tokenizer.token_to_id(EOS)
+        assert eos_id is not None  # a special token of the trainer
+        self._eos_id: int = eos_id
         self._jobs: dict[str, _SimJob] = {}
         self.card = ModelCard(
             name=model_name,
@@ -181,7 +183,9 @@ class SimEngine:
         s.text += piece
         out = StepOutput(job_id=job.id, token_ids=[token_id], prompt_tokens=len(job.input_ids))
         if job.sampling.logprobs is not None:
-            out.logprobs = [self._logprob(s.base, s.position, token_id, piece, job.sampling.logprobs)]
+            out.logprobs = [
+                self._logprob(s.base, s.position, token_id, piece, job.sampling.logprobs)
+            ]
         stops = job.sampling.stop
         cut = _first_stop(s.text, stops, len(s.text) - len(piece)) if stops else -1
         if cut >= 0:
@@ -213,7 +217,9 @@ class SimEngine:
             "token": piece,
             "token_id": token_id,
             "logprob": uniform,
-            "top_logprobs": [{"token": p, "token_id": t, "logprob": uniform} for t, p in alternatives],
+            "top_logprobs": [
+                {"token": p, "token_id": t, "logprob": uniform} for t, p in alternatives
+            ],
         }
 
 

@@ -30,7 +30,12 @@ async def readyz(state: State) -> JSONResponse:
     except (RedisError, OSError) as exc:
         return JSONResponse({"status": "redis unreachable", "error": str(exc)}, 503)
     return JSONResponse(
-        {"status": "ready", "pid": os.getpid(), "streams": state.router.channels, "rss_mb": _rss_mb()}
+        {
+            "status": "ready",
+            "pid": os.getpid(),
+            "streams": state.router.channels,
+            "rss_mb": _rss_mb(),
+        }
     )
 
 

@@ -40,12 +40,17 @@ async def _entry(state: State, name: str, beats: list[Heartbeat]) -> dict[str, A
 @router.get("")
 async def list_models(state: State) -> dict[str, Any]:
     served = await _served(state)
-    return {"object": "list", "data": [await _entry(state, m, b) for m, b in sorted(served.items())]}
+    return {
+        "object": "list",
+        "data": [await _entry(state, m, b) for m, b in sorted(served.items())],
+    }
 
 
 @router.get("/{model}")
 async def get_model(model: str, state: State) -> dict[str, Any]:
     beats = (await _served(state)).get(model)
     if not beats:
-        raise NotFound(f"no live worker serves model '{model}'", param="model", code="model_not_found")
+        raise NotFound(
+            f"no live worker serves model '{model}'", param="model", code="model_not_found"
+        )
     return await _entry(state, model, beats)

@@ -92,7 +92,7 @@ async def test_worker_rewrites_events_redis_lost_so_the_log_has_no_hole(
         events_key = stack.worker.keys.events(job["id"])
 
         async def wait_log(n: int) -> None:  # a poll: Redis offers nothing to await here
-            while await redis.xlen(events_key) < n:  # noqa: ASYNC110
+            while await redis.xlen(events_key) < n:
                 await asyncio.sleep(0.01)
 
         await asyncio.wait_for(wait_log(6), 5)
@@ -119,7 +119,7 @@ async def test_job_whose_record_cannot_be_read_is_dead_lettered_and_claiming_goe
         return await stack.redis.hget(keys.job(bad), "status") == "failed"
 
     async with asyncio.timeout(10):
-        while not await failed():  # noqa: ASYNC110 (a poll: Redis offers nothing to await)
+        while not await failed():
             await asyncio.sleep(0.02)
     error = await stack.redis.hget(keys.job(bad), "error")
     assert error is not None and "could not begin the job" in error

@@ -1,0 +1,136 @@
+"""Benchmark of the whole CPU pipeline: `genq gateway` + `genq worker --engine sim` + Redis,
+loaded by `genq bench`. Prints the bench figures, the CPU seconds each process used, and the
+worker-side timing breakdown (queue wait, time to first token) read back from the job records.
+
+    python -m tests.bench.pipeline --concurrency 256 --requests 1024 --max-tokens 200 --step-ms 0
+
+Starts a private redis-server (or uses --redis-url) and its own processes; stops them at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import redis
+
+from tests.procs import Cluster, redis_server
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def worker_timings(url: str, prefix: str) -> dict[str, float]:
+    r = redis.Redis.from_url(url, decode_responses=True)
+    queue, ttft = [], []
+    for key in r.scan_iter(match=f"{prefix}job:*", count=1000):
+        raw = r.hget(key, "timings")
+        if raw:
+            t = json.loads(raw)
+            queue.append(t["queue_s"])
+            ttft.append(t["ttft_s"])
+    queue.sort()
+    ttft.sort()
+    lens = [r.xlen(k) for k in list(r.scan_iter(match=f"{prefix}events:*", count=1000))[:200]]
+
+    def p(v: list[float], q: float) -> float:
+        return round(1000 * v[min(len(v) - 1, int(q * len(v)))], 2) if v else float("nan")
+
+    return {
+        "worker_queue_ms_p50": p(queue, 0.5),
+        "worker_queue_ms_p99": p(queue, 0.99),
+        "worker_ttft_ms_p50": p(ttft, 0.5),
+        "worker_ttft_ms_p99": p(ttft, 0.99),
+        "events_per_job": round(sum(lens) / max(1, len(lens)), 1),
+    }
+
+
+def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | None = None) -> dict:
+    prefix = f"bench:{uuid.uuid4().hex[:6]}:"
+    cluster = Cluster(redis_url, tmp, prefix)
+    try:
+        gw = cluster.gateway(processes=args.gateway_procs)
+        worker = cluster.worker("--step-ms", str(args.step_ms), "--max-batch", str(args.max_batch))
+        procs = {"gateway": gw.proc.pid, "worker": worker.proc.pid}
+        if redis_pid is not None:
+            procs["redis"] = redis_pid
+        if args.gateway_procs > 1:  # uvicorn's children do the work
+            children = subprocess.run(
+                ["pgrep", "-P", str(gw.proc.pid)], capture_output=True, text=True
+            ).stdout.split()
+            for i, pid in enumerate(children):
+                procs[f"gateway{i}"] = int(pid)
+        before = {k: cpu_seconds(p) for k, p in procs.items()}
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "bench",
+                "--url",
+                gw.url,
+                "--concurrency",
+                str(args.concurrency),
+                "--requests",
+                str(args.requests),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--prompt-tokens",
+                str(args.prompt_tokens),
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        wall = time.perf_counter() - t0
+        figures = json.loads(out.stdout)
+        figures["cpu_s"] = {k: round(cpu_seconds(p) - before[k], 2) for k, p in procs.items()}
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        bench_cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
+        figures["cpu_s"]["bench"] = round(bench_cpu, 2)
+        figures["bench_wall_s"] = round(wall, 2)
+        figures.update(worker_timings(redis_url, prefix))
+        figures["step_ms"] = args.step_ms
+        return figures
+    finally:
+        cluster.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--step-ms", type=float, default=0)
+    ap.add_argument("--max-batch", type=int, default=256)
+    ap.add_argument("--gateway-procs", type=int, default=1)
+    ap.add_argument("--redis-url")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.redis_url:
+            result = run(args, args.redis_url, Path(tmp))
+        else:
+            with redis_server() as server:
+                assert server.proc is not None
+                result = run(args, server.url, Path(tmp), server.proc.pid)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+#!/bin/bash
+# One call on the GPU machine: GPU tests on a tiny synth model, then the 8B benchmark.
+#   source .gpu/activate.sh && bash tests/gpu/device_run.sh [tests] [bench64] [sweep] [procs]
+# Logs and JSON figures go to $OUT (default /tmp/genq-out).
+set -x
+OUT=${OUT:-/tmp/genq-out}
+mkdir -p "$OUT" /tmp/genq-logs
+steps=${*:-tests bench64}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -c "import torch, exllamav2, flash_attn; print(torch.__version__, exllamav2.__version__, flash_attn.__version__)" >> "$OUT/gpu.txt" 2>&1
+lscpu | grep -E 'Model name|^CPU\(s\)' >> "$OUT/gpu.txt"
+W="-W ignore::DeprecationWarning -W ignore::UserWarning -W ignore::FutureWarning"
+for step in $steps; do
+  case $step in
+    tests)
+      python3 -m gateway.cli synth-model /tmp/tiny --shape tiny
+      GENQ_TEST_TINY_MODEL=/tmp/tiny timeout 300 python3 -m pytest -q -m gpu tests/gpu $W \
+        -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest > "$OUT/gpu-tests.log" 2>&1
+      echo "gpu tests rc=$?" >> "$OUT/gpu-tests.log" ;;
+    bench64*|bare*|sweep*|procs*|gpus*)
+      [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m gateway.cli synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
+    bench64)
+      timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --bare --system \
+        --genq-bench --json-out "$OUT/bench64.json" --logs /tmp/genq-logs/bench64 > "$OUT/bench64.log" 2>&1 ;;
+    bench64gil)  # the same system run with CPython's default 5 ms GIL switch interval
+      timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --system \
+        --worker-env GENQ_GIL_SWITCH_INTERVAL_S=0.005 --json-out "$OUT/bench64gil.json" \
+        --logs /tmp/genq-logs/bench64gil > "$OUT/bench64gil.log" 2>&1 ;;
+    bare128)  # the bare generator at 128 streams (its best, per ../shared/gpu/README.md)
+      timeout 70 python3 -m worker.benchgpu --model /tmp/m8b --streams 128 --bare \
+        --requests-per-stream 1 --json-out "$OUT/bare128.json" > "$OUT/bare128.log" 2>&1 ;;
+    sweep)
+      timeout 330 python3 -m worker.benchgpu --model /tmp/m8b --sweep 1,8,32,64,128,192,256 \
+        --max-batch 256 --requests-per-stream 1 --json-out "$OUT/sweep.json" \
+        --logs /tmp/genq-logs/sweep > "$OUT/sweep.log" 2>&1 ;;
+    sweep256)  # one gateway process's Redis pool (256 connections) can't carry 256 streams
+      timeout 90 python3 -m worker.benchgpu --model /tmp/m8b --sweep 256 --max-batch 256 \
+        --requests-per-stream 1 --gateways 2 --json-out "$OUT/sweep256.json" \
+        --logs /tmp/genq-logs/sweep256 > "$OUT/sweep256.log" 2>&1 ;;
+    gpus1)  # issue 5 on a 2-GPU machine: 4 processes on one GPU at 256 streams...
+      timeout 110 python3 -m worker.benchgpu --model /tmp/m8b --sweep 256 --max-batch 256 \
+        --requests-per-stream 1 --worker-arg=--gpus=0 --worker-arg=--procs-per-gpu=4 --workers 4 \
+        --gateways 2 --json-out "$OUT/gpus1.json" --logs /tmp/genq-logs/gpus1 > "$OUT/gpus1.log" 2>&1 ;;
+    gpus2)  # ...and 4 on each of two GPUs at 256 and 512 streams
+      timeout 170 python3 -m worker.benchgpu --model /tmp/m8b --sweep 256,512 --max-batch 256 \
+        --requests-per-stream 1 --worker-arg=--gpus=0,1 --worker-arg=--procs-per-gpu=4 --workers 8 \
+        --gateways 4 --json-out "$OUT/gpus2.json" --logs /tmp/genq-logs/gpus2 > "$OUT/gpus2.log" 2>&1 ;;
+    gpus2n3)  # 3 per GPU on two GPUs at 512 streams, with a CPU snapshot mid-run
+      timeout 170 python3 -m worker.benchgpu --model /tmp/m8b --sweep 512 --max-batch 256 \
+        --requests-per-stream 1 --worker-arg=--gpus=0,1 --worker-arg=--procs-per-gpu=3 --workers 6 \
+        --gateways 4 --json-out "$OUT/gpus2n3.json" --logs /tmp/genq-logs/gpus2n3 \
+        > "$OUT/gpus2n3.log" 2>&1 &
+      bench=$!
+      until grep -q "# starting" "$OUT/gpus2n3.log" || ! kill -0 $bench 2>/dev/null; do sleep 1; done
+      sleep 12; top -b -n1 -w 200 | head -45 > "$OUT/top.txt"; wait $bench ;;
+    procs[1-4])  # N worker processes on the one GPU, total concurrency 64..256
+      n=${step#procs}
+      timeout 140 python3 -m worker.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \
+        --max-batch 256 --requests-per-stream 1 --worker-arg=--procs-per-gpu=$n --workers $n \
+        --gateways 2 \
+        --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1 ;;
+  esac
+done
+# $OUT takes at most 8 files: every process log goes back as one archive
+tar czf "$OUT/logs.tgz" -C /tmp genq-logs 2>/dev/null

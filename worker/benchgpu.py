@@ -1,0 +1,356 @@
+"""GPU benchmark: the bare exllamav2 generator in-process vs the whole genq system, same workload.
+
+    python -m worker.benchgpu --model DIR [--streams 64] [--new-tokens 256] [--bare] [--system]
+        [--sweep 1,8,32,64,128,256] [--worker-arg=--procs-per-gpu=2 ...] [--json-out FILE]
+
+Workload: `streams` closed-loop clients, each running jobs back to back (like `genq bench`);
+every job has a prompt of random token ids, uniform in [prompt-min, prompt-max], and asks
+for `new-tokens` tokens with neutral sampling (temperature 1). The bare run feeds the same
+jobs straight into `ExLlamaV2DynamicGenerator`; the system run sends them over HTTP
+(`gateway.bench.Client`, the client `genq bench` uses) to `genq gateway` processes, with
+`genq worker --engine exllamav2` behind Redis. Figures: tokens/s, time to first token and
+inter-token latency p50/p99 (each token event's gap divided among its tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from gateway.bench import Client, Target, percentile
+from shared.keys import Keys
+from shared.schemas import Sampling
+from shared.settings import Settings
+
+VOCAB_LOW = 300
+"""Lowest token id used in prompts: above the special tokens of a synth model."""
+READY_TIMEOUT_S = 600.0
+REQUESTS_PER_STREAM = 2
+SIM = "sim"
+"""`--model sim`: the system path with the sim engine, to try the harness without a GPU."""
+SIM_VOCAB = 500
+
+
+@dataclass
+class Job:
+    ids: list[int]
+    new_tokens: int
+    seed: int
+
+
+@dataclass
+class Trace:
+    start: float
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    gaps: list[float] = field(default_factory=list)
+
+    def tokens_at(self, now: float, n: int) -> None:
+        if n <= 0:
+            return
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            self.gaps.extend([(now - self.last) / n] * n)
+        self.last = now
+        self.tokens += n
+
+
+def workload(n: int, prompt_min: int, prompt_max: int, new_tokens: int, vocab: int) -> list[Job]:
+    rng = random.Random(0)
+    return [
+        Job([rng.randrange(VOCAB_LOW, vocab) for _ in range(rng.randint(prompt_min, prompt_max))],
+            new_tokens, i)
+        for i in range(n)
+    ]
+
+
+def summary(label: str, streams: int, traces: list[Trace], wall: float, **extra: Any) -> dict:
+    ttft = [t.first - t.start for t in traces if t.first is not None]
+    gaps = [g for t in traces for g in t.gaps]
+    ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
+    tokens = sum(t.tokens for t in traces)
+    return {
+        "run": label, "streams": streams, "jobs": len(traces), "tokens": tokens,
+        "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
+        "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
+        "itl_ms_p50": ms(percentile(gaps, 50)), "itl_ms_p99": ms(percentile(gaps, 99)), **extra,
+    }
+
+
+# ---- bare generator -------------------------------------------------------------------------
+
+
+def run_bare(settings: Settings, jobs: list[Job], streams: int) -> dict:
+    """The generator alone: enqueue `streams` jobs, start the next as each ends."""
+    from worker.exl2 import load_backend
+
+    backend, card, _ = load_backend(settings)
+    gen = backend.make_generator()
+    todo = list(reversed(jobs))
+    traces: dict[int, Trace] = {}
+    sampling = Sampling()
+
+    def start() -> None:
+        job = todo.pop()
+        key = len(traces)
+        handle = backend.make_job(job.ids, job.new_tokens, sampling, job.seed,
+                                  list(card.eos_token_ids), str(key))
+        traces[key] = Trace(time.perf_counter())
+        gen.enqueue(handle)
+
+    t0 = time.perf_counter()
+    for _ in range(min(streams, len(todo))):
+        start()
+    while gen.num_remaining_jobs():
+        results = gen.iterate()
+        now = time.perf_counter()
+        for r in results:
+            if r.get("stage") != "streaming":
+                continue
+            ids = r.get("token_ids")
+            traces[int(r["identifier"])].tokens_at(now, 0 if ids is None else int(ids.shape[-1]))
+            if r.get("eos") and todo:
+                start()
+    wall = time.perf_counter() - t0
+    backend.close()
+    import torch
+
+    torch.cuda.empty_cache()
+    return summary("bare generator", streams, list(traces.values()), wall)
+
+
+# ---- the whole system -----------------------------------------------------------------------
+
+
+class System:
+    """`genq gateway` + `genq worker` processes on the Redis of GENQ_REDIS_URL."""
+
+    def __init__(
+        self, model: Path, worker_args: list[str], gateways: int, logs: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.model = model
+        self.port = 18000 + os.getpid() % 1000
+        self.logs = logs
+        prefix = f"genqbench{int(time.time())}:"
+        self.keys = Keys(prefix)
+        url = os.environ.get("GENQ_REDIS_URL", "redis://127.0.0.1:6379/0")
+        self.redis = redis.Redis.from_url(url, decode_responses=True)
+        self.env = {**os.environ, "GENQ_REDIS_URL": url, "GENQ_KEY_PREFIX": prefix,
+                    "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._spawn("gateway", ["gateway", "--port", str(self.port), "--workers", str(gateways)])
+        engine = ["--engine", "sim"] if model.name == SIM else ["--engine", "exllamav2",
+                                                                 "--model", str(model)]
+        self._spawn("worker", ["worker", *engine, *worker_args])
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = open(self.logs / f"{name}.log", "ab")  # the child writes to it
+        self.procs.append(subprocess.Popen([sys.executable, "-m", "gateway.cli", *args],
+                                           stdout=log, stderr=subprocess.STDOUT, env=self.env))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, workers: int = 1) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{p.args!r} exited with {p.returncode}; see {self.logs}")
+            try:
+                models = httpx.get(f"{self.url}/v1/models", timeout=2).json()["data"]
+                if any(m["id"] == self.model.name for m in models) and self.workers() >= workers:
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("system did not come up")
+
+    def workers(self) -> int:
+        return int(self.redis.zcard(self.keys.workers()))
+
+    def per_worker(self) -> dict[str, dict[str, int]]:
+        """Jobs and tokens each worker process generated (job records name their worker)."""
+        out: dict[str, dict[str, int]] = {}
+        for key in self.redis.scan_iter(match=self.keys.job("*"), count=1000):
+            worker, usage = self.redis.hmget(key, ["worker", "usage"])
+            if not worker:
+                continue
+            w = out.setdefault(worker, {"jobs": 0, "tokens": 0})
+            w["jobs"] += 1
+            with contextlib.suppress(ValueError, TypeError):
+                w["tokens"] += int(json.loads(usage)["completion_tokens"])
+        return out
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def drive_http(
+    url: str, model: str, jobs: list[Job], streams: int
+) -> tuple[list[Trace], float]:
+    target = Target("127.0.0.1", int(url.rsplit(":", 1)[1]), None)
+    todo = iter(jobs)
+    traces: list[Trace] = []
+
+    async def client_loop() -> None:
+        client = Client(target)
+        for job in todo:
+            body = json.dumps({"model": model, "input_ids": job.ids, "max_tokens": job.new_tokens,
+                               "stream": True, "seed": job.seed}).encode()
+            t = Trace(time.perf_counter())
+            res = await client.stream_job(body)
+            if not res.ok:
+                raise RuntimeError(f"job failed: {res.error}")
+            t.tokens = res.tokens
+            t.first = None if res.ttft is None else t.start + res.ttft
+            t.gaps = res.gaps
+            traces.append(t)
+        await client.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client_loop() for _ in range(min(streams, len(jobs)))))
+    return traces, time.perf_counter() - t0
+
+
+def run_system(system: System, jobs: list[Job], streams: int, label: str) -> dict:
+    before = system.per_worker()
+    traces, wall = asyncio.run(drive_http(system.url, system.model.name, jobs, streams))
+    after = system.per_worker()
+    shares = {
+        w: {k: v[k] - before.get(w, {}).get(k, 0) for k in v} for w, v in sorted(after.items())
+    }
+    return summary(label, streams, traces, wall, per_worker=list(shares.values()))
+
+
+def genq_bench(system: System, streams: int, requests: int, new: int, prompt: int) -> dict:
+    """The `genq bench` command itself (fixed prompt length), for the record."""
+    cmd = [sys.executable, "-m", "gateway.cli", "bench", "--url", system.url, "--model",
+           system.model.name, "--concurrency", str(streams), "--requests", str(requests),
+           "--max-tokens", str(new), "--prompt-tokens", str(prompt), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=system.env, check=False)
+    lines = out.stdout.strip().splitlines()
+    return {"run": "genq bench", "cmd": " ".join(cmd[1:]),
+            **(json.loads(lines[-1]) if lines else {"stderr": out.stderr[-2000:]})}
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m worker.benchgpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompt-min", type=int, default=64)
+    p.add_argument("--prompt-max", type=int, default=512)
+    p.add_argument("--requests-per-stream", type=int, default=REQUESTS_PER_STREAM)
+    p.add_argument("--max-batch", type=int, help="default: --streams")
+    p.add_argument("--cache-tokens", type=int, help="default: max-batch * (prompt-max + new)")
+    p.add_argument("--bare", action="store_true")
+    p.add_argument("--system", action="store_true")
+    p.add_argument("--sweep", default="", help="concurrency levels for the system, e.g. 1,8,64")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra `genq worker` flag")
+    p.add_argument("--worker-env", action="append", default=[], help="K=V for the processes")
+    p.add_argument("--workers", type=int, default=1, help="worker processes to wait for")
+    p.add_argument("--gateways", type=int, default=1, help="gateway (uvicorn) processes")
+    p.add_argument("--genq-bench", action="store_true", help="also run the `genq bench` command")
+    p.add_argument("--logs", default="/tmp/genq-bench-logs")
+    p.add_argument("--json-out")
+    a = p.parse_args(argv)
+
+    model = Path(a.model)
+    vocab = SIM_VOCAB if a.model == SIM else _vocab(model)
+    levels = [int(x) for x in a.sweep.split(",") if x]
+    max_batch = a.max_batch or max([a.streams, *levels])
+    cache = a.cache_tokens or max_batch * (a.prompt_max + a.new_tokens)
+    settings = Settings(engine="exllamav2", model_dir=str(model), max_batch=max_batch,
+                        cache_tokens=cache)
+    worker_args = ["--max-batch", str(max_batch), "--cache-tokens", str(cache), *a.worker_arg]
+    results: list[dict] = []
+
+    def report(r: dict) -> None:
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        if a.json_out:
+            Path(a.json_out).write_text(json.dumps(results, indent=1))
+
+    def jobs_for(streams: int) -> list[Job]:
+        n = max(streams * a.requests_per_stream, 4)
+        return workload(n, a.prompt_min, a.prompt_max, a.new_tokens, vocab)
+
+    if a.bare:
+        report(run_bare(settings, jobs_for(a.streams), a.streams) | {"max_batch": max_batch,
+                                                                      "cache_tokens": cache})
+    if a.system or levels:
+        logs = Path(a.logs)
+        logs.mkdir(parents=True, exist_ok=True)
+        env = dict(kv.split("=", 1) for kv in a.worker_env)
+        system = System(model, worker_args, a.gateways, logs, env)
+        try:
+            system.wait_ready(a.workers)
+            warm = workload(a.workers * 2, a.prompt_min, a.prompt_max, 8, vocab)
+            run_system(system, warm, len(warm), "warm-up")
+            extra = {"worker_args": " ".join(worker_args), "gateways": a.gateways, "env": env}
+            if a.system:
+                report(run_system(system, jobs_for(a.streams), a.streams, "system") | extra)
+                if results and results[0]["run"] == "bare generator":
+                    bare, sysr = results[0], results[-1]
+                    report(ratio(bare, sysr))
+            for c in levels:
+                print(f"# starting {c} streams", file=sys.stderr, flush=True)
+                report(run_system(system, jobs_for(c), c, "system sweep") | extra)
+            if a.genq_bench:
+                mid = (a.prompt_min + a.prompt_max) // 2
+                report(genq_bench(system, a.streams, a.streams * a.requests_per_stream,
+                                  a.new_tokens, mid))
+        finally:
+            system.close()
+    return 0
+
+
+def ratio(bare: dict, system: dict) -> dict:
+    return {
+        "run": "ratio system/bare",
+        "tokens_per_s": round(system["tokens_per_s"] / bare["tokens_per_s"], 3),
+        "ttft_p50_overhead_ms": round(system["ttft_ms_p50"] - bare["ttft_ms_p50"], 1),
+    }
+
+
+def _vocab(model: Path) -> int:
+    """Ids usable in prompts: below both the model's and the tokenizer's vocabulary."""
+    from tokenizers import Tokenizer
+
+    config = json.loads((model / "config.json").read_text())
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    return min(int(config["vocab_size"]), int(tok.get_vocab_size()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

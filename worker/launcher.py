@@ -1,0 +1,286 @@
+"""`genq worker --gpus 0,1 --procs-per-gpu N`: N worker processes per GPU, supervised.
+
+One exllamav2 generator is bound by its own Python work long before the GPU is busy, so
+several independent workers on one GPU generate more together; genq's queue balances them,
+since each claims only what it can start now. Each child is a plain `genq worker` with
+`CUDA_VISIBLE_DEVICES` set to its GPU, its own worker id, and 1/N of its GPU's batch slots
+and cache (`--max-batch` and `--cache-tokens` are per GPU here). Weights are loaded once per
+process: N copies of the model must fit on the GPU beside the caches.
+
+The launcher restarts a child that dies (backoff doubling from `RESTART_BACKOFF_S` up to
+`RESTART_BACKOFF_MAX_S`, reset once a child has stayed up `STABLE_AFTER_S`; its jobs are
+reclaimed by the queue as usual) and passes SIGTERM/SIGINT on, so that every child drains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared.settings import Settings
+
+log = logging.getLogger("genq.worker.launcher")
+
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 60.0
+POLL_S = 0.2
+KILL_MARGIN_S = 10.0
+"""After SIGTERM a child has `shutdown_grace_s` plus this to leave before it is killed."""
+PAGE_TOKENS = 256
+DEFAULT_CACHE_TOKENS_PER_JOB = 1024
+
+# `--procs-per-gpu auto`: as many processes as memory and CPU allow, up to the point where
+# more stopped paying on an H200 with an 8B model (docs/benchmarks.md, issue 5).
+AUTO_MAX_PROCS = 4
+CORES_PER_PROC = 4
+"""Generator thread, its sampling threads and the asyncio side of one worker process."""
+PROC_OVERHEAD_BYTES = 3 * 1024**3
+"""Per process beside weights and cache: CUDA context, activations, scratch buffers."""
+GPU_MEMORY_USABLE = 0.9
+CACHE_BYTES_PER_ELEMENT = {"FP16": 2.0, "Q8": 1.125, "Q6": 0.875, "Q4": 0.625}
+"""K/V bytes per element by cache mode, quantisation scales included (approximate)."""
+
+
+@dataclass
+class Child:
+    gpu: str
+    index: int
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    restarts: int = 0
+    backoff: float = RESTART_BACKOFF_S
+    next_start: float = 0.0
+    exit_codes: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"gpu{self.gpu}/p{self.index}"
+
+
+def child_settings(settings: Settings, procs_per_gpu: int) -> dict[str, Any]:
+    """Per-process share of one GPU: batch slots and cache tokens divided by N."""
+    per = max(1, math.ceil(settings.max_batch / procs_per_gpu))
+    cache = settings.cache_tokens or settings.max_batch * DEFAULT_CACHE_TOKENS_PER_JOB
+    per_cache = max(PAGE_TOKENS, (cache // procs_per_gpu) // PAGE_TOKENS * PAGE_TOKENS)
+    return {"max_batch": per, "cache_tokens": per_cache}
+
+
+def settings_env(settings: Settings, **overrides: Any) -> dict[str, str]:
+    """Settings as GENQ_* variables, so each child builds the same Settings object."""
+    env: dict[str, str] = {}
+    for name, value in {**settings.model_dump(), **overrides}.items():
+        if value is None:
+            continue
+        if isinstance(value, list | dict):
+            env[f"GENQ_{name.upper()}"] = json.dumps(value)
+        else:
+            env[f"GENQ_{name.upper()}"] = str(value)
+    return env
+
+
+class Launcher:
+    def __init__(
+        self, settings: Settings, gpus: list[str], procs_per_gpu: int,
+        command: list[str] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.command = command or [sys.executable, "-m", "gateway.cli", "worker"]
+        share = child_settings(settings, procs_per_gpu)
+        base_id = settings.worker_id or socket.gethostname()
+        self.children: list[Child] = []
+        for gpu in gpus:
+            for i in range(procs_per_gpu):
+                env = {**os.environ, **settings_env(settings, **share)}
+                env["CUDA_VISIBLE_DEVICES"] = gpu
+                env["GENQ_WORKER_ID"] = f"{base_id}-g{gpu}p{i}"
+                self.children.append(Child(gpu, i, env))
+        self.stopping = False
+
+    def _start(self, c: Child) -> None:
+        env = dict(c.env)
+        if c.restarts:  # a fresh id: the old one's entries are reclaimed like any dead worker's
+            env["GENQ_WORKER_ID"] = f"{c.env['GENQ_WORKER_ID']}r{c.restarts}"
+        c.proc = subprocess.Popen(self.command, env=env)
+        c.started = time.monotonic()
+        log.info("worker process started",
+                 extra={"child": c.name, "pid": c.proc.pid, "worker_id": env["GENQ_WORKER_ID"]})
+
+    def _stop(self, *_: object) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        log.info("stopping worker processes (draining)")
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        return self.run_supervised()
+
+    def run_supervised(self) -> int:
+        """Start every child, keep them running until `_stop`, then wait for their drain."""
+        for c in self.children:
+            self._start(c)
+        while not self.stopping:
+            self._supervise(time.monotonic())
+            time.sleep(POLL_S)
+        return self._wait_all()
+
+    def _supervise(self, now: float) -> None:
+        for c in self.children:
+            if c.proc is None:
+                if now >= c.next_start:
+                    self._start(c)
+                continue
+            code = c.proc.poll()
+            if code is None:
+                if now - c.started > STABLE_AFTER_S:
+                    c.backoff = RESTART_BACKOFF_S
+                continue
+            c.exit_codes.append(code)
+            c.proc = None
+            c.restarts += 1
+            c.next_start = now + c.backoff
+            log.warning("worker process exited; restarting",
+                        extra={"child": c.name, "code": code, "in_s": c.backoff})
+            c.backoff = min(c.backoff * 2, RESTART_BACKOFF_MAX_S)
+
+    def _wait_all(self) -> int:
+        deadline = time.monotonic() + self.settings.shutdown_grace_s + KILL_MARGIN_S
+        worst = 0
+        for c in self.children:
+            if c.proc is None:
+                continue
+            try:
+                code = c.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker process did not drain; killing", extra={"child": c.name})
+                c.proc.kill()
+                code = c.proc.wait()
+            worst = worst or code
+        return worst
+
+
+def parse_gpus(spec: str | None) -> list[str]:
+    """'0,1' → ['0', '1']; none given: the visible GPUs as CUDA_VISIBLE_DEVICES names them,
+    else GPU 0."""
+    if spec:
+        return [g.strip() for g in spec.split(",") if g.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [g for g in visible.split(",") if g] if visible else ["0"]
+
+
+def _gpu_free_bytes(gpu: str) -> int | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", gpu],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+        return int(out.split()[0]) * 1024**2
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def _model_bytes(model_dir: Path) -> tuple[int, int]:
+    """(weight bytes, K/V elements per cached token) of a model folder."""
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    return weights, 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim
+
+
+def auto_procs(settings: Settings, gpus: list[str]) -> int:
+    """Worker processes per GPU when none is given: one copy of the weights per process must
+    fit beside the GPU's cache, each process wants CORES_PER_PROC cores, at most
+    AUTO_MAX_PROCS. The sim engine, an unknown GPU or model: 1."""
+    if settings.engine != "exllamav2" or not settings.model_dir:
+        return 1
+    free = _gpu_free_bytes(gpus[0])
+    try:
+        weights, kv_per_token = _model_bytes(Path(settings.model_dir))
+    except (OSError, ValueError, KeyError):
+        return 1
+    if free is None or weights == 0:
+        return 1
+    cache_tokens = settings.cache_tokens or settings.max_batch * DEFAULT_CACHE_TOKENS_PER_JOB
+    cache = cache_tokens * kv_per_token * CACHE_BYTES_PER_ELEMENT[settings.cache_mode]
+    by_memory = int((free * GPU_MEMORY_USABLE - cache) // (weights + PROC_OVERHEAD_BYTES))
+    by_cpu = (os.cpu_count() or 1) // (CORES_PER_PROC * len(gpus))
+    return max(1, min(AUTO_MAX_PROCS, by_memory, by_cpu))
+
+
+def resolve_procs(settings: Settings, gpus: list[str], spec: str | int | None) -> int:
+    if spec is None or spec == "auto":
+        n = auto_procs(settings, gpus)
+        log.info("worker processes per GPU chosen", extra={"procs_per_gpu": n, "gpus": gpus})
+        return n
+    return max(1, int(spec))
+
+
+def run(settings: Settings, gpus: str | None, procs_per_gpu: str | int | None) -> int:
+    gpu_list = parse_gpus(gpus)
+    return Launcher(settings, gpu_list, resolve_procs(settings, gpu_list, procs_per_gpu)).run()
+
+
+def serve(settings: Settings, host: str, port: int, gpus: str | None,
+          procs_per_gpu: str | int | None) -> int | None:
+    """`genq serve` with several worker processes: this process runs the gateway, a child
+    runs the launcher. None when one in-process worker will do (then `genq serve` runs as
+    usual): one process per GPU chosen, or no redis-server to share between processes."""
+    from gateway.serve import private_redis, run_gateway
+
+    gpu_list = parse_gpus(gpus)
+    n = resolve_procs(settings, gpu_list, procs_per_gpu)
+    if n == 1 and len(gpu_list) == 1:
+        return None
+    with contextlib.ExitStack() as stack:
+        url = settings.redis_url or stack.enter_context(private_redis())
+        if url is None:
+            log.warning("no redis-server to share between worker processes: running one")
+            return None
+        settings = settings.model_copy(update={"redis_url": url})
+        os.environ.update(settings_env(settings))  # the gateway's uvicorn reads GENQ_*
+        workers = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "worker", "--gpus", ",".join(gpu_list),
+             "--procs-per-gpu", str(n)],
+            env=os.environ.copy(),
+        )
+        print(f"genq serving on http://{host}:{port} with {n} worker process(es) per GPU "
+              f"on GPU(s) {','.join(gpu_list)}", flush=True)
+
+        def drain(*_: object) -> None:
+            # uvicorn re-raises the signal that stopped it once it is done; this handler
+            # catches that (instead of the default, which would kill us before the workers
+            # drained) and starts the workers' drain beside the gateway's.
+            if workers.poll() is None:
+                workers.send_signal(signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, drain)
+        signal.signal(signal.SIGINT, drain)
+        try:
+            run_gateway(settings, host, port, 1)
+        finally:
+            drain()
+            try:
+                code = workers.wait(settings.shutdown_grace_s + 2 * KILL_MARGIN_S)
+            except subprocess.TimeoutExpired:
+                workers.kill()
+                code = workers.wait()
+    return code

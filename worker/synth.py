@@ -1,0 +1,235 @@
+"""`genq synth-model DIR --shape tiny|1b|8b`: a random-weight Llama checkpoint for testing.
+
+No checkpoint can be downloaded on the GPU machines, and speed depends only on the shapes,
+so a random-weight model with a real model's shapes measures what that model would. The
+folder is a plain HF Llama checkpoint: fp16 safetensors (norm weights 1, the rest
+N(0, 0.02)), `config.json`, and a byte-level BPE `tokenizer.json` trained with `tokenizers`
+on the Python standard library's own sources (always on disk, no download).
+
+Weights are drawn with torch on the GPU when it is there (seconds for 8B), else with numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+INIT_STD = 0.02
+"""Standard deviation of every non-norm weight (the usual Llama initialisation)."""
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+EOT = "<|eot_id|>"
+CHAT_TOKENS = ["<|start_header_id|>", "<|end_header_id|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+CORPUS_BYTES = {"tiny": 2_000_000, "1b": 8_000_000, "8b": 8_000_000}
+"""How much stdlib source trains the tokenizer: enough for the vocabulary, fast to train."""
+SHARD_BYTES = 4 * 1024**3
+"""Largest safetensors shard written (HF convention: several files plus an index)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    """Rows of the embedding and lm_head; may exceed the tokenizer's (exllamav2 masks the rest)."""
+    tokenizer_vocab: int
+    max_positions: int
+    rope_theta: float
+
+
+SHAPES: dict[str, Shape] = {
+    "tiny": Shape(256, 512, 2, 4, 2, 4096, 4096, 4096, 10_000.0),
+    # Llama 3.2 1B and Llama 3 8B shapes.
+    "1b": Shape(2048, 8192, 16, 32, 8, 128_256, 32_000, 8192, 500_000.0),
+    "8b": Shape(4096, 14_336, 32, 32, 8, 128_256, 32_000, 8192, 500_000.0),
+}
+
+
+def tensor_shapes(s: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a Llama checkpoint, in file order, with its HF name."""
+    head_dim = s.hidden // s.heads
+    yield "model.embed_tokens.weight", (s.vocab, s.hidden)
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (s.hidden,)
+        yield p + "self_attn.q_proj.weight", (s.heads * head_dim, s.hidden)
+        yield p + "self_attn.k_proj.weight", (s.kv_heads * head_dim, s.hidden)
+        yield p + "self_attn.v_proj.weight", (s.kv_heads * head_dim, s.hidden)
+        yield p + "self_attn.o_proj.weight", (s.hidden, s.heads * head_dim)
+        yield p + "post_attention_layernorm.weight", (s.hidden,)
+        yield p + "mlp.gate_proj.weight", (s.intermediate, s.hidden)
+        yield p + "mlp.up_proj.weight", (s.intermediate, s.hidden)
+        yield p + "mlp.down_proj.weight", (s.hidden, s.intermediate)
+    yield "model.norm.weight", (s.hidden,)
+    yield "lm_head.weight", (s.vocab, s.hidden)
+
+
+def _corpus(limit: int) -> Iterator[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    for path in sorted(stdlib.rglob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        yield text
+        total += len(text)
+        if total >= limit:
+            return
+
+
+def train_tokenizer(vocab: int, corpus_bytes: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=[BOS, EOS, EOT, *CHAT_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(corpus_bytes), trainer=trainer)
+    return tok
+
+
+def _config(s: Shape, bos_id: int, eos_ids: list[int]) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.hidden // s.heads,
+        "vocab_size": s.vocab,
+        "max_position_embeddings": s.max_positions,
+        "rope_theta": s.rope_theta,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_ids,
+        "genq_synthetic": "random weights from `genq synth-model`; not a language model",
+    }
+
+
+def _tokenizer_config(tok: Tokenizer) -> dict[str, Any]:
+    added = {
+        str(tok.token_to_id(t)): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                  "normalized": False, "single_word": False}
+        for t in [BOS, EOS, EOT, *CHAT_TOKENS]
+    }
+    return {
+        "added_tokens_decoder": added,
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 1_000_000,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+class _Sampler:
+    """Draws fp16 tensors: torch on CUDA when available (fast), numpy otherwise."""
+
+    def __init__(self, seed: int) -> None:
+        self.torch: Any = None
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                self.torch = torch
+                self.gen = torch.Generator(device="cuda").manual_seed(seed)
+        except ImportError:
+            pass
+        if self.torch is None:
+            import numpy as np
+
+            self.np = np
+            self.rng = np.random.default_rng(seed)
+
+    def draw(self, name: str, shape: tuple[int, ...]) -> Any:
+        norm = name.endswith("norm.weight")
+        if self.torch is not None:
+            t = self.torch
+            if norm:
+                return t.ones(shape, dtype=t.float16)
+            x = t.randn(shape, generator=self.gen, device="cuda", dtype=t.float16) * INIT_STD
+            return x.cpu()
+        np = self.np
+        if norm:
+            return np.ones(shape, dtype=np.float16)
+        return (self.rng.standard_normal(shape, dtype=np.float32) * INIT_STD).astype(np.float16)
+
+    def save(self, tensors: dict[str, Any], path: Path) -> None:
+        if self.torch is not None:
+            from safetensors.torch import save_file
+        else:
+            from safetensors.numpy import save_file  # type: ignore[assignment]
+        save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _write_weights(s: Shape, out: Path, seed: int) -> None:
+    sampler = _Sampler(seed)
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in tensor_shapes(s):
+        n = 2
+        for d in shape:
+            n *= d
+        if size + n > SHARD_BYTES and shards[-1]:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += n
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        sampler.save({name: sampler.draw(name, shape) for name, shape in shard}, out / fname)
+        weight_map.update({name: fname for name, _ in shard})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+def _special_id(tok: Tokenizer, token: str) -> int:
+    token_id = tok.token_to_id(token)
+    if token_id is None:  # the trainer was given it as a special token: always there
+        raise RuntimeError(f"tokenizer lacks {token}")
+    return int(token_id)
+
+
+def synth_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0) -> Path:
+    """Write a random-weight Llama checkpoint of `shape` into `out_dir`; returns the folder."""
+    s = SHAPES[shape]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(s.tokenizer_vocab, CORPUS_BYTES[shape])
+    tok.save(str(out / "tokenizer.json"))
+    bos_id = _special_id(tok, BOS)
+    eos_ids = [_special_id(tok, EOS), _special_id(tok, EOT)]
+    (out / "config.json").write_text(json.dumps(_config(s, bos_id, eos_ids), indent=1))
+    (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tok), indent=1))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_ids}, indent=1)
+    )
+    _write_weights(s, out, seed)
+    return out
