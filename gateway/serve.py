@@ -46,6 +46,7 @@ def run_gateway(settings: Settings, host: str, port: int, processes: int) -> Non
         port=port,
         workers=processes,
         log_level="warning",
+        access_log=False,  # one line per request and per stream costs more than it tells
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
         backlog=4096,
     )
@@ -139,6 +140,7 @@ async def _serve(settings: Settings, client: aioredis.Redis, host: str, port: in
         host=host,
         port=port,
         log_level="warning",
+        access_log=False,  # one line per request and per stream costs more than it tells
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
     )
     server = uvicorn.Server(config)
