@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from gateway import errors
 from gateway.cards import CardCache
 from gateway.jobs import JobService
+from gateway.openai import routes as openai_routes
 from gateway.pubsub import PubSubRouter
 from gateway.routes import health, jobs, models
 from gateway.state import GatewayState
@@ -62,6 +63,7 @@ def create_app(settings: Settings, redis: aioredis.Redis | None = None) -> FastA
     app.include_router(health.router)
     app.include_router(models.router)
     app.include_router(jobs.router)
+    app.include_router(openai_routes.router)
     return app
 
 
