@@ -93,7 +93,7 @@ return 1
 )
 
 # KEYS: job, events, channel. ARGV: now, retention, maxlen, reason.
-# -> {'cancelled'} (was queued; event written) | {'running', worker} | {status} | {'missing'}
+# -> {'ok'} (was queued: now cancelled) | {'running', worker} | {status} | {'missing'}
 CANCEL = (
     _LAST_SEQ
     + """
@@ -109,7 +109,7 @@ if st == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[1])
   redis.call('EXPIRE', KEYS[1], ARGV[2])
   redis.call('EXPIRE', KEYS[2], ARGV[2])
-  return {'cancelled'}
+  return {'ok'}
 end
 if st == 'running' then
   redis.call('HSET', KEYS[1], 'cancel', ARGV[4])

@@ -63,6 +63,8 @@ log = logging.getLogger("genq.gateway.openai")
 CLIENT_CLOSED_REQUEST = 499
 """Status of a response nobody will read: its client disconnected (nginx's convention)."""
 DONE_FRAME = b"data: [DONE]\n\n"
+CANCEL_RETRY_S = 0.05
+"""How long a cancelled helper task gets to end before it is cancelled again."""
 _OUTPUT_EVENTS = frozenset({"token", "done", "error", "cancelled"})
 
 Batch = list[tuple[int, str, str]]
@@ -208,10 +210,8 @@ class OpenAIServing:
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (collect, gone):
-                task.cancel()
             with anyio.CancelScope(shield=True):
-                await asyncio.gather(collect, gone, return_exceptions=True)
+                await _stop([collect, gone])
                 await self._close(run, followers)
         if not collect.cancelled():
             collect.result()  # raises what collecting raised
@@ -332,10 +332,22 @@ async def _merged(
             else:
                 yield index, item
     finally:
-        for t in tasks:
-            t.cancel()
         with anyio.CancelScope(shield=True):
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _stop(tasks)
+
+
+async def _stop(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel `tasks` and wait for them, cancelling again while one lives on.
+
+    A follower parked in a Redis call can absorb a single cancel (it may surface as a
+    RedisError, which the follower treats as a blip) and wait on; anyio re-delivers
+    cancellation for the same reason.
+    """
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=CANCEL_RETRY_S)
 
 
 def _output_events(batch: Batch) -> list[Any]:

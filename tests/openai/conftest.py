@@ -6,12 +6,13 @@ Models:
   sim-llama3  Llama-3 template from GENQ_CHAT_TEMPLATE (a file); fast
   sim-bare    no chat template
   sim-slow    ChatML; one job at a time, slow steps: queued and running jobs on demand
-  sim-gone    its worker served once and left: a card, but no live worker
+  sim-gone    a card, as its worker wrote it once, but no live worker
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 import uuid
@@ -29,7 +30,6 @@ from shared.keys import Keys
 from shared.schemas import JobSpec
 from shared.settings import Settings
 from tests.conftest import REDIS_URL
-from tests.procs import free_port
 from worker.service import Worker
 from worker.sim import SimEngine
 
@@ -39,6 +39,7 @@ QUEUE_LIMIT = 3
 SLOW_STEP_MS = 50.0
 SLOW_BATCH = 1
 START_TIMEOUT_S = 15.0
+POLL_S = 0.01
 
 CHATML = (
     "{% for message in messages %}"
@@ -68,8 +69,9 @@ class GenqServer:
 
     def __init__(self, settings: Settings, workers: dict[str, tuple[Settings, SimEngine]]) -> None:
         self.settings = settings
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._socket = socket.socket()  # bound here: no race for a free port with other tests
+        self._socket.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
         self.keys = Keys(settings.key_prefix)
         self.workers: dict[str, Worker] = {}
         self._specs = workers
@@ -100,23 +102,25 @@ class GenqServer:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
-        tasks: list[asyncio.Task[None]] = []
+        tasks: dict[str, asyncio.Task[None]] = {}
         for name, (settings, engine) in self._specs.items():
+            if name == GONE:  # its worker died long ago: a card, no heartbeat
+                await _publish_card(client, self.keys, name, engine)
+                continue
             worker = Worker(settings, engine, redis=client, model_name=name)
             self.workers[name] = worker
-            tasks.append(asyncio.create_task(worker.run()))
-        while not all([await client.exists(self.keys.model_card(n)) for n in self.workers]):
-            await asyncio.sleep(0.01)  # workers give no signal for "card written"
-        gone = self.workers.pop(GONE)
-        gone.stop()
-        app = create_app(self.settings, redis=client)
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", ws="none", lifespan="on"
+            tasks[name] = asyncio.create_task(worker.run())
+        cards = [self.keys.model_card(n) for n in self.workers]
+        while await client.exists(*cards) < len(cards):  # noqa: ASYNC110 - no event for it
+            await asyncio.sleep(POLL_S)
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(self.settings, redis=client), log_level="warning", ws="none")
         )
-        server = uvicorn.Server(config)
-        serving = asyncio.create_task(server.serve())
+        serving = asyncio.create_task(server.serve(sockets=[self._socket]))
         while not server.started:
-            await asyncio.sleep(0.01)  # uvicorn gives no signal for "listening"
+            if serving.done():
+                raise RuntimeError(f"uvicorn stopped while starting: {serving.exception()!r}")
+            await asyncio.sleep(POLL_S)
         self._ready.set()
         try:
             await self._stop.wait()
@@ -125,11 +129,20 @@ class GenqServer:
             await serving
             for w in self.workers.values():
                 w.stop()
-            await asyncio.gather(*tasks)
+            await asyncio.gather(*tasks.values())
             keys = [k async for k in client.scan_iter(match=f"{self.settings.key_prefix}*")]
             if keys:
                 await client.delete(*keys)
             await client.aclose()
+            self._socket.close()
+
+
+async def _publish_card(client: aioredis.Redis, keys: Keys, name: str, engine: SimEngine) -> None:
+    """What a worker of `name` writes when it starts (see Worker._prepare)."""
+    engine.card.name = name
+    card = {"card": engine.card.model_dump_json(), "tokenizer": engine.tokenizer_json}
+    await client.hset(keys.model_card(name), mapping=card)  # type: ignore[misc,arg-type]
+    await client.sadd(keys.models(), name)  # type: ignore[misc]
 
 
 @pytest.fixture(scope="package")
@@ -149,9 +162,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenqServer]:
         shutdown_grace_s=0.5,
     )
 
-    def worker(template: str | None = None, **engine: float) -> tuple[Settings, SimEngine]:
+    def worker(
+        template: str | None = None, step_ms: float = 1.0, max_batch: int = base.max_batch
+    ) -> tuple[Settings, SimEngine]:
         settings = Settings(**{**base.model_dump(), "chat_template": template})
-        return settings, SimEngine(step_ms=engine.get("step_ms", 1.0), **_batch(engine))
+        return settings, SimEngine(step_ms=step_ms, max_batch=max_batch)
 
     genq = GenqServer(
         base,
@@ -168,10 +183,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenqServer]:
     genq.stop()
 
 
-def _batch(engine: dict[str, float]) -> dict[str, int]:
-    return {"max_batch": int(engine["max_batch"])} if "max_batch" in engine else {}
-
-
 @pytest.fixture
 def client(server: GenqServer) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as c:
@@ -180,9 +191,7 @@ def client(server: GenqServer) -> Iterator[openai.OpenAI]:
 
 @pytest.fixture
 async def aclient(server: GenqServer) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0
-    ) as c:
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as c:
         yield c
 
 
@@ -193,13 +202,13 @@ def db(server: GenqServer) -> Iterator[redis.Redis]:
         yield r
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str = "") -> float:
-    """Seconds until `predicate()` held; fails after `timeout`. For state owned by another
-    thread or process, which offers no event to await."""
+def wait_until(predicate: Callable[[], object], within: float, what: str = "") -> float:
+    """Seconds until `predicate()` held; fails after `within` seconds. For state owned by
+    another thread or process, which offers no event to await."""
     start = time.monotonic()
     while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout}s: {what}")
+        if time.monotonic() - start > within:
+            raise AssertionError(f"not within {within}s: {what}")
         time.sleep(0.005)
     return time.monotonic() - start
 
@@ -208,11 +217,11 @@ def job_spec(db: redis.Redis, keys: Keys, job_id: str) -> JobSpec:
     return JobSpec.model_validate_json(str(db.hget(keys.job(job_id), "spec")))
 
 
-async def async_wait_until(predicate: Callable[[], object], timeout: float, what: str = "") -> float:
+async def async_wait_until(predicate: Callable[[], object], within: float, what: str = "") -> float:
     """`wait_until` that lets this thread's event loop run meanwhile."""
     start = time.monotonic()
     while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout}s: {what}")
+        if time.monotonic() - start > within:
+            raise AssertionError(f"not within {within}s: {what}")
         await asyncio.sleep(0.005)
     return time.monotonic() - start

@@ -40,7 +40,10 @@ def test_chatml_template_renders_exactly() -> None:
 
 def test_without_generation_prompt_the_reply_turn_stays_closed() -> None:
     text = render_chat(CHATML, MESSAGES[:2], add_generation_prompt=False)
-    assert text == "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+    assert (
+        text
+        == "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+    )
 
 
 def test_hf_conventions_tojson_trim_blocks_and_generation_block() -> None:
@@ -50,7 +53,10 @@ def test_hf_conventions_tojson_trim_blocks_and_generation_block() -> None:
         "{% endfor %}"
     )
     # lstrip_blocks eats the indent, trim_blocks the newline after each tag; é stays é
-    assert render_chat(source, [{"role": "user", "content": "é"}]) == '{"role": "user", "content": "é"}'
+    assert (
+        render_chat(source, [{"role": "user", "content": "é"}])
+        == '{"role": "user", "content": "é"}'
+    )
 
 
 def test_raise_exception_is_a_400_naming_messages() -> None:
