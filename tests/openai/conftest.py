@@ -134,7 +134,6 @@ class GenqServer:
             await client.aclose()
             self._socket.close()
 
-
     async def _stop_workers(self, tasks: list[asyncio.Task[None]]) -> None:
         """Stop every worker. Worker.run cancels its loops once; a cancel that lands inside a
         redis-py read can come back as a RedisError, which the claim loop retries, so a loop
