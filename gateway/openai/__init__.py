@@ -1,2 +1,3 @@
 """The OpenAI-compatible API, in vLLM's shape: `protocol` (wire types), `serving` (logic),
-`output` (events → chunks and responses), `templates` (chat templates), `routes` (thin)."""
+`output` (events to chunks and responses), `follow` (merging job streams, disconnects),
+`templates` (chat templates), `routes` (thin)."""

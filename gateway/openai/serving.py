@@ -30,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
 from gateway.cards import LoadedCard
+from gateway.openai.follow import Batch, disconnected, merged, stop_tasks
 from gateway.openai.output import (
     ChatFormat,
     ChoiceState,
@@ -63,11 +64,8 @@ log = logging.getLogger("genq.gateway.openai")
 CLIENT_CLOSED_REQUEST = 499
 """Status of a response nobody will read: its client disconnected (nginx's convention)."""
 DONE_FRAME = b"data: [DONE]\n\n"
-CANCEL_RETRY_S = 0.05
-"""How long a cancelled helper task gets to end before it is cancelled again."""
 _OUTPUT_EVENTS = frozenset({"token", "done", "error", "cancelled"})
 
-Batch = list[tuple[int, str, str]]
 Prompt = str | list[int]
 
 
@@ -206,12 +204,12 @@ class OpenAIServing:
             response.headers.update(headers)
             return response
         collect = asyncio.create_task(self._collect(run, followers))
-        gone = asyncio.create_task(_disconnected(request))
+        gone = asyncio.create_task(disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             with anyio.CancelScope(shield=True):
-                await _stop([collect, gone])
+                await stop_tasks([collect, gone])
                 await self._close(run, followers)
         if not collect.cancelled():
             collect.result()  # raises what collecting raised
@@ -240,7 +238,7 @@ class OpenAIServing:
 
     async def _collect(self, run: Run, followers: list[EventFollower]) -> None:
         """Follow every job to its end; raise the first failure as an error."""
-        async for index, batch in _merged(followers):
+        async for index, batch in merged(followers):
             if batch is not None:
                 for ev in _output_events(batch):
                     run.choices[index].apply(ev)
@@ -257,7 +255,7 @@ class OpenAIServing:
         """OpenAI's SSE: `data: {chunk}` frames, a usage chunk if asked, `data: [DONE]`."""
         try:
             yield b"".join(_frame(c) for c in fmt.opening(run))
-            async for index, batch in _merged(followers):
+            async for index, batch in merged(followers):
                 if batch is None:
                     yield KEEPALIVE
                     continue
@@ -305,63 +303,12 @@ class OpenAIServing:
 # ---- helpers ------------------------------------------------------------------------------
 
 
-async def _merged(
-    followers: list[EventFollower],
-) -> AsyncIterator[tuple[int, Batch | None]]:
-    """Every follower's batches as they come, tagged with its index; None = keepalive."""
-    queue: asyncio.Queue[tuple[int, Batch | BaseException | None, bool]] = asyncio.Queue()
-
-    async def pump(index: int, follower: EventFollower) -> None:
-        try:
-            async for batch in follower.batches():
-                queue.put_nowait((index, batch, False))
-        except Exception as exc:
-            queue.put_nowait((index, exc, True))
-        else:
-            queue.put_nowait((index, None, True))
-
-    tasks = [asyncio.create_task(pump(i, f)) for i, f in enumerate(followers)]
-    live = len(tasks)
-    try:
-        while live:
-            index, item, ended = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if ended:
-                live -= 1
-            else:
-                yield index, item
-    finally:
-        with anyio.CancelScope(shield=True):
-            await _stop(tasks)
-
-
-async def _stop(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancel `tasks` and wait for them, cancelling again while one lives on.
-
-    A follower parked in a Redis call can absorb a single cancel (it may surface as a
-    RedisError, which the follower treats as a blip) and wait on; anyio re-delivers
-    cancellation for the same reason.
-    """
-    pending = {t for t in tasks if not t.done()}
-    while pending:
-        for t in pending:
-            t.cancel()
-        _, pending = await asyncio.wait(pending, timeout=CANCEL_RETRY_S)
-
-
 def _output_events(batch: Batch) -> list[Any]:
     return [STREAM_EVENT.validate_json(data) for _, etype, data in batch if etype in _OUTPUT_EVENTS]
 
 
 def _frame(chunk: BaseModel) -> bytes:
     return b"data: " + chunk.model_dump_json().encode() + b"\n\n"
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client goes away (the body is read: the next message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _refuse_unsupported(req: SamplingParams) -> None:
