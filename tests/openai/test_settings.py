@@ -1,8 +1,9 @@
-"""Chat-template settings: GENQ_DEFAULT_CHAT_TEMPLATE on the gateway, GENQ_CHAT_TEMPLATE on
-the worker (inline, or a file read at start)."""
+"""Settings and request parsing: GENQ_DEFAULT_CHAT_TEMPLATE on the gateway, GENQ_CHAT_TEMPLATE
+on the worker (inline, or a file read at start); unknown request fields."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
+from gateway.openai.protocol import ChatCompletionRequest
 from shared.settings import Settings
 from tests.conftest import REDIS_URL, running_stack
 from tests.openai.conftest import CHATML
@@ -47,3 +49,14 @@ def test_a_template_setting_is_inline_or_a_file(tmp_path: Path) -> None:
     assert Settings(default_chat_template=CHATML).default_chat_template == CHATML
     with pytest.raises(ValidationError, match="no chat template file"):
         Settings(chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_unknown_request_fields_are_ignored_with_a_debug_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    body = {"model": "sim", "messages": USER, "reasoning_effort": "low", "modalities": ["text"]}
+    with caplog.at_level(logging.DEBUG, logger="genq.gateway.openai"):
+        req = ChatCompletionRequest.model_validate(body)
+    assert req.model == "sim"
+    [record] = [r for r in caplog.records if r.message == "ignoring unknown request fields"]
+    assert record.fields == ["modalities", "reasoning_effort"]  # type: ignore[attr-defined]
