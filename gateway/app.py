@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from gateway import errors
 from gateway.cards import CardCache
 from gateway.jobs import JobService
+from gateway.openai import routes as openai_routes
 from gateway.pubsub import PubSubRouter
 from gateway.pubsub_wire import PubSubBackend, RawPubSub, RedisPyPubSub
 from gateway.routes import health, jobs, models
@@ -78,6 +79,7 @@ def create_app(
     app.include_router(health.router)
     app.include_router(models.router)
     app.include_router(jobs.router)
+    app.include_router(openai_routes.router)
     return app
 
 

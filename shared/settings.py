@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -46,6 +47,23 @@ class Settings(BaseSettings):
     card_cache_s: float = Field(default=2.0, ge=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
 
+    # OpenAI-compatible API (gateway)
+    default_chat_template: str | None = Field(
+        default=None,
+        description="Jinja chat template (inline, or a file path) for models whose card has none",
+    )
+    openai_cancel_on_disconnect: bool = Field(
+        default=True, description="a client that disconnects cancels its jobs, queued or running"
+    )
+    openai_max_jobs: int = Field(
+        default=32, ge=1, description="most jobs one request may start (n x prompts)"
+    )
+    openai_max_queue_depth: int = Field(
+        default=0,
+        ge=0,
+        description="429 while the model's interactive queue holds this many jobs; 0 = no limit",
+    )
+
     # Worker
     worker_id: str | None = None
     engine: Literal["sim", "exllamav2"] = "sim"
@@ -77,6 +95,10 @@ class Settings(BaseSettings):
     batch_share: int = Field(
         default=4, ge=1, description="when both queues have work, every Nth claim takes a batch job"
     )
+    chat_template: str | None = Field(
+        default=None,
+        description="Jinja chat template (inline, or a file path) for the model card",
+    )
 
     # exllamav2 engine
     cache_tokens: int | None = Field(default=None, ge=256, description="default: fit the batch")
@@ -104,6 +126,17 @@ class Settings(BaseSettings):
         if self.model_dir and "engine" not in self.model_fields_set:
             self.engine = "exllamav2"
         return self
+
+    @field_validator("default_chat_template", "chat_template")
+    @classmethod
+    def _template_text(cls, v: str | None) -> str | None:
+        """A value without `{` names a template file: read it now, so a typo stops the start."""
+        if v is None or "{" in v:
+            return v
+        path = Path(v).expanduser()
+        if not path.is_file():
+            raise ValueError(f"no chat template file at {v!r} (inline templates contain '{{')")
+        return path.read_text(encoding="utf-8")
 
     @field_validator("key_prefix")
     @classmethod

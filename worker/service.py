@@ -73,6 +73,8 @@ class Worker:
         self.engine = engine
         self.model = model_name or settings.model_name or engine.card.name
         self.engine.card.name = self.model
+        if settings.chat_template is not None:  # e.g. a model whose tokenizer_config lacks one
+            self.engine.card.chat_template = settings.chat_template
         self.id = (
             settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         )

@@ -1,0 +1,235 @@
+"""From job events to OpenAI output: each choice's state, and the chat / completion shapes of
+its chunks and of the final response."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from gateway.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    ErrorDetail,
+    PromptTokensDetails,
+    TopLogprob,
+    UsageInfo,
+)
+from shared.schemas import CancelledEvent, DoneEvent, ErrorEvent, StreamEvent, TokenEvent, Usage
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice = one job: what its events have said so far."""
+
+    index: int
+    job_id: str
+    prompt_index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    failure: ErrorDetail | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.finish_reason is not None or self.failure is not None
+
+    def apply(self, ev: StreamEvent) -> None:
+        if isinstance(ev, TokenEvent):
+            self.text.append(ev.text)
+            if ev.logprobs:
+                self.logprobs = (self.logprobs or []) + ev.logprobs
+        elif isinstance(ev, DoneEvent):
+            self.finish_reason, self.usage = ev.finish_reason, ev.usage
+        elif isinstance(ev, ErrorEvent):
+            self.failure = ErrorDetail(message=ev.message, type="server_error", code=ev.code)
+        elif isinstance(ev, CancelledEvent):
+            self.failure = ErrorDetail(
+                message=f"job {self.job_id} was cancelled: {ev.reason}",
+                type="server_error",
+                code="cancelled",
+            )
+
+
+@dataclass(slots=True)
+class Run:
+    """One OpenAI request: its id, its model, and its choices (jobs), in index order."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChoiceState]
+    prompt_tokens: list[int]
+    """Per prompt: counted once however many choices (n) it has."""
+
+    def usage(self) -> UsageInfo:
+        completion = sum(c.usage.completion_tokens for c in self.choices if c.usage)
+        firsts = {c.prompt_index: c for c in reversed(self.choices)}
+        cached = sum(c.usage.cached_tokens for c in firsts.values() if c.usage)
+        prompt = sum(self.prompt_tokens)
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+
+class OutputFormat(Protocol):
+    """What differs between /v1/chat/completions and /v1/completions output."""
+
+    def opening(self, run: Run) -> list[BaseModel]: ...
+
+    def token_chunk(self, run: Run, choice: ChoiceState, ev: TokenEvent) -> BaseModel | None: ...
+
+    def final_chunk(self, run: Run, choice: ChoiceState) -> BaseModel: ...
+
+    def usage_chunk(self, run: Run) -> BaseModel: ...
+
+    def response(self, run: Run) -> BaseModel: ...
+
+
+def _top(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(entry.get("top_logprobs") or [])
+
+
+class ChatFormat:
+    def __init__(self, want_logprobs: bool) -> None:
+        self.want_logprobs = want_logprobs
+
+    def _logprobs(self, entries: list[dict[str, Any]] | None) -> ChatLogprobs | None:
+        if not self.want_logprobs or entries is None:
+            return None
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    token=e["token"],
+                    logprob=e["logprob"],
+                    bytes=list(e["token"].encode()),
+                    top_logprobs=[
+                        TopLogprob(
+                            token=t["token"], logprob=t["logprob"], bytes=list(t["token"].encode())
+                        )
+                        for t in _top(e)
+                    ],
+                )
+                for e in entries
+            ]
+        )
+
+    def _chunk(self, run: Run, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=run.id, created=run.created, model=run.model, choices=choices)
+
+    def opening(self, run: Run) -> list[BaseModel]:
+        """The role delta, first, for every choice."""
+        return [
+            self._chunk(
+                run, [ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))]
+            )
+            for c in run.choices
+        ]
+
+    def token_chunk(self, run: Run, choice: ChoiceState, ev: TokenEvent) -> BaseModel | None:
+        logprobs = self._logprobs(ev.logprobs)
+        if not ev.text and logprobs is None:
+            return None
+        delta = ChatDelta(content=ev.text)
+        return self._chunk(
+            run, [ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs)]
+        )
+
+    def final_chunk(self, run: Run, choice: ChoiceState) -> BaseModel:
+        last = ChatChunkChoice(
+            index=choice.index, delta=ChatDelta(), finish_reason=choice.finish_reason
+        )
+        return self._chunk(run, [last])
+
+    def usage_chunk(self, run: Run) -> BaseModel:
+        chunk = self._chunk(run, [])
+        chunk.usage = run.usage()
+        return chunk
+
+    def response(self, run: Run) -> BaseModel:
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatMessageOut(content="".join(c.text)),
+                logprobs=self._logprobs(c.logprobs),
+                finish_reason=c.finish_reason,
+            )
+            for c in run.choices
+        ]
+        return ChatCompletionResponse(
+            id=run.id, created=run.created, model=run.model, choices=choices, usage=run.usage()
+        )
+
+
+class CompletionFormat:
+    def __init__(self, want_logprobs: bool) -> None:
+        self.want_logprobs = want_logprobs
+        self._offsets: dict[int, int] = {}
+        """Per choice: characters of text already covered by streamed logprobs."""
+
+    def _logprobs(
+        self, index: int, entries: list[dict[str, Any]] | None
+    ) -> CompletionLogprobs | None:
+        if not self.want_logprobs or entries is None:
+            return None
+        out = CompletionLogprobs()
+        offset = self._offsets.get(index, 0)
+        for e in entries:
+            out.tokens.append(e["token"])
+            out.token_logprobs.append(e["logprob"])
+            out.top_logprobs.append({t["token"]: t["logprob"] for t in _top(e)})
+            out.text_offset.append(offset)
+            offset += len(e["token"])
+        self._offsets[index] = offset
+        return out
+
+    def _chunk(self, run: Run, choices: list[CompletionChoice]) -> CompletionResponse:
+        return CompletionResponse(id=run.id, created=run.created, model=run.model, choices=choices)
+
+    def opening(self, run: Run) -> list[BaseModel]:
+        return []
+
+    def token_chunk(self, run: Run, choice: ChoiceState, ev: TokenEvent) -> BaseModel | None:
+        logprobs = self._logprobs(choice.index, ev.logprobs)
+        if not ev.text and logprobs is None:
+            return None
+        return self._chunk(
+            run, [CompletionChoice(index=choice.index, text=ev.text, logprobs=logprobs)]
+        )
+
+    def final_chunk(self, run: Run, choice: ChoiceState) -> BaseModel:
+        last = CompletionChoice(index=choice.index, text="", finish_reason=choice.finish_reason)
+        return self._chunk(run, [last])
+
+    def usage_chunk(self, run: Run) -> BaseModel:
+        chunk = self._chunk(run, [])
+        chunk.usage = run.usage()
+        return chunk
+
+    def response(self, run: Run) -> BaseModel:
+        choices = [
+            CompletionChoice(
+                index=c.index,
+                text="".join(c.text),
+                logprobs=self._logprobs(c.index, c.logprobs),
+                finish_reason=c.finish_reason,
+            )
+            for c in run.choices
+        ]
+        response = self._chunk(run, choices)
+        response.usage = run.usage()
+        return response

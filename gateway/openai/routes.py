@@ -1,0 +1,38 @@
+"""OpenAI-compatible endpoints: POST /v1/completions and POST /v1/chat/completions.
+
+Thin: the body is validated by its protocol type (a bad field is a 422 in OpenAI's error shape,
+naming it), the work is OpenAIServing's. GET /v1/models lives in gateway/routes/models.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from gateway.deps import Authorized, State
+from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.openai.serving import OpenAIServing
+
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Authorized])
+
+
+def get_serving(state: State) -> OpenAIServing:
+    return OpenAIServing(state)
+
+
+Serving = Annotated[OpenAIServing, Depends(get_serving)]
+
+
+@router.post("/completions", response_model=None)
+async def create_completion(
+    body: CompletionRequest, request: Request, serving: Serving
+) -> Response:
+    return await serving.completions(body, request)
+
+
+@router.post("/chat/completions", response_model=None)
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, serving: Serving
+) -> Response:
+    return await serving.chat(body, request)
