@@ -111,7 +111,7 @@ class GenqServer:
             self.workers[name] = worker
             tasks[name] = asyncio.create_task(worker.run())
         cards = [self.keys.model_card(n) for n in self.workers]
-        while await client.exists(*cards) < len(cards):  # noqa: ASYNC110 - no event for it
+        while await client.exists(*cards) < len(cards):
             await asyncio.sleep(POLL_S)
         server = uvicorn.Server(
             uvicorn.Config(create_app(self.settings, redis=client), log_level="warning", ws="none")
