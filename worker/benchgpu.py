@@ -74,8 +74,11 @@ class Trace:
 def workload(n: int, prompt_min: int, prompt_max: int, new_tokens: int, vocab: int) -> list[Job]:
     rng = random.Random(0)
     return [
-        Job([rng.randrange(VOCAB_LOW, vocab) for _ in range(rng.randint(prompt_min, prompt_max))],
-            new_tokens, i)
+        Job(
+            [rng.randrange(VOCAB_LOW, vocab) for _ in range(rng.randint(prompt_min, prompt_max))],
+            new_tokens,
+            i,
+        )
         for i in range(n)
     ]
 
@@ -86,10 +89,17 @@ def summary(label: str, streams: int, traces: list[Trace], wall: float, **extra:
     ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
     tokens = sum(t.tokens for t in traces)
     return {
-        "run": label, "streams": streams, "jobs": len(traces), "tokens": tokens,
-        "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
-        "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
-        "itl_ms_p50": ms(percentile(gaps, 50)), "itl_ms_p99": ms(percentile(gaps, 99)), **extra,
+        "run": label,
+        "streams": streams,
+        "jobs": len(traces),
+        "tokens": tokens,
+        "wall_s": round(wall, 2),
+        "tokens_per_s": round(tokens / wall, 1),
+        "ttft_ms_p50": ms(percentile(ttft, 50)),
+        "ttft_ms_p99": ms(percentile(ttft, 99)),
+        "itl_ms_p50": ms(percentile(gaps, 50)),
+        "itl_ms_p99": ms(percentile(gaps, 99)),
+        **extra,
     }
 
 
@@ -109,8 +119,9 @@ def run_bare(settings: Settings, jobs: list[Job], streams: int) -> dict:
     def start() -> None:
         job = todo.pop()
         key = len(traces)
-        handle = backend.make_job(job.ids, job.new_tokens, sampling, job.seed,
-                                  list(card.eos_token_ids), str(key))
+        handle = backend.make_job(
+            job.ids, job.new_tokens, sampling, job.seed, list(card.eos_token_ids), str(key)
+        )
         traces[key] = Trace(time.perf_counter())
         gen.enqueue(handle)
 
@@ -142,7 +153,11 @@ class System:
     """`genq gateway` + `genq worker` processes on the Redis of GENQ_REDIS_URL."""
 
     def __init__(
-        self, model: Path, worker_args: list[str], gateways: int, logs: Path,
+        self,
+        model: Path,
+        worker_args: list[str],
+        gateways: int,
+        logs: Path,
         env: dict[str, str] | None = None,
     ) -> None:
         self.model = model
@@ -152,18 +167,32 @@ class System:
         self.keys = Keys(prefix)
         url = os.environ.get("GENQ_REDIS_URL", "redis://127.0.0.1:6379/0")
         self.redis = redis.Redis.from_url(url, decode_responses=True)
-        self.env = {**os.environ, "GENQ_REDIS_URL": url, "GENQ_KEY_PREFIX": prefix,
-                    "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = {
+            **os.environ,
+            "GENQ_REDIS_URL": url,
+            "GENQ_KEY_PREFIX": prefix,
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
         self.procs: list[subprocess.Popen[bytes]] = []
         self._spawn("gateway", ["gateway", "--port", str(self.port), "--workers", str(gateways)])
-        engine = ["--engine", "sim"] if model.name == SIM else ["--engine", "exllamav2",
-                                                                 "--model", str(model)]
+        engine = (
+            ["--engine", "sim"]
+            if model.name == SIM
+            else ["--engine", "exllamav2", "--model", str(model)]
+        )
         self._spawn("worker", ["worker", *engine, *worker_args])
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.logs / f"{name}.log", "ab")  # the child writes to it
-        self.procs.append(subprocess.Popen([sys.executable, "-m", "gateway.cli", *args],
-                                           stdout=log, stderr=subprocess.STDOUT, env=self.env))
+        self.procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "gateway.cli", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+            )
+        )
 
     @property
     def url(self) -> str:
@@ -221,8 +250,15 @@ async def drive_http(
     async def client_loop() -> None:
         client = Client(target)
         for job in todo:
-            body = json.dumps({"model": model, "input_ids": job.ids, "max_tokens": job.new_tokens,
-                               "stream": True, "seed": job.seed}).encode()
+            body = json.dumps(
+                {
+                    "model": model,
+                    "input_ids": job.ids,
+                    "max_tokens": job.new_tokens,
+                    "stream": True,
+                    "seed": job.seed,
+                }
+            ).encode()
             t = Trace(time.perf_counter())
             res = await client.stream_job(body)
             if not res.ok:
@@ -250,21 +286,43 @@ def run_system(system: System, jobs: list[Job], streams: int, label: str) -> dic
 
 def genq_bench(system: System, streams: int, requests: int, new: int, prompt: int) -> dict:
     """The `genq bench` command itself (fixed prompt length), for the record."""
-    cmd = [sys.executable, "-m", "gateway.cli", "bench", "--url", system.url, "--model",
-           system.model.name, "--concurrency", str(streams), "--requests", str(requests),
-           "--max-tokens", str(new), "--prompt-tokens", str(prompt), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "bench",
+        "--url",
+        system.url,
+        "--model",
+        system.model.name,
+        "--concurrency",
+        str(streams),
+        "--requests",
+        str(requests),
+        "--max-tokens",
+        str(new),
+        "--prompt-tokens",
+        str(prompt),
+        "--json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=system.env, check=False)
     lines = out.stdout.strip().splitlines()
-    return {"run": "genq bench", "cmd": " ".join(cmd[1:]),
-            **(json.loads(lines[-1]) if lines else {"stderr": out.stderr[-2000:]})}
+    return {
+        "run": "genq bench",
+        "cmd": " ".join(cmd[1:]),
+        **(json.loads(lines[-1]) if lines else {"stderr": out.stderr[-2000:]}),
+    }
 
 
 # ---- main -----------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m worker.benchgpu", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m worker.benchgpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", required=True)
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -290,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in a.sweep.split(",") if x]
     max_batch = a.max_batch or max([a.streams, *levels])
     cache = a.cache_tokens or max_batch * (a.prompt_max + a.new_tokens)
-    settings = Settings(engine="exllamav2", model_dir=str(model), max_batch=max_batch,
-                        cache_tokens=cache)
+    settings = Settings(
+        engine="exllamav2", model_dir=str(model), max_batch=max_batch, cache_tokens=cache
+    )
     worker_args = ["--max-batch", str(max_batch), "--cache-tokens", str(cache), *a.worker_arg]
     results: list[dict] = []
 
@@ -306,8 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         return workload(n, a.prompt_min, a.prompt_max, a.new_tokens, vocab)
 
     if a.bare:
-        report(run_bare(settings, jobs_for(a.streams), a.streams) | {"max_batch": max_batch,
-                                                                      "cache_tokens": cache})
+        report(
+            run_bare(settings, jobs_for(a.streams), a.streams)
+            | {"max_batch": max_batch, "cache_tokens": cache}
+        )
     if a.system or levels:
         logs = Path(a.logs)
         logs.mkdir(parents=True, exist_ok=True)
@@ -328,8 +389,11 @@ def main(argv: list[str] | None = None) -> int:
                 report(run_system(system, jobs_for(c), c, "system sweep") | extra)
             if a.genq_bench:
                 mid = (a.prompt_min + a.prompt_max) // 2
-                report(genq_bench(system, a.streams, a.streams * a.requests_per_stream,
-                                  a.new_tokens, mid))
+                report(
+                    genq_bench(
+                        system, a.streams, a.streams * a.requests_per_stream, a.new_tokens, mid
+                    )
+                )
         finally:
             system.close()
     return 0

@@ -181,9 +181,7 @@ class ExLlamaV2Engine:
             return
         stops: list[int | str] = [*self.card.eos_token_ids, *job.sampling.stop_token_ids]
         stops += job.sampling.stop
-        handle = self._backend.make_job(
-            ids, remaining, job.sampling, job.seed, stops, job.id
-        )
+        handle = self._backend.make_job(ids, remaining, job.sampling, job.seed, stops, job.id)
         self._gen.enqueue(handle)
         self._jobs[job.id] = _Tracked(job, handle, len(job.input_ids))
         self._refresh()
@@ -299,8 +297,11 @@ class ExLlamaV2Engine:
             if n and i < len(k_ids):
                 for aid, ap in zip(k_ids[i][:n], k_probs[i][:n], strict=False):
                     alts.append(
-                        {"token": self._backend.piece(int(aid)), "token_id": int(aid),
-                         "logprob": _log(ap)}
+                        {
+                            "token": self._backend.piece(int(aid)),
+                            "token_id": int(aid),
+                            "logprob": _log(ap),
+                        }
                     )
             entry["top_logprobs"] = alts
             out.append(entry)
@@ -357,7 +358,11 @@ def _chat_template(tc: dict[str, Any]) -> str | None:
 
 
 def build_card(
-    settings: Settings, model_dir: Path, tokenizer_json: str, max_seq_len: int, max_batch: int,
+    settings: Settings,
+    model_dir: Path,
+    tokenizer_json: str,
+    max_seq_len: int,
+    max_batch: int,
     eos_ids: list[int],
 ) -> ModelCard:
     tc = _read_json(model_dir / "tokenizer_config.json")
@@ -429,13 +434,18 @@ def load_backend(settings: Settings) -> tuple[Backend, ModelCard, str]:
     model = ExLlamaV2(config)
 
     if paged:
-        wanted = settings.cache_tokens or max(config.max_seq_len,
-                                              max_batch * DEFAULT_CACHE_TOKENS_PER_JOB)
+        wanted = settings.cache_tokens or max(
+            config.max_seq_len, max_batch * DEFAULT_CACHE_TOKENS_PER_JOB
+        )
         cache_tokens = _round_up(wanted, PAGE_TOKENS)
     else:
         cache_tokens = _round_up(config.max_seq_len, PAGE_TOKENS)
-    cache_cls = {"FP16": ExLlamaV2Cache, "Q4": ExLlamaV2Cache_Q4, "Q6": ExLlamaV2Cache_Q6,
-                 "Q8": ExLlamaV2Cache_Q8}[settings.cache_mode]
+    cache_cls = {
+        "FP16": ExLlamaV2Cache,
+        "Q4": ExLlamaV2Cache_Q4,
+        "Q6": ExLlamaV2Cache_Q6,
+        "Q8": ExLlamaV2Cache_Q8,
+    }[settings.cache_mode]
     if settings.gpu_split:
         model.load([float(x) for x in settings.gpu_split.split(",")])
         cache = cache_cls(model, max_seq_len=cache_tokens, lazy=False)
@@ -448,12 +458,24 @@ def load_backend(settings: Settings) -> tuple[Backend, ModelCard, str]:
 
     def build_generator() -> Any:
         return ExLlamaV2DynamicGenerator(
-            model=model, cache=cache, tokenizer=tokenizer, max_batch_size=max_batch,
-            max_seq_len=max_seq_len, max_chunk_size=chunk, max_q_size=MAX_Q_SIZE, paged=paged,
+            model=model,
+            cache=cache,
+            tokenizer=tokenizer,
+            max_batch_size=max_batch,
+            max_seq_len=max_seq_len,
+            max_chunk_size=chunk,
+            max_q_size=MAX_Q_SIZE,
+            paged=paged,
         )
 
-    def make_job(ids: list[int], max_new: int, sampling: Sampling, seed: int,
-                 stops: list[int | str], identifier: str) -> Any:
+    def make_job(
+        ids: list[int],
+        max_new: int,
+        sampling: Sampling,
+        seed: int,
+        stops: list[int | str],
+        identifier: str,
+    ) -> Any:
         n = sampling.logprobs
         return ExLlamaV2DynamicJob(
             input_ids=torch.tensor([ids], dtype=torch.long),
@@ -486,7 +508,13 @@ def load_backend(settings: Settings) -> tuple[Backend, ModelCard, str]:
     card = build_card(settings, model_dir, tokenizer_json, max_seq_len, max_batch, eos_ids)
     log.info(
         "exllamav2 model loaded",
-        extra={"model": card.name, "paged": paged, "cache_tokens": cache_tokens,
-               "cache_mode": settings.cache_mode, "max_batch": max_batch, "chunk": chunk},
+        extra={
+            "model": card.name,
+            "paged": paged,
+            "cache_tokens": cache_tokens,
+            "cache_mode": settings.cache_mode,
+            "max_batch": max_batch,
+            "chunk": chunk,
+        },
     )
     return Backend(make_generator, make_job, piece, close), card, tokenizer_json

@@ -93,7 +93,10 @@ def settings_env(settings: Settings, **overrides: Any) -> dict[str, str]:
 
 class Launcher:
     def __init__(
-        self, settings: Settings, gpus: list[str], procs_per_gpu: int,
+        self,
+        settings: Settings,
+        gpus: list[str],
+        procs_per_gpu: int,
         command: list[str] | None = None,
     ) -> None:
         self.settings = settings
@@ -115,8 +118,10 @@ class Launcher:
             env["GENQ_WORKER_ID"] = f"{c.env['GENQ_WORKER_ID']}r{c.restarts}"
         c.proc = subprocess.Popen(self.command, env=env)
         c.started = time.monotonic()
-        log.info("worker process started",
-                 extra={"child": c.name, "pid": c.proc.pid, "worker_id": env["GENQ_WORKER_ID"]})
+        log.info(
+            "worker process started",
+            extra={"child": c.name, "pid": c.proc.pid, "worker_id": env["GENQ_WORKER_ID"]},
+        )
 
     def _stop(self, *_: object) -> None:
         if self.stopping:
@@ -156,8 +161,10 @@ class Launcher:
             c.proc = None
             c.restarts += 1
             c.next_start = now + c.backoff
-            log.warning("worker process exited; restarting",
-                        extra={"child": c.name, "code": code, "in_s": c.backoff})
+            log.warning(
+                "worker process exited; restarting",
+                extra={"child": c.name, "code": code, "in_s": c.backoff},
+            )
             c.backoff = min(c.backoff * 2, RESTART_BACKOFF_MAX_S)
 
     def _wait_all(self) -> int:
@@ -189,7 +196,10 @@ def _gpu_free_bytes(gpu: str) -> int | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", gpu],
-            capture_output=True, text=True, timeout=10, check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout
         return int(out.split()[0]) * 1024**2
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
@@ -239,8 +249,9 @@ def run(settings: Settings, gpus: str | None, procs_per_gpu: str | int | None) -
     return Launcher(settings, gpu_list, resolve_procs(settings, gpu_list, procs_per_gpu)).run()
 
 
-def serve(settings: Settings, host: str, port: int, gpus: str | None,
-          procs_per_gpu: str | int | None) -> int | None:
+def serve(
+    settings: Settings, host: str, port: int, gpus: str | None, procs_per_gpu: str | int | None
+) -> int | None:
     """`genq serve` with several worker processes: this process runs the gateway, a child
     runs the launcher. None when one in-process worker will do (then `genq serve` runs as
     usual): one process per GPU chosen, or no redis-server to share between processes."""
@@ -258,12 +269,23 @@ def serve(settings: Settings, host: str, port: int, gpus: str | None,
         settings = settings.model_copy(update={"redis_url": url})
         os.environ.update(settings_env(settings))  # the gateway's uvicorn reads GENQ_*
         workers = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "worker", "--gpus", ",".join(gpu_list),
-             "--procs-per-gpu", str(n)],
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "worker",
+                "--gpus",
+                ",".join(gpu_list),
+                "--procs-per-gpu",
+                str(n),
+            ],
             env=os.environ.copy(),
         )
-        print(f"genq serving on http://{host}:{port} with {n} worker process(es) per GPU "
-              f"on GPU(s) {','.join(gpu_list)}", flush=True)
+        print(
+            f"genq serving on http://{host}:{port} with {n} worker process(es) per GPU "
+            f"on GPU(s) {','.join(gpu_list)}",
+            flush=True,
+        )
 
         def drain(*_: object) -> None:
             # uvicorn re-raises the signal that stopped it once it is done; this handler

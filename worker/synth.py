@@ -132,8 +132,14 @@ def _config(s: Shape, bos_id: int, eos_ids: list[int]) -> dict[str, Any]:
 
 def _tokenizer_config(tok: Tokenizer) -> dict[str, Any]:
     added = {
-        str(tok.token_to_id(t)): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                                  "normalized": False, "single_word": False}
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "special": True,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+        }
         for t in [BOS, EOS, EOT, *CHAT_TOKENS]
     }
     return {

@@ -1,0 +1,66 @@
+"""Moving queue entries: ack, requeue, hand back, dead-letter. Every phase that lets go of a
+claim goes through here, so an entry always leaves the pending list the same way."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from redis.exceptions import RedisError, ResponseError
+
+from shared.keys import CONSUMER_GROUP
+from worker.jobstate import Claim, RunningJob
+from worker.state import WorkerState
+
+log = logging.getLogger("genq.worker")
+_DEAD_LETTERS_KEPT = 100_000
+
+
+async def ensure_groups(st: WorkerState) -> None:
+    for key in st.queues.values():
+        with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists
+            await st.redis.xgroup_create(key, CONSUMER_GROUP, id="0", mkstream=True)
+
+
+async def requeue(st: WorkerState, claim: Claim) -> None:
+    """A fresh queue entry for the job, and ours acknowledged, in one transaction."""
+    pipe = st.redis.pipeline(transaction=True)
+    pipe.xadd(claim.queue, {"job": claim.job_id, "tokens": claim.need_tokens})
+    pipe.xack(claim.queue, CONSUMER_GROUP, claim.entry_id)
+    pipe.xdel(claim.queue, claim.entry_id)
+    await pipe.execute()
+
+
+async def requeue_waiting(st: WorkerState) -> None:
+    waiting, st.waiting = st.waiting, []
+    for claim in waiting:
+        with contextlib.suppress(RedisError, OSError):
+            await requeue(st, claim)
+
+
+async def hand_back(st: WorkerState, run: RunningJob, *, counted: bool, error: str = "") -> None:
+    """Give a started job back to the queue for any worker, now (not after the lease).
+    Fenced: a job that already moved to another worker is left alone."""
+    reply = await st.scripts.hand_back(
+        keys=[st.keys.job(run.id)],
+        args=[st.id, str(run.attempt), "1" if counted else "0", error],
+    )
+    if reply:
+        await requeue(st, run.claim)
+    else:
+        log.warning("hand-back fenced: the job moved on", extra={"job_id": run.id})
+
+
+async def ack(st: WorkerState, claims: list[Claim]) -> None:
+    pipe = st.redis.pipeline(transaction=False)
+    for c in claims:
+        pipe.xack(c.queue, CONSUMER_GROUP, c.entry_id)
+        pipe.xdel(c.queue, c.entry_id)
+    await pipe.execute()
+
+
+async def dead_letter(st: WorkerState, claim: Claim, attempts: int) -> None:
+    entry = {"job": claim.job_id, "attempts": attempts, "at": repr(time.time())}
+    await st.redis.xadd(st.keys.dead_letters(), entry, maxlen=_DEAD_LETTERS_KEPT, approximate=True)
+    log.warning("job dead-lettered", extra={"job_id": claim.job_id, "attempts": attempts})

@@ -1,0 +1,234 @@
+"""The flush phase: drain the engine's outputs, then one pipeline per drain carries every
+dirty job's events (EMIT/FINISH scripts, fenced on worker + attempt); ack what ended.
+
+This is the hot path: per drain, one Redis round trip and no per-token allocation here
+(tokens fold into one event per job in `RunningJob`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from worker.engine import StepOutput
+from worker.entries import ack, hand_back
+from worker.jobstate import Claim, RunningJob
+from worker.state import WorkerState
+
+log = logging.getLogger("genq.worker")
+_MAX_ENGINE_FAILURES = 5
+_FLUSH_RETRY_S = 0.2
+
+Written = list[tuple[RunningJob, list[str]]]
+"""(job, the seq/JSON pairs this flush sends for it), in pipeline order."""
+
+
+class Flusher:
+    def __init__(self, st: WorkerState) -> None:
+        self.st = st
+
+    async def loop(self) -> None:
+        """Flush every `flush_interval_ms`; a job's first tokens and its end go out at once.
+
+        Between flushes the engine keeps stepping and each job's tokens fold into one event,
+        so the cost per token falls as load rises instead of swamping Redis and gateways.
+        """
+        st = self.st
+        assert st.runner is not None
+        interval = st.settings.flush_interval_ms / 1000
+        last_full = 0.0
+        loop = asyncio.get_running_loop()
+        armed = False
+
+        def due_now() -> None:
+            nonlocal armed
+            armed = False
+            st.flush_wanted.set()
+
+        while not st.closing:
+            await st.flush_wanted.wait()
+            st.flush_wanted.clear()
+            self._collect(st.runner.drain())
+            if not st.dirty:
+                continue
+            due = interval - (time.monotonic() - last_full)
+            if due <= 0:
+                last_full = time.monotonic()
+                await self._flush(set(st.dirty))
+            else:
+                urgent = st.urgent & st.dirty
+                if urgent:
+                    await self._flush(urgent)
+                if st.dirty and not armed:
+                    armed = True
+                    loop.call_later(due, due_now)
+
+    def _collect(self, outputs: list[StepOutput]) -> None:
+        st = self.st
+        for out in outputs:
+            run = st.running.get(out.job_id)
+            if run is None or run.end is not None or run.retry_error is not None:
+                continue
+            if out.token_ids or out.text:
+                if run.first_token_wall is None:
+                    st.urgent.add(run.id)
+                run.add_tokens(out.text, out.token_ids, out.logprobs)
+            if out.prompt_tokens:
+                run.prompt_tokens = out.prompt_tokens
+                run.cached_tokens = out.cached_tokens
+            if out.error is not None:
+                run.retry_error = out.error  # handed back after its tokens are flushed
+            elif out.finish_reason == "cancelled" and run.id in st.expiring:
+                st.expiring.discard(run.id)
+                run.fail("expired", "deadline_exceeded", "the job's timeout passed while it ran")
+            elif out.finish_reason == "cancelled":
+                run.cancelled(st.cancel_reason.pop(run.id, "cancelled"))
+            elif out.finish_reason is not None:
+                run.finish(out.finish_reason)
+            if run.end is not None or run.retry_error is not None:
+                st.urgent.add(run.id)
+            st.dirty.add(out.job_id)
+        if st.runner is not None and st.runner.failures >= _MAX_ENGINE_FAILURES:
+            log.error("engine keeps failing; stopping", extra={"worker_id": st.id})
+            st.healthy = False
+            st.stopping.set()
+
+    async def _flush(self, job_ids: set[str]) -> None:
+        """One pipeline: these jobs' pending events (EMIT), or their ends (FINISH)."""
+        st = self.st
+        s = st.settings
+        pipe = st.redis.pipeline(transaction=False)
+        order: Written = []
+        retries: list[RunningJob] = []
+        st.dirty -= job_ids
+        st.urgent -= job_ids
+        for job_id in job_ids:
+            run = st.running.get(job_id)
+            if run is None:
+                continue
+            events = run.take_events()
+            head = [st.id, str(run.attempt), str(s.event_log_maxlen)]
+            if run.end is not None:
+                status, fields = run.end
+                record = [x for kv in fields.items() for x in kv]
+                args = [*head, str(s.retention_s), str(len(events) // 2), *events]
+                await st.scripts.finish(
+                    keys=st.job_keys(job_id),
+                    args=[*args, "status", status, *record],
+                    client=pipe,
+                )
+            elif events:
+                await st.scripts.emit(keys=st.job_keys(job_id), args=head + events, client=pipe)
+            elif run.retry_error is not None:
+                retries.append(run)
+                continue
+            else:
+                continue
+            order.append((run, events))
+        if retries:
+            await self._retry(retries)
+        if not order:
+            return
+        try:
+            # Per-command errors come back in place: one job's rejected write must not fail
+            # (and so retry forever) the flush of every other job in the pipeline.
+            results = await pipe.execute(raise_on_error=False)
+        except (RedisError, OSError) as exc:
+            await self._failed(order, exc)
+            return
+        ended, lost_tail = self._apply(order, results)
+        for run, events, last in lost_tail:
+            await self._repair(run, events, last)
+        if ended:
+            st.room.set()
+            try:
+                await ack(st, ended)
+            except (RedisError, OSError) as exc:  # their entries go idle and are reclaimed
+                log.warning("ack failed", extra={"error": str(exc)})
+
+    async def _failed(self, order: Written, exc: Exception) -> None:
+        """Nothing is lost: the events go again (the scripts skip seqs already written)."""
+        log.warning("flush failed; retrying", extra={"error": str(exc)})
+        for run, events in order:
+            run.pending[:0] = events
+            self.st.dirty.add(run.id)
+        await asyncio.sleep(_FLUSH_RETRY_S)
+        self.st.flush_wanted.set()
+
+    def _apply(
+        self, order: Written, results: list[Any]
+    ) -> tuple[list[Claim], list[tuple[RunningJob, list[str], int]]]:
+        """Act on each job's script reply; return the claims of jobs that ended, and the jobs
+        whose log lost its tail (repaired by the caller, which may await)."""
+        st = self.st
+        ended: list[Claim] = []
+        lost_tail: list[tuple[RunningJob, list[str], int]] = []
+        for (run, events), ok in zip(order, results, strict=True):
+            if isinstance(ok, Exception):
+                log.error("Redis rejected events", extra={"job_id": run.id, "error": str(ok)})
+                run.end, run.retry_error = None, f"Redis rejected the job's events: {ok}"
+                self._flush_soon(run.id)  # handed back (counted) at the next flush
+            elif ok < 0:  # Redis lost the end of the log: nothing was written
+                lost_tail.append((run, events, -1 - ok))
+            elif not ok:  # fenced: another worker owns this job now
+                log.warning("lost ownership; dropping job", extra={"job_id": run.id})
+                assert st.runner is not None
+                st.runner.cancel(run.id)
+                st.running.pop(run.id, None)
+                st.room.set()
+            elif run.end is not None:
+                st.running.pop(run.id, None)
+                ended.append(run.claim)
+            else:
+                run.remember(events, st.settings.log_repair_window_s)
+                if run.retry_error is not None:  # its tokens are out: hand it back next flush
+                    self._flush_soon(run.id)
+        return ended, lost_tail
+
+    async def _repair(self, run: RunningJob, events: list[str], last: int) -> None:
+        """The job's log ends at `last`, short of what this worker wrote (Redis restarted
+        without its last writes): write the lost events again, from memory, so readers see
+        exactly what live subscribers saw. Past the repair window, hand the job back: the
+        next attempt continues from what the log holds."""
+        st = self.st
+        missing = run.written_after(last)
+        if missing is None:
+            log.warning("job log lost beyond repair; handing back", extra={"job_id": run.id})
+            st.running.pop(run.id, None)
+            assert st.runner is not None
+            st.runner.cancel(run.id)
+            st.room.set()
+            with contextlib.suppress(RedisError, OSError):
+                await hand_back(st, run, counted=False)
+            return
+        log.warning("job log lost its tail; re-sending", extra={"job_id": run.id, "from": last})
+        run.pending[:0] = missing + events
+        self._flush_soon(run.id)
+
+    def _flush_soon(self, job_id: str) -> None:
+        """Flush this job at once, not at the next flush interval."""
+        self.st.dirty.add(job_id)
+        self.st.urgent.add(job_id)
+        self.st.flush_wanted.set()
+
+    async def _retry(self, runs: list[RunningJob]) -> None:
+        """Jobs that failed (in the engine, or Redis rejected their writes): back to the queue
+        for another attempt (counted by START, which dead-letters them once spent)."""
+        st = self.st
+        assert st.runner is not None
+        for run in runs:
+            st.running.pop(run.id, None)
+            st.runner.cancel(run.id)  # the engine may still hold it (a write Redis rejected)
+            log.warning(
+                "job failed; handing it back",
+                extra={"job_id": run.id, "attempt": run.attempt, "error": run.retry_error},
+            )
+            try:
+                await hand_back(st, run, counted=True, error=run.retry_error or "")
+            except (RedisError, OSError) as exc:  # still ours in the PEL: reclaimed later
+                log.warning("hand-back failed", extra={"job_id": run.id, "error": str(exc)})
+        st.room.set()

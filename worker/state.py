@@ -1,0 +1,54 @@
+"""What the worker's phases share: who it is, where it writes, the jobs it holds, and the
+events by which one phase wakes another. Plain state, no Redis calls."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from shared.keys import Keys, Priority
+from shared.scripts import Scripts
+from shared.settings import Settings
+from worker.engine import Engine
+from worker.jobstate import Claim, RunningJob
+from worker.lease import LeaseClock
+from worker.runner import EngineRunner
+
+LOOP_RESTART_S = 0.5
+
+
+@dataclass(slots=True, eq=False)
+class WorkerState:
+    settings: Settings
+    engine: Engine
+    id: str
+    model: str
+    keys: Keys
+    redis: aioredis.Redis
+    scripts: Scripts
+    queues: dict[Priority, str]
+    lease: LeaseClock
+    running: dict[str, RunningJob] = field(default_factory=dict)
+    waiting: list[Claim] = field(default_factory=list)
+    """Claimed, not STARTed yet (the engine had no room, or START has not run)."""
+    dirty: set[str] = field(default_factory=set)
+    urgent: set[str] = field(default_factory=set)
+    """Dirty jobs whose events should not wait for the flush interval."""
+    early_cancels: dict[str, float] = field(default_factory=dict)
+    cancel_reason: dict[str, str] = field(default_factory=dict)
+    expiring: set[str] = field(default_factory=set)
+    flush_wanted: asyncio.Event = field(default_factory=asyncio.Event)
+    room: asyncio.Event = field(default_factory=asyncio.Event)
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    closing: bool = False
+    runner: EngineRunner | None = None
+    healthy: bool = True
+
+    def free_slots(self) -> int:
+        return self.engine.max_batch - len(self.running) - len(self.waiting)
+
+    def job_keys(self, job_id: str) -> list[str]:
+        k = self.keys
+        return [k.job(job_id), k.events(job_id), k.channel(job_id)]

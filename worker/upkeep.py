@@ -1,0 +1,190 @@
+"""Keeping the worker's standing: the heartbeat (hash, lease, model card, and a touch of every
+held entry so its idle time stays low), deadlines (queued and running jobs past theirs), and
+the reclaim of entries idle past the lease whose worker's heartbeat is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any, cast
+
+from redis.exceptions import RedisError
+
+from shared import __version__
+from shared.keys import CONSUMER_GROUP
+from shared.schemas import Heartbeat
+from worker.jobstate import Claim
+from worker.lease import reclaimable
+from worker.state import WorkerState
+
+log = logging.getLogger("genq.worker")
+_RECLAIM_SCAN = 1000
+"""Idle pending entries looked at per queue and reclaim round."""
+_EXPIRE_SWEEP = 1000
+"""Overdue jobs looked at per heartbeat."""
+
+
+class Upkeep:
+    def __init__(self, st: WorkerState) -> None:
+        self.st = st
+        self.started_at = time.time()
+        self._tokens_at_beat = (time.monotonic(), 0)
+        self.tokens_per_s = 0.0
+
+    async def heartbeat_loop(self) -> None:
+        st = self.st
+        while not st.closing:
+            await asyncio.sleep(st.settings.heartbeat_s)
+            self._expire_overdue()
+            try:
+                await self.beat()
+            except (RedisError, OSError) as exc:
+                st.lease.beat_failed()
+                log.warning("heartbeat failed", extra={"error": str(exc)})
+                continue
+            try:
+                await self._expire_queued()
+            except (RedisError, OSError) as exc:
+                log.warning("deadline sweep failed", extra={"error": str(exc)})
+
+    async def publish_card(self) -> None:
+        st = self.st
+        card = st.engine.card
+        await st.redis.hset(
+            st.keys.model_card(st.model),
+            mapping={"card": card.model_dump_json(), "tokenizer": st.engine.tokenizer_json},
+        )
+        await st.redis.sadd(st.keys.models(), st.model)
+
+    async def beat(self) -> None:
+        st = self.st
+        hb = self._heartbeat()
+        lease_ms = int(st.settings.lease_s * 1000)
+        pipe = st.redis.pipeline(transaction=False)
+        pipe.exists(st.keys.model_card(st.model))  # first: its reply is read below
+        key = st.keys.worker(st.id)
+        pipe.hset(key, mapping={k: json.dumps(v) for k, v in hb.model_dump().items()})
+        pipe.pexpire(key, lease_ms)
+        pipe.zadd(st.keys.workers(), {st.id: time.time() + st.settings.lease_s})
+        pipe.sadd(st.keys.models(), st.model)
+        held: dict[str, list[str]] = {}
+        for c in [r.claim for r in st.running.values()] + st.waiting:
+            held.setdefault(c.queue, []).append(c.entry_id)
+        # Reset idle time: these entries have a live owner. Not after a lapsed lease: they may
+        # have moved to another worker, and taking them back would hide them from its reclaim.
+        if st.lease.held():
+            for queue, ids in held.items():
+                pipe.xclaim(queue, CONSUMER_GROUP, st.id, 0, ids, justid=True)
+        card_exists, *_ = await pipe.execute()
+        st.lease.beat_ok()
+        if not card_exists:  # Redis lost it (restarted without its data): gateways need it
+            await self.publish_card()
+
+    def _heartbeat(self) -> Heartbeat:
+        st = self.st
+        now_m = time.monotonic()
+        tokens = st.runner.tokens if st.runner else 0
+        t0, n0 = self._tokens_at_beat
+        if now_m > t0:
+            self.tokens_per_s = (tokens - n0) / (now_m - t0)
+        self._tokens_at_beat = (now_m, tokens)
+        return Heartbeat(
+            worker_id=st.id,
+            model=st.model,
+            engine=st.engine.card.engine,
+            gpu=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            version=__version__,
+            capacity=st.engine.max_batch,
+            active=len(st.running),
+            tokens_per_s=round(self.tokens_per_s, 1),
+            started_at=self.started_at,
+            draining=st.stopping.is_set(),
+        )
+
+    async def _expire_queued(self) -> None:
+        """End queued jobs past their deadline, whoever's backlog they wait in (any worker may
+        sweep: the script only touches jobs still `queued`)."""
+        st = self.st
+        index = st.keys.deadlines()
+        now = time.time()
+        due: list[str] = await st.redis.zrangebyscore(  # type: ignore[assignment]
+            index, "-inf", now, start=0, num=_EXPIRE_SWEEP
+        )
+        if not due:
+            return
+        s = st.settings
+        pipe = st.redis.pipeline(transaction=False)
+        for job_id in due:
+            await st.scripts.expire(
+                keys=st.job_keys(job_id),
+                args=[repr(now), s.retention_s, s.event_log_maxlen],
+                client=pipe,
+            )
+        for job_id, reply in zip(due, await pipe.execute(), strict=True):
+            if reply[0] == "expired":
+                log.info("queued job expired", extra={"job_id": job_id})
+        # Running jobs are their worker's to expire (`_expire_overdue`), or a reclaimer's.
+        await st.redis.zrem(index, *due)
+
+    def _expire_overdue(self) -> None:
+        """Stop running jobs past their deadline; they end `expired` (see `Flusher._collect`)."""
+        st = self.st
+        now = time.time()
+        for run in st.running.values():
+            deadline = run.spec.deadline
+            if deadline is None or now <= deadline or run.end is not None or run.retry_error:
+                continue
+            if run.id not in st.expiring:
+                st.expiring.add(run.id)
+                assert st.runner is not None
+                st.runner.cancel(run.id)
+
+    async def reclaim_loop(self) -> None:
+        """Take over entries idle for a whole lease whose owner's heartbeat is gone."""
+        st = self.st
+        while not st.closing:
+            await asyncio.sleep(st.settings.heartbeat_s)
+            if st.stopping.is_set() or not st.lease.reclaim_allowed():
+                continue
+            try:
+                for queue in st.queues.values():
+                    await self._reclaim(queue)
+            except (RedisError, OSError) as exc:
+                log.warning("reclaim failed", extra={"error": str(exc)})
+
+    async def _reclaim(self, queue: str) -> None:
+        st = self.st
+        free = st.free_slots()
+        if free <= 0:
+            return
+        idle_ms = int(st.settings.lease_s * 1000)
+        pending: list[dict[str, Any]] = await st.redis.xpending_range(
+            queue, CONSUMER_GROUP, "-", "+", _RECLAIM_SCAN, idle=idle_ms
+        )
+        if not pending:
+            return
+        owners = sorted({str(p["consumer"]) for p in pending} - {st.id})
+        pipe = st.redis.pipeline(transaction=False)
+        for owner in owners:
+            pipe.exists(st.keys.worker(owner))
+        alive = {o for o, n in zip(owners, await pipe.execute(), strict=True) if n}
+        held = {r.claim.entry_id for r in st.running.values()}
+        held |= {c.entry_id for c in st.waiting}
+        pairs = [(str(p["message_id"]), str(p["consumer"])) for p in pending]
+        ids = reclaimable(pairs, st.id, held, alive)[:free]
+        if not ids:
+            return
+        # XCLAIM re-checks the idle time: an owner that touched an entry meanwhile keeps it.
+        reply = await st.redis.xclaim(queue, CONSUMER_GROUP, st.id, idle_ms, cast(Any, ids))
+        for entry_id, fields in cast("list[tuple[str, dict[str, str] | None]]", reply):
+            if fields:
+                claim = Claim(entry_id, queue, fields["job"], int(fields.get("tokens", 0)))
+                log.info("reclaimed job", extra={"job_id": claim.job_id, "worker_id": st.id})
+                st.waiting.append(claim)
+        st.room.set()
