@@ -48,8 +48,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(tiny_model: Path) -> Iterator[object]:
     from worker.exl2 import ExLlamaV2Engine
 
-    settings = Settings(model_dir=str(tiny_model), engine="exllamav2", max_batch=TEST_BATCH,
-                        cache_tokens=TEST_CACHE_TOKENS)
+    settings = Settings(
+        model_dir=str(tiny_model),
+        engine="exllamav2",
+        max_batch=TEST_BATCH,
+        cache_tokens=TEST_CACHE_TOKENS,
+    )
     e = ExLlamaV2Engine.from_settings(settings)
     yield e
     e.close()

@@ -134,12 +134,24 @@ def test_gateway_to_worker_to_sse_with_the_real_engine(tiny_model: Path, tmp_pat
     cluster = Cluster(redis_url, tmp_path, f"genqgpu:{free_port()}:")
     try:
         gw = cluster.gateway()
-        cluster.worker("--model", str(tiny_model), "--max-batch", "16", "--cache-tokens", "8192",
-                       wait_model=tiny_model.name)
+        cluster.worker(
+            "--model",
+            str(tiny_model),
+            "--max-batch",
+            "16",
+            "--cache-tokens",
+            "8192",
+            wait_model=tiny_model.name,
+        )
         card = httpx.get(f"{gw.url}/v1/models").json()["data"]
         assert any(m["id"] == tiny_model.name for m in card)
-        body = {"model": tiny_model.name, "prompt": "def main():\n    return", "max_tokens": 24,
-                "stream": True, "temperature": 0}
+        body = {
+            "model": tiny_model.name,
+            "prompt": "def main():\n    return",
+            "max_tokens": 24,
+            "stream": True,
+            "temperature": 0,
+        }
         with httpx.stream("POST", f"{gw.url}/v1/jobs", json=body, timeout=60) as r:
             assert r.status_code == 200
             raw = r.read().decode()
@@ -162,6 +174,10 @@ def test_gateway_to_worker_to_sse_with_the_real_engine(tiny_model: Path, tmp_pat
 
 
 def test_synth_model_cli(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", "synth-model", str(tmp_path / "m")],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "synth-model", str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert Path(out.stdout.strip()).joinpath("config.json").exists()

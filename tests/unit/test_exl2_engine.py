@@ -101,21 +101,35 @@ class FakeGenerator:
         r: dict[str, Any] = {"stage": "streaming", "identifier": job.identifier, "eos": False}
         held_text = "".join(piece(t) for t in job.held)
         if token in job.stops:
-            r.update(eos=True, eos_reason="stop_token", eos_triggering_token_id=token,
-                     held={"text": held_text, "token_ids": [job.held]}, cached_tokens=0)
+            r.update(
+                eos=True,
+                eos_reason="stop_token",
+                eos_triggering_token_id=token,
+                held={"text": held_text, "token_ids": [job.held]},
+                cached_tokens=0,
+            )
             self._release(job)
             return r
         stop = next((s for s in job.stops if isinstance(s, str) and s in held_text), None)
         if stop is not None:
-            r.update(eos=True, eos_reason="stop_string", text=held_text.split(stop)[0],
-                     token_ids=[job.held], cached_tokens=0)
+            r.update(
+                eos=True,
+                eos_reason="stop_string",
+                text=held_text.split(stop)[0],
+                token_ids=[job.held],
+                cached_tokens=0,
+            )
             self._release(job)
             return r
         if any(isinstance(s, str) and held_text.endswith(s[:1]) for s in job.stops):
             return r  # could begin a stop string: hold
-        r.update(text=held_text, token_ids=[job.held], token_probs=[[0.5] * len(job.held)],
-                 top_k_tokens=[[[t, 7] for t in job.held]],
-                 top_k_probs=[[[0.5, 0.25] for _ in job.held]])
+        r.update(
+            text=held_text,
+            token_ids=[job.held],
+            token_probs=[[0.5] * len(job.held)],
+            top_k_tokens=[[[t, 7] for t in job.held]],
+            top_k_probs=[[[0.5, 0.25] for _ in job.held]],
+        )
         job.held = []
         if job.new >= job.max_new:
             r.update(eos=True, eos_reason="max_new_tokens", cached_tokens=256)
@@ -145,8 +159,14 @@ def make(
         jobs.append(FakeJob(ids, max_new, sampling, seed, stops, identifier, script))
         return jobs[-1]
 
-    card = ModelCard(name="fake", engine="exllamav2", max_seq_len=4096, max_batch=max_batch,
-                     tokenizer_sha="0", eos_token_ids=[EOS_ID])
+    card = ModelCard(
+        name="fake",
+        engine="exllamav2",
+        max_seq_len=4096,
+        max_batch=max_batch,
+        tokenizer_sha="0",
+        eos_token_ids=[EOS_ID],
+    )
     engine = ExLlamaV2Engine(Backend(make_generator, make_job, piece), card, "{}")
     return Harness(engine, gens, jobs)
 
@@ -274,11 +294,15 @@ def test_logprobs_are_mapped_per_token() -> None:
     h.engine.add(job("a", max_tokens=1, logprobs=2))
     (out,) = run_to_end(h.engine)
     assert out.logprobs == [
-        {"token": "t100 ", "token_id": 100, "logprob": pytest.approx(math.log(0.5)),
-         "top_logprobs": [
-             {"token": "t100 ", "token_id": 100, "logprob": pytest.approx(math.log(0.5))},
-             {"token": "t7 ", "token_id": 7, "logprob": pytest.approx(math.log(0.25))},
-         ]},
+        {
+            "token": "t100 ",
+            "token_id": 100,
+            "logprob": pytest.approx(math.log(0.5)),
+            "top_logprobs": [
+                {"token": "t100 ", "token_id": 100, "logprob": pytest.approx(math.log(0.5))},
+                {"token": "t7 ", "token_id": 7, "logprob": pytest.approx(math.log(0.25))},
+            ],
+        },
     ]
 
 
@@ -361,8 +385,15 @@ def test_temperature_zero_is_greedy() -> None:
 
 
 def test_sampler_fields_carry_the_request() -> None:
-    s = Sampling(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
-                 presence_penalty=0.5, frequency_penalty=0.25)
+    s = Sampling(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+    )
     f = sampler_fields(s)
     assert (f["temperature"], f["top_p"], f["top_k"], f["min_p"]) == (0.7, 0.9, 40, 0.05)
     assert f["token_repetition_penalty"] == 1.1

@@ -28,8 +28,14 @@ def test_each_process_gets_its_share_of_the_gpu() -> None:
 
 
 def test_children_get_the_settings_their_gpu_and_an_id_each(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    s = Settings(engine="exllamav2", model_dir="/m", max_batch=64, cache_tokens=65_536,
-                 api_keys=["k"], worker_id="box")
+    s = Settings(
+        engine="exllamav2",
+        model_dir="/m",
+        max_batch=64,
+        cache_tokens=65_536,
+        api_keys=["k"],
+        worker_id="box",
+    )
     la = Launcher(s, ["0", "1"], 2)
     envs = [c.env for c in la.children]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "0", "1", "1"]
@@ -88,20 +94,41 @@ def test_sigterm_drains_every_child() -> None:
 @pytest.mark.e2e
 def test_serve_with_several_worker_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
-    env = {**os.environ, "GENQ_REDIS_URL": REDIS_URL, "PYTHONUNBUFFERED": "1",
-           "GENQ_KEY_PREFIX": f"genqtest:{uuid.uuid4().hex[:8]}:", "GENQ_SIM_STEP_MS": "1"}
+    env = {
+        **os.environ,
+        "GENQ_REDIS_URL": REDIS_URL,
+        "PYTHONUNBUFFERED": "1",
+        "GENQ_KEY_PREFIX": f"genqtest:{uuid.uuid4().hex[:8]}:",
+        "GENQ_SIM_STEP_MS": "1",
+    }
     with open(tmp_path / "serve.log", "wb") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--procs-per-gpu",
-             "2"],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--procs-per-gpu",
+                "2",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: httpx.get(f"{url}/v1/models").json()["data"][0]["workers"] == 2,
-                 timeout=30, what="two sim workers")
-        r = httpx.post(f"{url}/v1/jobs", json={"model": "sim", "prompt": "hi", "max_tokens": 5,
-                                               "stream": True}, timeout=10)
+        wait_for(
+            lambda: httpx.get(f"{url}/v1/models").json()["data"][0]["workers"] == 2,
+            timeout=30,
+            what="two sim workers",
+        )
+        r = httpx.post(
+            f"{url}/v1/jobs",
+            json={"model": "sim", "prompt": "hi", "max_tokens": 5, "stream": True},
+            timeout=10,
+        )
         assert r.status_code == 200 and "event: done" in r.text
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -109,8 +136,12 @@ def test_serve_with_several_worker_processes(tmp_path) -> None:  # type: ignore[
 
 
 def _model(tmp_path, weight_gib: float):  # type: ignore[no-untyped-def]
-    cfg = {"num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
-           "num_hidden_layers": 32}
+    cfg = {
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with open(tmp_path / "model.safetensors", "wb") as f:
         f.truncate(int(weight_gib * 1024**3))  # sparse: only the size matters
