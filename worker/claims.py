@@ -168,7 +168,7 @@ class Claimer:
         dead-lettered once they are spent instead of crashing the claim loop forever."""
         st = self.st
         log.error("could not begin job", extra={"job_id": claim.job_id, "error": str(exc)})
-        st.running.pop(claim.job_id, None)
+        st.forget(claim.job_id)
         error = f"the worker could not begin the job: {exc}"
         with contextlib.suppress(RedisError, OSError):
             reply = await st.scripts.hand_back(

@@ -17,6 +17,7 @@ log = logging.getLogger("genq.worker")
 _EARLY_CANCELS_KEPT = 1000
 _EARLY_CANCEL_TTL_S = 60.0
 _CONTROL_POLL_S = 1.0
+_CONTROL_RETRY_S = 0.5
 
 
 class Control:
@@ -28,10 +29,10 @@ class Control:
         run = st.running.get(job_id)
         if run is None:  # a cancel can overtake the START reply that tells us of the job
             now = time.monotonic()
-            if len(st.early_cancels) > _EARLY_CANCELS_KEPT:
-                st.early_cancels = {
-                    k: t for k, t in st.early_cancels.items() if now - t < _EARLY_CANCEL_TTL_S
-                }
+            if len(st.early_cancels) > _EARLY_CANCELS_KEPT:  # keep the newest, young ones
+                young = [kv for kv in st.early_cancels.items() if now - kv[1] < _EARLY_CANCEL_TTL_S]
+                young.sort(key=lambda kv: kv[1])
+                st.early_cancels = dict(young[-_EARLY_CANCELS_KEPT // 2 :])
             st.early_cancels[job_id] = now
             return
         st.cancel_reason[job_id] = reason
@@ -53,7 +54,7 @@ class Control:
                 raise
             except (RedisError, OSError, ValueError) as exc:
                 log.warning("control channel failed; resubscribing", extra={"error": str(exc)})
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(_CONTROL_RETRY_S)
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()

@@ -178,10 +178,10 @@ class Flusher:
                 log.warning("lost ownership; dropping job", extra={"job_id": run.id})
                 assert st.runner is not None
                 st.runner.cancel(run.id)
-                st.running.pop(run.id, None)
+                st.forget(run.id)
                 st.room.set()
             elif run.end is not None:
-                st.running.pop(run.id, None)
+                st.forget(run.id)
                 ended.append(run.claim)
             else:
                 run.remember(events, st.settings.log_repair_window_s)
@@ -198,7 +198,7 @@ class Flusher:
         missing = run.written_after(last)
         if missing is None:
             log.warning("job log lost beyond repair; handing back", extra={"job_id": run.id})
-            st.running.pop(run.id, None)
+            st.forget(run.id)
             assert st.runner is not None
             st.runner.cancel(run.id)
             st.room.set()
@@ -221,7 +221,7 @@ class Flusher:
         st = self.st
         assert st.runner is not None
         for run in runs:
-            st.running.pop(run.id, None)
+            st.forget(run.id)
             st.runner.cancel(run.id)  # the engine may still hold it (a write Redis rejected)
             log.warning(
                 "job failed; handing it back",

@@ -234,7 +234,8 @@ class Worker:
         for job_id in list(st.running):
             assert st.runner is not None
             st.runner.cancel(job_id)
-            run = st.running.pop(job_id)
+            run = st.forget(job_id)
+            assert run is not None
             with contextlib.suppress(RedisError, OSError):
                 await hand_back(st, run, counted=False)
 

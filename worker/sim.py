@@ -118,9 +118,16 @@ class SimEngine:
         return words
 
     def fits(self, need_tokens: int, active: int) -> bool:
-        return active < self._max_batch and need_tokens <= self.card.max_seq_len
+        # Size is not checked here: a claim that never fits would wait forever; `add` refuses it.
+        return active < self._max_batch
 
     def add(self, job: EngineJob) -> None:
+        need = len(job.input_ids) + job.max_tokens
+        if need > self.card.max_seq_len:
+            raise ValueError(
+                f"the job needs {need} tokens (prompt + max_tokens), over this engine's "
+                f"max_seq_len of {self.card.max_seq_len}"
+            )
         prompt = len(job.input_ids) + len(job.resume_ids)
         sim = _SimJob(
             job=job,

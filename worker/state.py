@@ -46,6 +46,12 @@ class WorkerState:
     runner: EngineRunner | None = None
     healthy: bool = True
 
+    def forget(self, job_id: str) -> RunningJob | None:
+        """A job leaves this worker: drop it and every note kept about it."""
+        self.cancel_reason.pop(job_id, None)
+        self.expiring.discard(job_id)
+        return self.running.pop(job_id, None)
+
     def free_slots(self) -> int:
         return self.engine.max_batch - len(self.running) - len(self.waiting)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from shared.schemas import Sampling
 from worker.engine import EngineJob, StepOutput
 from worker.sim import SimEngine
@@ -92,7 +94,11 @@ def test_resumed_job_continues_exactly() -> None:
 
 def test_batch_limit_and_context_limit() -> None:
     e = _engine(max_batch=2, max_seq_len=100)
-    assert e.fits(50, 1) and not e.fits(50, 2) and not e.fits(101, 0)
+    assert e.fits(50, 1) and not e.fits(50, 2)
+    assert e.fits(101, 0)  # admitted, then refused by `add` with a reason: never stuck waiting
+    with pytest.raises(ValueError, match="over this engine's max_seq_len of 100"):
+        e.add(EngineJob("big", [1] * 60, 41, Sampling(), 0))
+    assert e.active() == 0
     assert e.card.simulated and "not a language model" in e.card.description
 
 
