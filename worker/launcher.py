@@ -239,7 +239,8 @@ def auto_procs(settings: Settings, gpus: list[str]) -> int:
 def resolve_procs(settings: Settings, gpus: list[str], spec: str | int | None) -> int:
     if spec is None or spec == "auto":
         n = auto_procs(settings, gpus)
-        log.info("worker processes per GPU chosen", extra={"procs_per_gpu": n, "gpus": gpus})
+        if settings.engine == "exllamav2":  # the sim engine has no GPU to speak of
+            log.info("worker processes per GPU chosen", extra={"procs_per_gpu": n, "gpus": gpus})
         return n
     return max(1, int(spec))
 
