@@ -156,9 +156,7 @@ class ChatFormat:
         return self._chunk(run, [last])
 
     def usage_chunk(self, run: Run) -> BaseModel:
-        chunk = self._chunk(run, [])
-        chunk.usage = run.usage()
-        return chunk
+        return _with_usage(self._chunk(run, []), run)
 
     def response(self, run: Run) -> BaseModel:
         choices = [
@@ -216,9 +214,7 @@ class CompletionFormat:
         return self._chunk(run, [last])
 
     def usage_chunk(self, run: Run) -> BaseModel:
-        chunk = self._chunk(run, [])
-        chunk.usage = run.usage()
-        return chunk
+        return _with_usage(self._chunk(run, []), run)
 
     def response(self, run: Run) -> BaseModel:
         choices = [
@@ -233,3 +229,9 @@ class CompletionFormat:
         response = self._chunk(run, choices)
         response.usage = run.usage()
         return response
+
+
+def _with_usage(chunk: ChatCompletionChunk | CompletionResponse, run: Run) -> BaseModel:
+    """The closing usage-only chunk (`stream_options.include_usage`): no choices, the usage."""
+    chunk.usage = run.usage()
+    return chunk
