@@ -48,6 +48,12 @@ def _launcher_flags(p: argparse.ArgumentParser, default_procs: str) -> None:
         "or 'auto' (as many as memory and CPU allow, at most 4); --max-batch and "
         f"--cache-tokens are per GPU, shared among them (default: {default_procs})",
     )
+    p.add_argument(
+        "--cpu-affinity",
+        choices=["auto", "on", "off"],
+        help="pin each worker process to cores of its own, near its GPU (auto: with several "
+        "exllamav2 processes)",
+    )
 
 
 def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
@@ -61,6 +67,7 @@ def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
         "max_seq_len",
         "max_chunk_size",
         "gpu_split",
+        "cpu_affinity",
     ]
     out = {k: getattr(a, k, None) for k in keys}
     out["engine"] = a.engine or ("exllamav2" if a.model_dir else None)

@@ -100,6 +100,19 @@ class Settings(BaseSettings):
         description="Jinja chat template (inline, or a file path) for the model card",
     )
 
+    # worker processes (the launcher)
+    cpu_affinity: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="pin each launched worker process to cores of its own (on its GPU's NUMA "
+        "node where known); auto: when the launcher runs several exllamav2 processes",
+    )
+    cpus: str | None = Field(
+        default=None,
+        pattern=r"^[0-9][0-9,\- ]*$",
+        description="CPUs this worker process runs on (Linux cpulist, e.g. 0-3,16-19); the "
+        "launcher sets it per process",
+    )
+
     # exllamav2 engine
     cache_tokens: int | None = Field(default=None, ge=256, description="default: fit the batch")
     cache_mode: Literal["FP16", "Q4", "Q6", "Q8"] = "FP16"

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,8 @@ PROMISE_TTL_S = 5.0
 PAGE_TOKENS = 256
 """exllamav2's paged-attention page size; cache sizes and chunk sizes are multiples of it."""
 MAX_Q_SIZE = 8
+MAX_SAMPLING_THREADS = 16
+"""exllamav2's own default; fewer when this process is pinned to fewer CPUs (worker/cpus.py)."""
 """Tokens per sequence per forward pass that the generator allows for (its default)."""
 DEFAULT_CACHE_TOKENS_PER_JOB = 1024
 """Default cache size per batch slot when `cache_tokens` is not set: room for a typical
@@ -337,6 +340,13 @@ def _log(p: float) -> float:
 # ---- loading (the only code that touches torch and exllamav2) --------------------------
 
 
+def sampling_threads() -> int:
+    """exllamav2 samples each job's logits on the CPU, in a thread pool: no more threads than
+    this process has CPUs."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(MAX_SAMPLING_THREADS, usable or 1))
+
+
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
@@ -466,6 +476,7 @@ def load_backend(settings: Settings) -> tuple[Backend, ModelCard, str]:
             max_chunk_size=chunk,
             max_q_size=MAX_Q_SIZE,
             paged=paged,
+            max_sampling_threads=sampling_threads(),
         )
 
     def make_job(

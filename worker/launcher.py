@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.settings import Settings
+from worker import cpus
 
 log = logging.getLogger("genq.worker.launcher")
 
@@ -98,18 +99,25 @@ class Launcher:
         gpus: list[str],
         procs_per_gpu: int,
         command: list[str] | None = None,
+        cpu_sets: list[list[int]] | None = None,
     ) -> None:
         self.settings = settings
         self.command = command or [sys.executable, "-m", "gateway.cli", "worker"]
         share = child_settings(settings, procs_per_gpu)
         base_id = settings.worker_id or socket.gethostname()
+        placement = [gpu for gpu in gpus for _ in range(procs_per_gpu)]
+        cpu_sets = cpu_sets_for(settings, placement) if cpu_sets is None else cpu_sets
         self.children: list[Child] = []
-        for gpu in gpus:
-            for i in range(procs_per_gpu):
-                env = {**os.environ, **settings_env(settings, **share)}
-                env["CUDA_VISIBLE_DEVICES"] = gpu
-                env["GENQ_WORKER_ID"] = f"{base_id}-g{gpu}p{i}"
-                self.children.append(Child(gpu, i, env))
+        for n, gpu in enumerate(placement):
+            i = n % procs_per_gpu
+            env = {**os.environ, **settings_env(settings, **share)}
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+            env["GENQ_WORKER_ID"] = f"{base_id}-g{gpu}p{i}"
+            if cpu_sets:
+                env["GENQ_CPUS"] = cpus.format_cpulist(cpu_sets[n])
+                # OpenMP and friends size their pools from this, not from the affinity mask
+                env["OMP_NUM_THREADS"] = str(len(cpu_sets[n]))
+            self.children.append(Child(gpu, i, env))
         self.stopping = False
 
     def _start(self, c: Child) -> None:
@@ -120,7 +128,12 @@ class Launcher:
         c.started = time.monotonic()
         log.info(
             "worker process started",
-            extra={"child": c.name, "pid": c.proc.pid, "worker_id": env["GENQ_WORKER_ID"]},
+            extra={
+                "child": c.name,
+                "pid": c.proc.pid,
+                "worker_id": env["GENQ_WORKER_ID"],
+                "cpus": env.get("GENQ_CPUS", "any"),
+            },
         )
 
     def _stop(self, *_: object) -> None:
@@ -181,6 +194,15 @@ class Launcher:
                 code = c.proc.wait()
             worst = worst or code
         return worst
+
+
+def cpu_sets_for(settings: Settings, placement: list[str]) -> list[list[int]] | None:
+    """Each child's CPUs (`--cpu-affinity`): `auto` pins several exllamav2 processes, whose
+    CPU work is what limits them; one process, or sim workers, are left to the scheduler."""
+    mode = settings.cpu_affinity
+    if mode == "off" or (mode == "auto" and (settings.engine != "exllamav2" or len(placement) < 2)):
+        return None
+    return cpus.plan_for_host(placement)
 
 
 def parse_gpus(spec: str | None) -> list[str]:

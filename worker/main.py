@@ -9,6 +9,7 @@ import sys
 
 from shared import runtime
 from shared.settings import Settings
+from worker import cpus
 from worker.engine import Engine
 from worker.service import Worker
 from worker.sim import SimEngine
@@ -48,6 +49,9 @@ async def serve_worker(settings: Settings) -> int:
     if interval is None:
         interval = _SIM_GIL_SWITCH_S if settings.engine == "sim" else _DEFAULT_GIL_SWITCH_S
     sys.setswitchinterval(interval)
+    pinned = cpus.apply(settings.cpus)  # before torch loads: its pools size to the set
+    if pinned is not None:
+        log.info("pinned to CPUs", extra={"cpus": settings.cpus, "count": pinned})
     engine = build_engine(settings)
     worker = Worker(settings, engine)
     runtime.tune_gc()

@@ -1,10 +1,12 @@
 #!/bin/bash
 # One call on the GPU machine: GPU tests on a tiny synth model, then the 8B benchmark.
 #   source .gpu/activate.sh && bash tests/gpu/device_run.sh [tests] [bench64] [sweep] [procs]
-# Logs and JSON figures go to $OUT (default /tmp/genq-out).
+# Step logs and JSON figures go to $OUT/res.tgz, process logs to $OUT/logs.tgz (default
+# OUT=/tmp/genq-out); each step's summary lines are printed as well.
 set -x
-OUT=${OUT:-/tmp/genq-out}
-mkdir -p "$OUT" /tmp/genq-logs
+FINAL=${OUT:-/tmp/genq-out}
+OUT=/tmp/genq-res
+mkdir -p "$FINAL" "$OUT" /tmp/genq-logs
 steps=${*:-tests bench64}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, exllamav2, flash_attn; print(torch.__version__, exllamav2.__version__, flash_attn.__version__)" >> "$OUT/gpu.txt" 2>&1
@@ -16,8 +18,8 @@ for step in $steps; do
       python3 -m gateway.cli synth-model /tmp/tiny --shape tiny
       GENQ_TEST_TINY_MODEL=/tmp/tiny timeout 300 python3 -m pytest -q -m gpu tests/gpu $W \
         -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest > "$OUT/gpu-tests.log" 2>&1
-      echo "gpu tests rc=$?" >> "$OUT/gpu-tests.log" ;;
-    bench64*|bare*|sweep*|procs*|gpus*)
+      echo "gpu tests rc=$?" >> "$OUT/gpu-tests.log"; tail -n 15 "$OUT/gpu-tests.log" ;;
+    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*)
       [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m gateway.cli synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
       timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --bare --system \
@@ -53,6 +55,15 @@ for step in $steps; do
       bench=$!
       until grep -q "# starting" "$OUT/gpus2n3.log" || ! kill -0 $bench 2>/dev/null; do sleep 1; done
       sleep 12; top -b -n1 -w 200 | head -45 > "$OUT/top.txt"; wait $bench ;;
+    g[12]n[1-4]|g[12]n[1-4]off)  # issue 5: G GPUs x N processes, 256 streams per GPU, CPU
+      # placement as `auto` chooses it, or off (steps g1n4 g2n3 g2n4 g2n4off ...)
+      g=${step:1:1}; n=${step:3:1}; gpus=$([ "$g" = 2 ] && echo 0,1 || echo 0)
+      aff=$([ "${step%off}" != "$step" ] && echo off || echo auto)
+      timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --sweep $((256 * g)) --max-batch 256 \
+        --requests-per-stream 1 --worker-arg=--gpus=$gpus --worker-arg=--procs-per-gpu=$n \
+        --worker-arg=--cpu-affinity=$aff --workers $((g * n)) --gateways $((2 * g)) \
+        --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
+      grep -h "^{" "$OUT/$step.log" | tail -n 3 ;;
     procs[1-4])  # N worker processes on the one GPU, total concurrency 64..256
       n=${step#procs}
       timeout 140 python3 -m worker.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \
@@ -61,5 +72,7 @@ for step in $steps; do
         --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1 ;;
   esac
 done
-# $OUT takes at most 8 files: every process log goes back as one archive
-tar czf "$OUT/logs.tgz" -C /tmp genq-logs 2>/dev/null
+# $OUT takes at most 8 files: step results and process logs go back as two archives
+mv "$OUT/gpu.txt" "$FINAL/" 2>/dev/null
+tar czf "$FINAL/res.tgz" -C /tmp genq-res 2>/dev/null
+tar czf "$FINAL/logs.tgz" -C /tmp genq-logs 2>/dev/null
