@@ -59,23 +59,23 @@ def test_host_cores_keeps_siblings_together_with_their_node(tmp_path: Path) -> N
 
 
 def test_plan_gives_disjoint_whole_cores_near_each_gpu() -> None:
-    cores = [Core((c, c + 8), c // 4) for c in range(8)]  # 8 cores, 2 nodes, SMT 2
+    cores = [Core((c, c + 16), c // 8) for c in range(16)]  # 16 cores, 2 nodes, SMT 2
     sets = cpus.plan(["0", "0", "1", "1"], cores, {"0": 1, "1": 0})
-    assert sets == [[4, 5, 12, 13], [6, 7, 14, 15], [0, 1, 8, 9], [2, 3, 10, 11]]
+    assert sets == [[8, 9, 24, 25], [10, 11, 26, 27], [0, 1, 16, 17], [2, 3, 18, 19]]
     # more children than fit on a node: the rest come from the other node
     sets = cpus.plan(["0"] * 6, cores, {"0": 0})
-    assert sets is not None and len(sets) == 6
-    assert all(len(s) == 2 for s in sets)  # 8 cores among 6: one core (2 CPUs) each
-    assert [min(s) for s in sets][:4] == [0, 1, 2, 3]  # node 0's cores first
+    assert sets is not None and [min(s) for s in sets] == [0, 2, 4, 6, 8, 10]
     flat = [c for s in sets for c in s]
-    assert len(flat) == len(set(flat))
+    assert len(flat) == len(set(flat)) == 24
 
 
-def test_plan_leaves_spare_cores_and_refuses_to_crowd() -> None:
+def test_plan_leaves_spare_cores_or_pins_nothing() -> None:
     cores = [Core((c,), None) for c in range(16)]  # no SMT, no NUMA information
-    sets = cpus.plan(["0", "1"], cores, {})
-    assert sets == [[0, 1, 2, 3], [4, 5, 6, 7]]  # CPUS_PER_PROC each; 8 stay free
+    assert cpus.plan(["0", "1"], cores, {}) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert cpus.plan(["0", "1", "0"], cores, {}) is not None  # 12 pinned, 4 spare
+    assert cpus.plan(["0", "1"] * 2, cores, {}) is None  # every core taken: better unpinned
     assert cpus.plan(["0"] * 3, cores[:2], {}) is None
+    assert cpus.plan(["0"], cores, {}, cpus_per_proc=2) == [[0, 1]]
 
 
 def test_gpu_numa_node_from_the_pci_address(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -128,13 +128,15 @@ def _allowed(pid: int) -> list[int]:
 def test_launched_workers_run_on_their_own_cpus(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     prefix = f"genqtest:{uuid.uuid4().hex[:8]}:"
     monkeypatch.setenv("GENQ_KEY_PREFIX", prefix)
-    settings = Settings(redis_url=REDIS_URL, cpu_affinity="on", shutdown_grace_s=2, worker_id="pin")
-    la = Launcher(settings, ["0"], 2, command=[sys.executable, "-m", "gateway.cli", "worker"])
+    settings = Settings(redis_url=REDIS_URL, shutdown_grace_s=2, worker_id="pin")
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    cmd = [sys.executable, "-m", "gateway.cli", "worker"]
+    la = Launcher(settings, ["0"], 2, command=cmd, cpu_sets=[[first], [second]])
     t = threading.Thread(target=la.run_supervised)
     t.start()
     try:
-        want = [cpus.parse_cpulist(c.env["GENQ_CPUS"]) for c in la.children]
-        assert not set(want[0]) & set(want[1])
+        want = [[first], [second]]
+        assert [c.env["GENQ_CPUS"] for c in la.children] == [str(first), str(second)]
         wait_for(lambda: all(c.proc is not None for c in la.children), what="children started")
         pids = [c.proc.pid for c in la.children if c.proc is not None]
         wait_for(
