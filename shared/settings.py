@@ -114,6 +114,13 @@ class Settings(BaseSettings):
     )
 
     # exllamav2 engine
+    sampling_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="threads sampling logits on the CPU; default: this process's CPUs, at most "
+        "16 (the launcher gives each process its share of the host)",
+    )
     cache_tokens: int | None = Field(default=None, ge=256, description="default: fit the batch")
     cache_mode: Literal["FP16", "Q4", "Q6", "Q8"] = "FP16"
     max_seq_len: int | None = Field(default=None, ge=16, description="default: the model's")

@@ -340,9 +340,12 @@ def _log(p: float) -> float:
 # ---- loading (the only code that touches torch and exllamav2) --------------------------
 
 
-def sampling_threads() -> int:
-    """exllamav2 samples each job's logits on the CPU, in a thread pool: no more threads than
-    this process has CPUs."""
+def sampling_threads(configured: int | None = None) -> int:
+    """exllamav2 samples each job's logits on the CPU, in a thread pool: GENQ_SAMPLING_THREADS
+    (the launcher sets it to each process's share of the host), else no more threads than this
+    process has CPUs."""
+    if configured:
+        return configured
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(MAX_SAMPLING_THREADS, usable or 1))
 
@@ -476,7 +479,7 @@ def load_backend(settings: Settings) -> tuple[Backend, ModelCard, str]:
             max_chunk_size=chunk,
             max_q_size=MAX_Q_SIZE,
             paged=paged,
-            max_sampling_threads=sampling_threads(),
+            max_sampling_threads=sampling_threads(settings.sampling_threads),
         )
 
     def make_job(

@@ -55,13 +55,15 @@ for step in $steps; do
       bench=$!
       until grep -q "# starting" "$OUT/gpus2n3.log" || ! kill -0 $bench 2>/dev/null; do sleep 1; done
       sleep 12; top -b -n1 -w 200 | head -45 > "$OUT/top.txt"; wait $bench ;;
-    g[12]n[1-4]|g[12]n[1-4]off)  # issue 5: G GPUs x N processes, 256 streams per GPU, CPU
-      # placement as `auto` chooses it, or off (steps g1n4 g2n3 g2n4 g2n4off ...)
+    g[12]n[1-4]|g[12]n[1-4]off|g[12]n[1-4]wide)  # issue 5: G GPUs x N processes, 256 streams
+      # per GPU; CPU placement as `auto` chooses it, or off, or off with the thread pools as
+      # wide as the host (exllamav2's and torch's defaults) (steps g1n4 g2n3 g2n4off g2n4wide)
       g=${step:1:1}; n=${step:3:1}; gpus=$([ "$g" = 2 ] && echo 0,1 || echo 0)
-      aff=$([ "${step%off}" != "$step" ] && echo off || echo auto)
+      aff=$([ "${step:4}" = "" ] && echo auto || echo off)
+      wide=$([ "${step:4}" = wide ] && echo "--worker-env GENQ_SAMPLING_THREADS=16 --worker-env OMP_NUM_THREADS=$(nproc)")
       timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --sweep $((256 * g)) --max-batch 256 \
         --requests-per-stream 1 --worker-arg=--gpus=$gpus --worker-arg=--procs-per-gpu=$n \
-        --worker-arg=--cpu-affinity=$aff --workers $((g * n)) --gateways $((2 * g)) \
+        --worker-arg=--cpu-affinity=$aff $wide --workers $((g * n)) --gateways $((2 * g)) \
         --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h "^{" "$OUT/$step.log" | tail -n 3 ;;
     procs[1-4])  # N worker processes on the one GPU, total concurrency 64..256
