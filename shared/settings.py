@@ -118,8 +118,8 @@ class Settings(BaseSettings):
         default=None,
         ge=1,
         le=256,
-        description="threads sampling logits on the CPU; default: this process's CPUs, at most "
-        "16 (the launcher gives each process its share of the host)",
+        description="threads sampling logits on the CPU; default: the CPUs this process may "
+        "use (its pinned set, when the launcher pinned it), at most 16",
     )
     cache_tokens: int | None = Field(default=None, ge=256, description="default: fit the batch")
     cache_mode: Literal["FP16", "Q4", "Q6", "Q8"] = "FP16"

@@ -342,8 +342,7 @@ def _log(p: float) -> float:
 
 def sampling_threads(configured: int | None = None) -> int:
     """exllamav2 samples each job's logits on the CPU, in a thread pool: GENQ_SAMPLING_THREADS
-    (the launcher sets it to each process's share of the host), else no more threads than this
-    process has CPUs."""
+    if set, else no more threads than this process may use CPUs (its pinned set)."""
     if configured:
         return configured
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
