@@ -94,20 +94,29 @@ def host_cores(available: Iterable[int], sys_cpu: Path = SYS_CPU) -> list[Core]:
     return cores
 
 
-def gpu_numa_node(gpu: str, sys_pci: Path = SYS_PCI) -> int | None:
-    """The NUMA node a GPU hangs off (from its PCI address), or None when unknown."""
+def gpu_query(gpu: str, field: str) -> str | None:
+    """One `nvidia-smi --query-gpu` field of one GPU (no header, no units), or None when
+    nvidia-smi is missing or fails."""
     try:
-        bus = subprocess.run(
-            ["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", gpu],
+        return subprocess.run(
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", gpu],
             capture_output=True,
             text=True,
             timeout=10,
             check=True,
         ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_numa_node(gpu: str, sys_pci: Path = SYS_PCI) -> int | None:
+    """The NUMA node a GPU hangs off (from its PCI address), or None when unknown."""
+    bus = gpu_query(gpu, "pci.bus_id")
+    try:
         # nvidia-smi: 00000000:1B:00.0; sysfs: 0000:1b:00.0
-        domain, rest = bus.split(":", 1)
+        domain, rest = (bus or "").split(":", 1)
         node = int((sys_pci / f"{domain[-4:]}:{rest}".lower() / "numa_node").read_text())
-    except (OSError, subprocess.SubprocessError, ValueError):
+    except (OSError, ValueError):
         return None
     return node if node >= 0 else None
 
@@ -133,9 +142,8 @@ def plan(
     smt = max(len(c.cpus) for c in cores)
     per_child = max(1, cpus_per_proc // smt)
     total = sum(len(c.cpus) for c in cores)
-    if len(gpus) * per_child > len(cores) or len(gpus) * per_child * smt > total - reserve_cpus(
-        total
-    ):
+    pinned_cores = len(gpus) * per_child
+    if pinned_cores > len(cores) or pinned_cores * smt > total - reserve_cpus(total):
         return None
     free = list(cores)
     sets: list[list[int]] = []

@@ -217,16 +217,10 @@ def parse_gpus(spec: str | None) -> list[str]:
 
 
 def _gpu_free_bytes(gpu: str) -> int | None:
+    free_mib = cpus.gpu_query(gpu, "memory.free")
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", gpu],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-        return int(out.split()[0]) * 1024**2
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return int((free_mib or "").split()[0]) * 1024**2
+    except (ValueError, IndexError):
         return None
 
 
