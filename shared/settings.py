@@ -121,6 +121,11 @@ class Settings(BaseSettings):
         description="threads sampling logits on the CPU; default: the CPUs this process may "
         "use (its pinned set, when the launcher pinned it), at most 16",
     )
+    gpu_sampling: bool = Field(
+        default=True,
+        description="sample on the GPU (temperature, top_k, top_p, min_p); jobs with "
+        "penalties or top logprobs still go to exllamav2's CPU sampler",
+    )
     cache_tokens: int | None = Field(default=None, ge=256, description="default: fit the batch")
     cache_mode: Literal["FP16", "Q4", "Q6", "Q8"] = "FP16"
     max_seq_len: int | None = Field(default=None, ge=16, description="default: the model's")

@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from gateway.bench import Client, Target, percentile
 from shared.keys import Keys
 from shared.schemas import Sampling
 from shared.settings import Settings
+from worker import cpus
 
 VOCAB_LOW = 300
 """Lowest token id used in prompts: above the special tokens of a synth model."""
@@ -276,12 +278,53 @@ async def drive_http(
 
 def run_system(system: System, jobs: list[Job], streams: int, label: str) -> dict:
     before = system.per_worker()
+    cpu = CpuUse(system)
     traces, wall = asyncio.run(drive_http(system.url, system.model.name, jobs, streams))
+    cores = cpu.cores(wall)
     after = system.per_worker()
     shares = {
         w: {k: v[k] - before.get(w, {}).get(k, 0) for k in v} for w, v in sorted(after.items())
     }
-    return summary(label, streams, traces, wall, per_worker=list(shares.values()))
+    return summary(label, streams, traces, wall, per_worker=list(shares.values()), cpu=cores)
+
+
+class CpuUse:
+    """CPU the parts of the system use during one level, in cores (CPU seconds / wall): the
+    gateway processes, each worker process, redis-server, this load generator; and the host's
+    CPUs, for scale."""
+
+    def __init__(self, system: System) -> None:
+        gateway, worker = (p.pid for p in system.procs)
+        self.groups = {"gateway": cpus.process_tree(gateway)}
+        workers = cpus.process_tree(worker)  # the launcher, then the processes it started
+        if len(workers) > 1:
+            self.groups["launcher"] = workers[:1]
+        for i, pid in enumerate(workers[1:] or workers):
+            self.groups[f"worker{i}"] = [pid]
+        self.groups["redis"] = [p for p, (_, n) in cpus.processes().items() if n == "redis-server"]
+        self.before = {g: self._seconds(pids) for g, pids in self.groups.items()}
+        self.self_before = _self_cpu()
+
+    @staticmethod
+    def _seconds(pids: list[int]) -> float:
+        total = 0.0
+        for pid in pids:
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                total += cpus.cpu_seconds(pid)
+        return total
+
+    def cores(self, wall: float) -> dict[str, float]:
+        out = {g: (self._seconds(p) - self.before[g]) / wall for g, p in self.groups.items()}
+        out["bench"] = (_self_cpu() - self.self_before) / wall
+        out = {g: round(v, 2) for g, v in out.items()}
+        out["total"] = round(sum(out.values()), 2)
+        out["host_cpus"] = os.cpu_count() or 0
+        return out
+
+
+def _self_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def genq_bench(system: System, streams: int, requests: int, new: int, prompt: int) -> dict:
@@ -339,6 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1, help="worker processes to wait for")
     p.add_argument("--gateways", type=int, default=1, help="gateway (uvicorn) processes")
     p.add_argument("--genq-bench", action="store_true", help="also run the `genq bench` command")
+    p.add_argument(
+        "--cpu-sampling",
+        action="store_true",
+        help="exllamav2's CPU sampler (GENQ_GPU_SAMPLING=false), not genq's GPU sampling",
+    )
     p.add_argument("--logs", default="/tmp/genq-bench-logs")
     p.add_argument("--json-out")
     a = p.parse_args(argv)
@@ -349,8 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     max_batch = a.max_batch or max([a.streams, *levels])
     cache = a.cache_tokens or max_batch * (a.prompt_max + a.new_tokens)
     settings = Settings(
-        engine="exllamav2", model_dir=str(model), max_batch=max_batch, cache_tokens=cache
+        engine="exllamav2",
+        model_dir=str(model),
+        max_batch=max_batch,
+        cache_tokens=cache,
+        gpu_sampling=not a.cpu_sampling,
     )
+    sampling = {"sampling": "cpu" if a.cpu_sampling else "gpu"}
     worker_args = ["--max-batch", str(max_batch), "--cache-tokens", str(cache), *a.worker_arg]
     results: list[dict] = []
 
@@ -368,17 +421,25 @@ def main(argv: list[str] | None = None) -> int:
         report(
             run_bare(settings, jobs_for(a.streams), a.streams)
             | {"max_batch": max_batch, "cache_tokens": cache}
+            | sampling
         )
     if a.system or levels:
         logs = Path(a.logs)
         logs.mkdir(parents=True, exist_ok=True)
         env = dict(kv.split("=", 1) for kv in a.worker_env)
+        if a.cpu_sampling:
+            env["GENQ_GPU_SAMPLING"] = "false"
         system = System(model, worker_args, a.gateways, logs, env)
         try:
             system.wait_ready(a.workers)
             warm = workload(a.workers * 2, a.prompt_min, a.prompt_max, 8, vocab)
             run_system(system, warm, len(warm), "warm-up")
-            extra = {"worker_args": " ".join(worker_args), "gateways": a.gateways, "env": env}
+            extra = {
+                "worker_args": " ".join(worker_args),
+                "gateways": a.gateways,
+                "env": env,
+                **sampling,
+            }
             if a.system:
                 report(run_system(system, jobs_for(a.streams), a.streams, "system") | extra)
                 if results and results[0]["run"] == "bare generator":

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.schemas import ModelCard, Sampling
+from worker import exl2_sampling as gpu_sampling
 from worker.engine import EngineJob, StepOutput
 
 if TYPE_CHECKING:
@@ -40,9 +41,9 @@ PROMISE_TTL_S = 5.0
 PAGE_TOKENS = 256
 """exllamav2's paged-attention page size; cache sizes and chunk sizes are multiples of it."""
 MAX_Q_SIZE = 8
+"""Tokens per sequence per forward pass that the generator allows for (its default)."""
 MAX_SAMPLING_THREADS = 16
 """exllamav2's own default; fewer when this process is pinned to fewer CPUs (worker/cpus.py)."""
-"""Tokens per sequence per forward pass that the generator allows for (its default)."""
 DEFAULT_CACHE_TOKENS_PER_JOB = 1024
 """Default cache size per batch slot when `cache_tokens` is not set: room for a typical
 prompt + reply without paying for a cache sized for the worst case (which costs speed)."""
@@ -146,6 +147,11 @@ class ExLlamaV2Engine:
     @property
     def total_pages(self) -> int:
         return int(self._gen.max_pages)
+
+    @property
+    def gpu_sampler(self) -> Any:
+        """The current generator's `exl2_sampling.GpuSampler` (its counters), or None."""
+        return getattr(self._gen, "genq_sampler", None)
 
     def free_pages(self) -> int:
         """Pages no job holds (prefix-cache pages count as free: the generator reuses them)."""
@@ -469,7 +475,7 @@ def load_backend(settings: Settings) -> tuple[Backend, ModelCard, str]:
     chunk = min(chunk, config.max_input_len)
 
     def build_generator() -> Any:
-        return ExLlamaV2DynamicGenerator(
+        gen = ExLlamaV2DynamicGenerator(
             model=model,
             cache=cache,
             tokenizer=tokenizer,
@@ -480,6 +486,11 @@ def load_backend(settings: Settings) -> tuple[Backend, ModelCard, str]:
             paged=paged,
             max_sampling_threads=sampling_threads(settings.sampling_threads),
         )
+        if settings.gpu_sampling:
+            gpu_sampling.install(gen)
+        return gen
+
+    job_cls = gpu_sampling.job_class() if settings.gpu_sampling else ExLlamaV2DynamicJob
 
     def make_job(
         ids: list[int],
@@ -490,7 +501,7 @@ def load_backend(settings: Settings) -> tuple[Backend, ModelCard, str]:
         identifier: str,
     ) -> Any:
         n = sampling.logprobs
-        return ExLlamaV2DynamicJob(
+        return job_cls(
             input_ids=torch.tensor([ids], dtype=torch.long),
             max_new_tokens=max_new,
             gen_settings=ExLlamaV2Sampler.Settings(**sampler_fields(sampling)),
@@ -528,6 +539,7 @@ def load_backend(settings: Settings) -> tuple[Backend, ModelCard, str]:
             "cache_mode": settings.cache_mode,
             "max_batch": max_batch,
             "chunk": chunk,
+            "gpu_sampling": settings.gpu_sampling,
         },
     )
     return Backend(make_generator, make_job, piece, close), card, tokenizer_json

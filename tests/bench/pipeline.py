@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -23,13 +22,7 @@ from pathlib import Path
 import redis
 
 from tests.procs import Cluster, redis_server
-
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
+from worker.cpus import cpu_seconds
 
 
 def worker_timings(url: str, prefix: str) -> dict[str, float]:

@@ -13,6 +13,10 @@ python3 -c "import torch, exllamav2, flash_attn; print(torch.__version__, exllam
 lscpu | grep -E 'Model name|^CPU\(s\)' >> "$OUT/gpu.txt"
 W="-W ignore::DeprecationWarning -W ignore::UserWarning -W ignore::FutureWarning"
 for step in $steps; do
+  # GPU load, once a second, beside every step
+  nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader -l 1 \
+    > "$OUT/$step.gpu.csv" 2>/dev/null &
+  smi=$!
   case $step in
     tests)
       python3 -m gateway.cli synth-model /tmp/tiny --shape tiny
@@ -28,9 +32,12 @@ for step in $steps; do
       timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --system \
         --worker-env GENQ_GIL_SWITCH_INTERVAL_S=0.005 --json-out "$OUT/bench64gil.json" \
         --logs /tmp/genq-logs/bench64gil > "$OUT/bench64gil.log" 2>&1 ;;
-    bare128)  # the bare generator at 128 streams (its best, per ../shared/gpu/README.md)
-      timeout 70 python3 -m worker.benchgpu --model /tmp/m8b --streams 128 --bare \
-        --requests-per-stream 1 --json-out "$OUT/bare128.json" > "$OUT/bare128.log" 2>&1 ;;
+    bare128|bare128cpu)  # the bare generator at 128 streams (its best, per ../shared/gpu/README.md);
+      # bare128cpu: exllamav2's CPU sampler, as the generator comes
+      cpu=$([ "$step" = bare128cpu ] && echo --cpu-sampling)
+      timeout 90 python3 -m worker.benchgpu --model /tmp/m8b --streams 128 --bare $cpu \
+        --requests-per-stream 1 --json-out "$OUT/$step.json" > "$OUT/$step.log" 2>&1
+      grep -h "^{" "$OUT/$step.log" | tail -n 1 ;;
     sweep)
       timeout 330 python3 -m worker.benchgpu --model /tmp/m8b --sweep 1,8,32,64,128,192,256 \
         --max-batch 256 --requests-per-stream 1 --json-out "$OUT/sweep.json" \
@@ -55,24 +62,27 @@ for step in $steps; do
       bench=$!
       until grep -q "# starting" "$OUT/gpus2n3.log" || ! kill -0 $bench 2>/dev/null; do sleep 1; done
       sleep 12; top -b -n1 -w 200 | head -45 > "$OUT/top.txt"; wait $bench ;;
-    g[12]n[1-4]|g[12]n[1-4]off|g[12]n[1-4]wide)  # issue 5: G GPUs x N processes, 256 streams
-      # per GPU; CPU placement as `auto` chooses it, or off, or off with the thread pools as
-      # wide as the host (exllamav2's and torch's defaults) (steps g1n4 g2n3 g2n4off g2n4wide)
-      g=${step:1:1}; n=${step:3:1}; gpus=$([ "$g" = 2 ] && echo 0,1 || echo 0)
-      aff=$([ "${step:4}" = "" ] && echo auto || echo off)
-      wide=$([ "${step:4}" = wide ] && echo "--worker-env GENQ_SAMPLING_THREADS=16 --worker-env OMP_NUM_THREADS=$(nproc)")
+    g[12]n[1-4]*)  # issue 5: G GPUs x N processes, 256 streams per GPU; suffixes: off (no CPU
+      # placement; default: as `auto` chooses), wide (off, thread pools as wide as the host),
+      # cpu (exllamav2's CPU sampler) -- e.g. g1n4 g1n4cpu g2n3 g2n4off g2n4wide
+      g=${step:1:1}; n=${step:3:1}; rest=${step:4}; gpus=$([ "$g" = 2 ] && echo 0,1 || echo 0)
+      aff=$([[ $rest == *off* || $rest == *wide* ]] && echo off || echo auto)
+      wide=$([[ $rest == *wide* ]] && echo "--worker-env GENQ_SAMPLING_THREADS=16 --worker-env OMP_NUM_THREADS=$(nproc)")
+      cpu=$([[ $rest == *cpu* ]] && echo --cpu-sampling)
       timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --sweep $((256 * g)) --max-batch 256 \
         --requests-per-stream 1 --worker-arg=--gpus=$gpus --worker-arg=--procs-per-gpu=$n \
-        --worker-arg=--cpu-affinity=$aff $wide --workers $((g * n)) --gateways $((2 * g)) \
+        --worker-arg=--cpu-affinity=$aff $wide $cpu --workers $((g * n)) --gateways $((2 * g)) \
         --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h "^{" "$OUT/$step.log" | tail -n 3 ;;
-    procs[1-4])  # N worker processes on the one GPU, total concurrency 64..256
-      n=${step#procs}
-      timeout 140 python3 -m worker.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \
+    procs[1-4]|procs[1-4]cpu)  # N worker processes on the one GPU, total concurrency 64..256
+      n=${step:5:1}; cpu=$([[ $step == *cpu ]] && echo --cpu-sampling)
+      timeout 170 python3 -m worker.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \
         --max-batch 256 --requests-per-stream 1 --worker-arg=--procs-per-gpu=$n --workers $n \
-        --gateways 2 \
-        --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1 ;;
+        --gateways 2 $cpu \
+        --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
+      grep -h "^{" "$OUT/$step.log" | cut -c1-400 ;;
   esac
+  kill $smi 2>/dev/null
 done
 # $OUT takes at most 8 files: step results and process logs go back as two archives
 mv "$OUT/gpu.txt" "$FINAL/" 2>/dev/null

@@ -1,0 +1,275 @@
+"""Sampling on the GPU for the exllamav2 engine.
+
+exllamav2's dynamic generator copies every decode step's logits to the host — batch × vocabulary
+floats, 33 MB for 64 jobs of a 128k-token model, into pageable memory — and samples each job
+on the CPU, one `ExLlamaV2Sampler.sample` call per job through a thread pool. At a full batch
+that is milliseconds on the critical path of every step and most of a core per worker
+process, which is what several processes per GPU (and several GPUs per host) compete for.
+
+genq samples the jobs it can on the GPU instead, in one batched pass over the logits while they
+are still on the device, and hands each job its token:
+
+- `install(generator)` wraps the generator's model (`_SamplingModel`): after each decode
+  forward pass (`forward_chunk` without `preprocess_only`), `plan()` finds the rows of jobs
+  that GPU sampling serves, in the generator's own row order, and `sample_on_device()` picks
+  their tokens in one pass; one small copy brings tokens and probabilities to the host.
+- Jobs are made with `job_class()`, a subclass of `ExLlamaV2DynamicJob` whose
+  `receive_logits` returns that token instead of calling the CPU sampler.
+- When every row was sampled, the generator gets a one-column view of the logits and a
+  one-column host buffer, so nothing vocabulary-sized crosses to the host, and its sampling
+  pool is skipped for the step. Otherwise it gets the real logits and samples the other jobs
+  on the CPU as before.
+
+What stays on exllamav2's CPU sampler (per job, `job_params()` is None): repetition,
+presence and frequency penalties, top logprobs (`return_top_tokens`), filters, CFG, token
+healing, banned strings, and any sampler setting besides temperature, top_k, top_p and min_p.
+
+Semantics, both paths: one uniform draw from the job's own seeded RNG per token; temperature
+below 0.01 or top_k = 1 is greedy (argmax); otherwise softmax(logits / temperature), then
+top_k, then top_p (the fewest most likely tokens whose mass, of what top_k kept, reaches
+top_p), then min_p (tokens at least min_p × the most likely one), then the token at which
+the cumulative mass passes the draw × the mass kept. The probability reported for a token
+(logprobs) is its share of the kept mass, as exllamav2 reports it. This top_p keeps the
+token that crosses the threshold (the usual definition); exllamav2's CPU sampler stops
+just before it.
+
+This module imports torch and exllamav2 only inside functions, so it loads on a CPU install;
+`job_params` and `plan` are plain Python and tested there.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("genq.worker.exl2")
+
+GREEDY_BELOW = 0.01
+"""exllamav2's own rule: a temperature below this samples greedily."""
+NEUTRAL = {
+    "token_repetition_penalty": 1.0,
+    "token_frequency_penalty": 0.0,
+    "token_presence_penalty": 0.0,
+    "smoothing_factor": 0.0,
+    "min_temp": 0.0,
+    "max_temp": 0.0,
+    "top_a": 0.0,
+    "tfs": 0.0,
+    "typical": 0.0,
+    "skew": 0.0,
+    "temperature_last": False,
+    "mirostat": False,
+    "dry_multiplier": 0.0,
+    "xtc_probability": 0.0,
+    "token_bias": None,
+    "cfg_scale": None,
+}
+"""Sampler settings that must hold these values for a job to be sampled on the GPU."""
+NO_POOL = 1 << 30
+"""`min_sampling_threads` for a step whose every row was sampled here: skip the pool."""
+
+
+@dataclass(frozen=True)
+class RowParams:
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+    @property
+    def truncates(self) -> bool:
+        return not self.greedy and (self.top_k > 1 or self.top_p < 1.0 or self.min_p > 0.0)
+
+
+def job_params(job: Any) -> RowParams | None:
+    """How GPU sampling serves this job (an `ExLlamaV2DynamicJob`), or None: the CPU sampler."""
+    if (
+        len(job.sequences) != 1
+        or job.filters
+        or job.prefix_token is not None
+        or job.return_top_tokens
+        or job.return_logits
+        or job.banned_strings
+        or job.min_new_tokens > 0
+    ):
+        return None
+    s = job.gen_settings
+    if any(getattr(s, name, value) != value for name, value in NEUTRAL.items()):
+        return None
+    if getattr(s, "post_sampling_hooks", None):
+        return None
+    return RowParams(float(s.temperature), int(s.top_k), float(s.top_p), float(s.min_p))
+
+
+@dataclass
+class Plan:
+    rows: list[int]
+    """Row of each sampled job in the step's logits."""
+    jobs: list[Any]
+    params: list[tuple[float, float, float, float, float]]
+    """(temperature, top_k, top_p, min_p, uniform draw) per sampled job."""
+    total_rows: int
+    truncates: bool
+
+    @property
+    def every_row(self) -> bool:
+        return len(self.rows) == self.total_rows
+
+
+def plan(active_jobs: Iterable[Any]) -> Plan:
+    """The rows of this decode step, in the order the generator stacks them (each active job
+    whose prefill is done, one row per sequence), and which of them are sampled here. Draws
+    each sampled job's uniform from its own RNG, as the CPU sampler would."""
+    out = Plan([], [], [], 0, False)
+    for job in active_jobs:
+        if not job.is_prefill_done():
+            continue
+        p: RowParams | None = getattr(job, "genq_params", None)
+        if p is not None and job.checkpoint is None and job.new_tokens >= 0:
+            out.rows.append(out.total_rows)
+            out.jobs.append(job)
+            out.params.append((p.temperature, p.top_k, p.top_p, p.min_p, job.rng.random()))
+            out.truncates = out.truncates or p.truncates
+        out.total_rows += len(job.sequences)
+    return out
+
+
+def sample_on_device(logits: Any, params: Sequence[tuple[float, ...]], truncates: bool) -> Any:
+    """Tokens and their probabilities for `logits` (rows × vocabulary, on the GPU), one row per
+    entry of `params`; returned on the host as an (n, 2) float64 tensor: token id, probability.
+    Queued behind the forward pass on the same stream; the one copy back waits for both."""
+    import torch
+
+    dev = logits.device
+    p = torch.tensor(params, dtype=torch.float32)
+    if dev.type != "cpu":
+        p = p.pin_memory().to(dev, non_blocking=True)
+    temp, top_k, top_p, min_p, u = (c[:, None] for c in p.unbind(1))
+    greedy = (temp < GREEDY_BELOW) | (top_k == 1)
+    x = logits.float()
+    best = x.argmax(-1, keepdim=True)
+    probs = torch.softmax(x / torch.where(greedy, 1.0, temp), dim=-1)
+    order = None
+    if truncates:
+        probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[-1], device=dev)[None, :]
+        keep = (top_k <= 0) | (rank < top_k)
+        kept = probs * keep
+        cum = kept.cumsum(-1)
+        keep &= (top_p >= 1.0) | (cum - kept < top_p * cum[:, -1:])
+        keep &= probs >= min_p * probs[:, :1]
+        keep[:, 0] = True
+        probs = probs * keep
+    cdf = probs.cumsum(-1)
+    mass = cdf[:, -1:]
+    at = torch.searchsorted(cdf, u * mass).clamp_(max=probs.shape[-1] - 1)
+    token = at if order is None else order.gather(1, at)
+    token = torch.where(greedy, best, token)
+    prob = torch.where(greedy, 1.0, probs.gather(1, at) / mass)
+    return torch.cat([token.double(), prob.double()], dim=1).cpu()
+
+
+class GpuSampler:
+    """Installed on one generator by `install`; counts what it sampled."""
+
+    def __init__(self, generator: Any) -> None:
+        import torch
+
+        self.gen = generator
+        self.vocab = int(generator.tokenizer.get_vocab_size())
+        self._full = generator.logits_pinned
+        self._narrow = torch.empty((*self._full.shape[:2], 1), dtype=self._full.dtype)
+        self._min_threads = generator.min_sampling_threads
+        self.gpu_tokens = 0
+        self.cpu_steps = 0
+        """Decode steps in which some job still needed the CPU sampler."""
+
+    def after_forward(self, out: dict[str, Any]) -> dict[str, Any]:
+        logits = out.get("logits")
+        gen = self.gen
+        gen.logits_pinned, gen.min_sampling_threads = self._full, self._min_threads
+        if logits is None or logits.dim() != 3 or logits.shape[1] != 1:
+            return out
+        p = plan(gen.active_jobs)
+        if not p.rows or p.total_rows != logits.shape[0]:
+            if p.total_rows:
+                self.cpu_steps += 1
+            return out
+        import torch
+
+        rows = logits[:, 0, : self.vocab]
+        if not p.every_row:
+            rows = rows.index_select(0, torch.tensor(p.rows, device=logits.device))
+        picked = sample_on_device(rows, p.params, p.truncates)
+        tokens = picked[:, :1].long().split(1)  # (1, 1) each, as the CPU sampler returns them
+        probs = picked[:, 1:].float().split(1)
+        for job, token, prob in zip(p.jobs, tokens, probs, strict=True):
+            job.genq_next = (token, prob)
+        self.gpu_tokens += len(p.jobs)
+        if not p.every_row:
+            self.cpu_steps += 1
+            return out
+        gen.logits_pinned, gen.min_sampling_threads = self._narrow, NO_POOL
+        return {**out, "logits": logits[:, :, :1]}
+
+
+class _SamplingModel:
+    """The generator's model, with `GpuSampler.after_forward` after each decode pass."""
+
+    def __init__(self, model: Any, sampler: GpuSampler) -> None:
+        self._model = model
+        self._sampler = sampler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def forward_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._model.forward_chunk(*args, **kwargs)
+        if kwargs.get("preprocess_only") or not isinstance(out, dict):
+            return out
+        return self._sampler.after_forward(out)
+
+
+_GENERATOR_NEEDS = ("logits_pinned", "min_sampling_threads", "active_jobs", "model", "tokenizer")
+
+
+def install(generator: Any) -> GpuSampler | None:
+    """Sample `generator`'s GPU-eligible jobs on the GPU; None (and a warning) when this
+    exllamav2 lacks what the hook relies on, so the CPU sampler carries on alone."""
+    missing = [a for a in _GENERATOR_NEEDS if not hasattr(generator, a)]
+    if missing:
+        log.warning("GPU sampling is off: this exllamav2 generator lacks %s", ", ".join(missing))
+        return None
+    sampler = GpuSampler(generator)
+    generator.model = _SamplingModel(generator.model, sampler)
+    generator.genq_sampler = sampler
+    return sampler
+
+
+@functools.cache
+def job_class() -> type:
+    """`ExLlamaV2DynamicJob` that takes a token sampled on the GPU when it has one."""
+    from exllamav2.ext import none_tensor
+    from exllamav2.generator import ExLlamaV2DynamicJob
+
+    class GenqJob(ExLlamaV2DynamicJob):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.genq_params = job_params(self)
+            self.genq_next: tuple[Any, Any] | None = None
+
+        def receive_logits(self, logits: Any) -> Any:
+            picked = self.genq_next
+            if picked is None:
+                return super().receive_logits(logits)
+            self.genq_next = None
+            return picked[0], none_tensor, none_tensor, picked[1], False
+
+    return GenqJob
