@@ -32,10 +32,10 @@ for step in $steps; do
       timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --system \
         --worker-env GENQ_GIL_SWITCH_INTERVAL_S=0.005 --json-out "$OUT/bench64gil.json" \
         --logs /tmp/genq-logs/bench64gil > "$OUT/bench64gil.log" 2>&1 ;;
-    bare128|bare128cpu)  # the bare generator at 128 streams (its best, per ../shared/gpu/README.md);
-      # bare128cpu: exllamav2's CPU sampler, as the generator comes
-      cpu=$([ "$step" = bare128cpu ] && echo --cpu-sampling)
-      timeout 90 python3 -m worker.benchgpu --model /tmp/m8b --streams 128 --bare $cpu \
+    bare[0-9]*)  # the bare generator at N streams, e.g. bare128 (its best with exllamav2's CPU
+      # sampler, per ../shared/gpu/README.md); bare128cpu: that CPU sampler, as exllamav2 comes
+      n=${step//[!0-9]/}; cpu=$([[ $step == *cpu ]] && echo --cpu-sampling)
+      timeout 90 python3 -m worker.benchgpu --model /tmp/m8b --streams $n --bare $cpu \
         --requests-per-stream 1 --json-out "$OUT/$step.json" > "$OUT/$step.log" 2>&1
       grep -h "^{" "$OUT/$step.log" | tail -n 1 ;;
     sweep)

