@@ -187,6 +187,8 @@ class GpuSampler:
         self._full = generator.logits_pinned
         self._narrow = torch.empty((*self._full.shape[:2], 1), dtype=self._full.dtype)
         self._min_threads = generator.min_sampling_threads
+        self.step = 0
+        """Decode passes seen; a job takes a token only from the pass it was sampled in."""
         self.gpu_tokens = 0
         self.cpu_steps = 0
         """Decode steps in which some job still needed the CPU sampler."""
@@ -195,6 +197,7 @@ class GpuSampler:
         logits = out.get("logits")
         gen = self.gen
         gen.logits_pinned, gen.min_sampling_threads = self._full, self._min_threads
+        self.step += 1
         if logits is None or logits.dim() != 3 or logits.shape[1] != 1:
             return out
         p = plan(gen.active_jobs)
@@ -211,7 +214,7 @@ class GpuSampler:
         tokens = picked[:, :1].long().split(1)  # (1, 1) each, as the CPU sampler returns them
         probs = picked[:, 1:].float().split(1)
         for job, token, prob in zip(p.jobs, tokens, probs, strict=True):
-            job.genq_next = (token, prob)
+            job.genq_next = (self.step, token, prob)
         self.gpu_tokens += len(p.jobs)
         if not p.every_row:
             self.cpu_steps += 1
@@ -263,13 +266,14 @@ def job_class() -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.genq_params = job_params(self)
-            self.genq_next: tuple[Any, Any] | None = None
+            self.genq_next: tuple[int, Any, Any] | None = None
+            """(decode pass, token, probability) sampled on the GPU for this job."""
 
         def receive_logits(self, logits: Any) -> Any:
-            picked = self.genq_next
-            if picked is None:
+            picked, self.genq_next = self.genq_next, None
+            sampler = getattr(self.generator, "genq_sampler", None)
+            if picked is None or sampler is None or picked[0] != sampler.step:
                 return super().receive_logits(logits)
-            self.genq_next = None
-            return picked[0], none_tensor, none_tensor, picked[1], False
+            return picked[1], none_tensor, none_tensor, picked[2], False
 
     return GenqJob

@@ -43,10 +43,14 @@ PAGE_TOKENS = 256
 DEFAULT_CACHE_TOKENS_PER_JOB = 1024
 
 # `--procs-per-gpu auto`: as many processes as memory and CPU allow, up to the point where
-# more stopped paying on an H200 with an 8B model (docs/benchmarks.md, issue 5).
-AUTO_MAX_PROCS = 4
-CORES_PER_PROC = 4
-"""Generator thread, its sampling threads and the asyncio side of one worker process."""
+# more stopped paying on an H200 with an 8B model (docs/benchmarks.md, issue 5). With sampling
+# on the GPU (the default) a process is one core (its generator thread, GIL-bound) and the GPU
+# is the shared part: 2 per GPU was best or within 9 % of the best from 64 to 256 streams, 4
+# worse at every level. With exllamav2's CPU sampler a process wants ~4 cores and 4 did best.
+AUTO_MAX_PROCS = 2
+CORES_PER_PROC = 2
+AUTO_MAX_PROCS_CPU_SAMPLING = 4
+CORES_PER_PROC_CPU_SAMPLING = 4
 PROC_OVERHEAD_BYTES = 3 * 1024**3
 """Per process beside weights and cache: CUDA context, activations, scratch buffers."""
 GPU_MEMORY_USABLE = 0.9
@@ -237,7 +241,8 @@ def _model_bytes(model_dir: Path) -> tuple[int, int]:
 def auto_procs(settings: Settings, gpus: list[str]) -> int:
     """Worker processes per GPU when none is given: one copy of the weights per process must
     fit beside the GPU's cache, each process wants CORES_PER_PROC cores, at most
-    AUTO_MAX_PROCS. The sim engine, an unknown GPU or model: 1."""
+    AUTO_MAX_PROCS (the *_CPU_SAMPLING values with GPU sampling off). The sim engine, an
+    unknown GPU or model: 1."""
     if settings.engine != "exllamav2" or not settings.model_dir:
         return 1
     free = _gpu_free_bytes(gpus[0])
@@ -250,8 +255,13 @@ def auto_procs(settings: Settings, gpus: list[str]) -> int:
     cache_tokens = settings.cache_tokens or settings.max_batch * DEFAULT_CACHE_TOKENS_PER_JOB
     cache = cache_tokens * kv_per_token * CACHE_BYTES_PER_ELEMENT[settings.cache_mode]
     by_memory = int((free * GPU_MEMORY_USABLE - cache) // (weights + PROC_OVERHEAD_BYTES))
-    by_cpu = (os.cpu_count() or 1) // (CORES_PER_PROC * len(gpus))
-    return max(1, min(AUTO_MAX_PROCS, by_memory, by_cpu))
+    most, cores = (
+        (AUTO_MAX_PROCS, CORES_PER_PROC)
+        if settings.gpu_sampling
+        else (AUTO_MAX_PROCS_CPU_SAMPLING, CORES_PER_PROC_CPU_SAMPLING)
+    )
+    by_cpu = (os.cpu_count() or 1) // (cores * len(gpus))
+    return max(1, min(most, by_memory, by_cpu))
 
 
 def resolve_procs(settings: Settings, gpus: list[str], spec: str | int | None) -> int:
