@@ -69,20 +69,8 @@ def sampler_fields(s: Sampling) -> dict[str, Any]:
         "token_repetition_decay": 0,
         "token_presence_penalty": s.presence_penalty,
         "token_frequency_penalty": s.frequency_penalty,
-        "smoothing_factor": 0.0,
-        "min_temp": 0.0,
-        "max_temp": 0.0,
         "temp_exponent": 1.0,
-        "top_a": 0.0,
-        "tfs": 0.0,
-        "typical": 0.0,
-        "skew": 0.0,
-        "temperature_last": False,
-        "mirostat": False,
-        "dry_multiplier": 0.0,
-        "xtc_probability": 0.0,
-        "token_bias": None,
-        "cfg_scale": None,
+        **gpu_sampling.UNUSED,
     }
 
 

@@ -49,10 +49,7 @@ log = logging.getLogger("genq.worker.exl2")
 
 GREEDY_BELOW = 0.01
 """exllamav2's own rule: a temperature below this samples greedily."""
-NEUTRAL = {
-    "token_repetition_penalty": 1.0,
-    "token_frequency_penalty": 0.0,
-    "token_presence_penalty": 0.0,
+UNUSED = {
     "smoothing_factor": 0.0,
     "min_temp": 0.0,
     "max_temp": 0.0,
@@ -66,6 +63,14 @@ NEUTRAL = {
     "xtc_probability": 0.0,
     "token_bias": None,
     "cfg_scale": None,
+}
+"""exllamav2 sampler settings genq does not offer, at their neutral values; the engine sets
+them explicitly (exllamav2's own defaults are not all neutral)."""
+NEUTRAL = {
+    "token_repetition_penalty": 1.0,
+    "token_frequency_penalty": 0.0,
+    "token_presence_penalty": 0.0,
+    **UNUSED,
 }
 """Sampler settings that must hold these values for a job to be sampled on the GPU."""
 NO_POOL = 1 << 30
