@@ -10,23 +10,26 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from gateway import errors
-from gateway.cards import CardCache
-from gateway.jobs import JobService
+from gateway import http_errors
+from gateway.job_service import JobService
 from gateway.openai import routes as openai_routes
 from gateway.pubsub import PubSubRouter
 from gateway.pubsub_wire import PubSubBackend, RawPubSub, RedisPyPubSub
+from gateway.registry import ModelRegistry
 from gateway.routes import health, jobs, models
 from gateway.state import GatewayState
 from shared import __version__, runtime
 from shared.keys import Keys
 from shared.redisconn import connect
 from shared.scripts import Scripts
-from shared.settings import Settings
+from shared.settings import GatewaySettings
 
 
 def create_app(
-    settings: Settings, redis: aioredis.Redis | None = None, *, raw_pubsub: bool | None = None
+    settings: GatewaySettings,
+    redis: aioredis.Redis | None = None,
+    *,
+    raw_pubsub: bool | None = None,
 ) -> FastAPI:
     """The gateway app. `redis` may be given (tests, `genq serve`); else from settings.
 
@@ -39,7 +42,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = redis or connect(settings)
         keys = Keys(settings.key_prefix)
-        cards = CardCache(client, keys, settings.card_cache_s)
+        registry = ModelRegistry(client, keys, settings.card_cache_s)
         backend: PubSubBackend
         if use_raw and settings.redis_url:
             name = f"genq-gateway-pubsub-{os.getpid()}"
@@ -52,8 +55,8 @@ def create_app(
             redis=client,
             keys=keys,
             router=router,
-            cards=cards,
-            jobs=JobService(settings, client, Scripts.register(client), cards),
+            registry=registry,
+            jobs=JobService(settings, client, Scripts.register(client), registry),
         )
         app.state.genq = state
         runtime.tune_gc()
@@ -75,7 +78,7 @@ def create_app(
         description="Queue-backed LLM generation: submit jobs, stream their tokens over SSE.",
         lifespan=lifespan,
     )
-    errors.install(app)
+    http_errors.install(app)
     app.include_router(health.router)
     app.include_router(models.router)
     app.include_router(jobs.router)
@@ -85,4 +88,4 @@ def create_app(
 
 def create_app_from_env() -> FastAPI:
     """Factory for `uvicorn --factory` (each `genq gateway` process builds its own settings)."""
-    return create_app(Settings())
+    return create_app(GatewaySettings())

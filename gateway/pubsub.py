@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from gateway.pubsub_wire import PubSubBackend
 
-log = logging.getLogger("genq.gateway.pubsub")
+log = logging.getLogger(__name__)
 
 
 class Subscription:

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import SSLConnection, parse_url
 from redis.exceptions import RedisError
 
-log = logging.getLogger("genq.gateway.pubsub")
+log = logging.getLogger(__name__)
 
 OnMessage = Callable[[str, str], None]
 _BACKOFF_START_S = 0.05

@@ -6,19 +6,19 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from gateway.cards import CardCache
-from gateway.jobs import JobService
+from gateway.job_service import JobService
 from gateway.pubsub import PubSubRouter
+from gateway.registry import ModelRegistry
 from shared.keys import Keys
-from shared.settings import Settings
+from shared.settings import GatewaySettings
 
 
 @dataclass(slots=True)
 class GatewayState:
-    settings: Settings
+    settings: GatewaySettings
     redis: aioredis.Redis
     keys: Keys
     router: PubSubRouter
-    cards: CardCache
+    registry: ModelRegistry
     jobs: JobService
     draining: bool = False

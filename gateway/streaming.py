@@ -21,7 +21,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.pubsub import PubSubRouter, Subscription
 from shared.keys import Keys, event_id, seq_of
 from shared.schemas import FINAL_EVENT_TYPES
-from shared.settings import Settings
+from shared.settings import GatewaySettings
 
 KEEPALIVE = b": keepalive\n\n"
 
@@ -33,7 +33,7 @@ class EventFollower:
         self,
         redis: aioredis.Redis,
         keys: Keys,
-        settings: Settings,
+        settings: GatewaySettings,
         sub: Subscription,
         job_id: str,
         after_seq: int = 0,

@@ -10,12 +10,12 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.settings import Settings
+from shared.settings import RedisSettings
 
 RETRY_ON = (RedisConnectionError, RedisTimeoutError, ConnectionResetError)
 
 
-def connect(settings: Settings, url: str | None = None, **overrides: Any) -> aioredis.Redis:
+def connect(settings: RedisSettings, url: str | None = None, **overrides: Any) -> aioredis.Redis:
     """An asyncio client for `url` (default: settings.redis_url); responses decoded to str."""
     target = url or settings.redis_url
     if not target:

@@ -1,4 +1,16 @@
-"""One settings object, built in each entry point from `GENQ_*` variables and passed down."""
+"""Settings, a section per process, from `GENQ_*` variables; built in each entry point and
+passed down (no module-level instance).
+
+    RedisSettings                 every process: where Redis is, how to talk to it
+    JobSettings                   every process that writes job state: retention, log bounds
+    ├── GatewaySettings           `genq gateway`: HTTP, auth, limits, the OpenAI API
+    └── WorkerSettings            `genq worker`: leases, claims, flushes, placement
+        └── EngineSettings        the engine it runs (sim, exllamav2)
+    Settings                      all of them: `genq serve` and the tools that drive both sides
+
+A process validates only its own sections: a gateway never reads GENQ_CHAT_TEMPLATE (a
+worker's file), so a path that exists only on worker hosts cannot stop it from starting.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +20,22 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+_CONFIG = SettingsConfigDict(env_prefix="GENQ_", extra="ignore")
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="GENQ_", extra="ignore")
 
-    # Redis
+def _template_text(v: str | None) -> str | None:
+    """A value without `{` names a template file: read it now, so a typo stops the start."""
+    if v is None or "{" in v:
+        return v
+    path = Path(v).expanduser()
+    if not path.is_file():
+        raise ValueError(f"no chat template file at {v!r} (inline templates contain '{{')")
+    return path.read_text(encoding="utf-8")
+
+
+class RedisSettings(BaseSettings):
+    model_config = _CONFIG
+
     redis_url: str | None = Field(
         default=None,
         description="redis://… of the shared Redis; unset means `genq serve` embeds one",
@@ -26,17 +49,27 @@ class Settings(BaseSettings):
         default=10.0, gt=0, description="wait this long for a free pooled connection"
     )
 
-    # Jobs
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix_is_safe(cls, v: str) -> str:
+        if not v or any(c in v for c in " {}*?"):
+            raise ValueError(
+                "key_prefix must be non-empty and free of spaces, braces and glob chars"
+            )
+        return v
+
+
+class JobSettings(RedisSettings):
     retention_s: int = Field(default=86_400, ge=1, description="TTL of a finished job's keys")
     event_log_maxlen: int = Field(default=100_000, ge=100)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
+
+
+class GatewaySettings(JobSettings):
     idempotency_ttl_s: int = Field(default=86_400, ge=1)
-    max_attempts: int = Field(default=3, ge=1)
     max_prompt_chars: int = Field(default=2_000_000, ge=1)
-    max_stop_strings: int = Field(default=16, ge=0)
     max_metadata_bytes: int = Field(default=16_384, ge=0)
     default_max_tokens: int = Field(default=256, ge=1)
-
-    # Gateway
     api_keys: list[str] = Field(
         default_factory=list, description="accepted bearer tokens; empty = open"
     )
@@ -45,9 +78,8 @@ class Settings(BaseSettings):
         default=2.0, gt=0, description="a stream silent this long re-reads the event log"
     )
     card_cache_s: float = Field(default=2.0, ge=0)
-    shutdown_grace_s: float = Field(default=30.0, ge=0)
 
-    # OpenAI-compatible API (gateway)
+    # OpenAI-compatible API
     default_chat_template: str | None = Field(
         default=None,
         description="Jinja chat template (inline, or a file path) for models whose card has none",
@@ -64,12 +96,66 @@ class Settings(BaseSettings):
         description="429 while the model's interactive queue holds this many jobs; 0 = no limit",
     )
 
-    # Worker
-    worker_id: str | None = None
+    _default_template = field_validator("default_chat_template")(_template_text)
+
+
+class EngineSettings(BaseSettings):
+    model_config = _CONFIG
+
     engine: Literal["sim", "exllamav2"] = "sim"
     model_dir: str | None = None
     model_name: str | None = None
     max_batch: int = Field(default=256, ge=1)
+    chat_template: str | None = Field(
+        default=None,
+        description="Jinja chat template (inline, or a file path) for the model card",
+    )
+
+    # exllamav2
+    sampling_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="threads sampling logits on the CPU; default: the CPUs this process may "
+        "use (its pinned set, when the launcher pinned it), at most 16",
+    )
+    gpu_sampling: bool = Field(
+        default=True,
+        description="sample on the GPU (temperature, top_k, top_p, min_p); jobs with "
+        "penalties or top logprobs still go to exllamav2's CPU sampler",
+    )
+    cache_tokens: int | None = Field(default=None, ge=256, description="default: fit the batch")
+    cache_mode: Literal["FP16", "Q4", "Q6", "Q8"] = "FP16"
+    max_seq_len: int | None = Field(default=None, ge=16, description="default: the model's")
+    max_chunk_size: int = Field(default=2048, ge=16)
+    gpu_split: str | None = Field(
+        default=None, description="GB per GPU, e.g. '20,24'; default auto"
+    )
+
+    # sim
+    sim_step_ms: float = Field(default=20.0, ge=0)
+    sim_prefill_ms_per_1k: float = Field(default=5.0, ge=0)
+    sim_max_seq_len: int = Field(default=8192, ge=16)
+    sim_poison_marker: str | None = Field(
+        default=None,
+        min_length=1,
+        description="test-only fault injection: the sim engine fails every attempt of a job "
+        "whose prompt contains this string (off unless set)",
+    )
+
+    _template = field_validator("chat_template")(_template_text)
+
+    @model_validator(mode="after")
+    def _engine_follows_model(self) -> EngineSettings:
+        """A model directory means the real engine unless an engine was named."""
+        if self.model_dir and "engine" not in self.model_fields_set:
+            self.engine = "exllamav2"
+        return self
+
+
+class WorkerSettings(JobSettings, EngineSettings):
+    worker_id: str | None = None
+    max_attempts: int = Field(default=3, ge=1)
     heartbeat_s: float = Field(default=1.0, gt=0)
     lease_s: float = Field(default=5.0, gt=0)
     claim_block_ms: int = Field(default=1000, ge=1)
@@ -95,10 +181,6 @@ class Settings(BaseSettings):
     batch_share: int = Field(
         default=4, ge=1, description="when both queues have work, every Nth claim takes a batch job"
     )
-    chat_template: str | None = Field(
-        default=None,
-        description="Jinja chat template (inline, or a file path) for the model card",
-    )
 
     # worker processes (the launcher)
     cpu_affinity: Literal["auto", "on", "off"] = Field(
@@ -113,61 +195,6 @@ class Settings(BaseSettings):
         "launcher sets it per process",
     )
 
-    # exllamav2 engine
-    sampling_threads: int | None = Field(
-        default=None,
-        ge=1,
-        le=256,
-        description="threads sampling logits on the CPU; default: the CPUs this process may "
-        "use (its pinned set, when the launcher pinned it), at most 16",
-    )
-    gpu_sampling: bool = Field(
-        default=True,
-        description="sample on the GPU (temperature, top_k, top_p, min_p); jobs with "
-        "penalties or top logprobs still go to exllamav2's CPU sampler",
-    )
-    cache_tokens: int | None = Field(default=None, ge=256, description="default: fit the batch")
-    cache_mode: Literal["FP16", "Q4", "Q6", "Q8"] = "FP16"
-    max_seq_len: int | None = Field(default=None, ge=16, description="default: the model's")
-    max_chunk_size: int = Field(default=2048, ge=16)
-    gpu_split: str | None = Field(
-        default=None, description="GB per GPU, e.g. '20,24'; default auto"
-    )
 
-    # sim engine
-    sim_step_ms: float = Field(default=20.0, ge=0)
-    sim_prefill_ms_per_1k: float = Field(default=5.0, ge=0)
-    sim_max_seq_len: int = Field(default=8192, ge=16)
-    sim_poison_marker: str | None = Field(
-        default=None,
-        min_length=1,
-        description="test-only fault injection: the sim engine fails every attempt of a job "
-        "whose prompt contains this string (off unless set)",
-    )
-
-    @model_validator(mode="after")
-    def _engine_follows_model(self) -> Settings:
-        """A model directory means the real engine unless an engine was named."""
-        if self.model_dir and "engine" not in self.model_fields_set:
-            self.engine = "exllamav2"
-        return self
-
-    @field_validator("default_chat_template", "chat_template")
-    @classmethod
-    def _template_text(cls, v: str | None) -> str | None:
-        """A value without `{` names a template file: read it now, so a typo stops the start."""
-        if v is None or "{" in v:
-            return v
-        path = Path(v).expanduser()
-        if not path.is_file():
-            raise ValueError(f"no chat template file at {v!r} (inline templates contain '{{')")
-        return path.read_text(encoding="utf-8")
-
-    @field_validator("key_prefix")
-    @classmethod
-    def _prefix_is_safe(cls, v: str) -> str:
-        if not v or any(c in v for c in " {}*?"):
-            raise ValueError(
-                "key_prefix must be non-empty and free of spaces, braces and glob chars"
-            )
-        return v
+class Settings(GatewaySettings, WorkerSettings):
+    """Every section: `genq serve` (gateway and worker in one place) and the tools."""

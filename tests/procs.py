@@ -143,7 +143,7 @@ class Cluster:
         log = self.tmp / f"{name}-{len(self.procs)}.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "gateway.cli", *args],
+                [sys.executable, "-m", "genq", *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**self.env, **env},

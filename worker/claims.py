@@ -19,7 +19,7 @@ from worker.entries import ack, dead_letter, ensure_groups, requeue, requeue_wai
 from worker.jobstate import Claim, RunningJob
 from worker.state import LOOP_RESTART_S, WorkerState
 
-log = logging.getLogger("genq.worker")
+log = logging.getLogger(__name__)
 
 Sent = dict[str, tuple[list[int], list[str]]]
 """Per retried job: the token ids and text an earlier attempt already published."""

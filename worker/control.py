@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 from shared.schemas import ControlMessage
 from worker.state import WorkerState
 
-log = logging.getLogger("genq.worker")
+log = logging.getLogger(__name__)
 _EARLY_CANCELS_KEPT = 1000
 _EARLY_CANCEL_TTL_S = 60.0
 _CONTROL_POLL_S = 1.0

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("genq.worker.cpus")
+log = logging.getLogger(__name__)
 
 SYS_CPU = Path("/sys/devices/system/cpu")
 SYS_PCI = Path("/sys/bus/pci/devices")

@@ -13,7 +13,7 @@ from shared.keys import CONSUMER_GROUP
 from worker.jobstate import Claim, RunningJob
 from worker.state import WorkerState
 
-log = logging.getLogger("genq.worker")
+log = logging.getLogger(__name__)
 _DEAD_LETTERS_KEPT = 100_000
 
 

@@ -32,9 +32,9 @@ from worker import exl2_sampling as gpu_sampling
 from worker.engine import EngineJob, StepOutput
 
 if TYPE_CHECKING:
-    from shared.settings import Settings
+    from shared.settings import EngineSettings
 
-log = logging.getLogger("genq.worker.exl2")
+log = logging.getLogger(__name__)
 
 PROMISE_TTL_S = 5.0
 """How long pages admitted by `fits()` stay reserved waiting for the job's `add()`."""
@@ -56,7 +56,7 @@ FINISH_REASONS = {
 
 
 def sampler_fields(s: Sampling) -> dict[str, Any]:
-    """Every `ExLlamaV2Sampler.Settings` field, set explicitly: exllamav2's own defaults
+    """Every `ExLlamaV2Sampler.EngineSettings` field, set explicitly: exllamav2's own defaults
     (temperature 0.8, top_k 50, top_p 0.8, repetition penalty 1.025) are not neutral."""
     greedy = s.temperature == 0.0
     return {
@@ -119,7 +119,7 @@ class ExLlamaV2Engine:
         self._admission = _Admission(free_pages=len(self._gen.unreferenced_pages))
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> ExLlamaV2Engine:
+    def from_settings(cls, settings: EngineSettings) -> ExLlamaV2Engine:
         return cls(*load_backend(settings))
 
     # ---- protocol -----------------------------------------------------------------------
@@ -364,7 +364,7 @@ def _chat_template(tc: dict[str, Any]) -> str | None:
 
 
 def build_card(
-    settings: Settings,
+    settings: EngineSettings,
     model_dir: Path,
     tokenizer_json: str,
     max_seq_len: int,
@@ -400,7 +400,7 @@ def _eos_ids(model_dir: Path, config_eos: Any) -> list[int]:
     return ids
 
 
-def load_backend(settings: Settings) -> tuple[Backend, ModelCard, str]:
+def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
     """Load the model, cache and tokenizer; a factory for generators over them; the card."""
     import torch
     from exllamav2 import (
@@ -492,7 +492,7 @@ def load_backend(settings: Settings) -> tuple[Backend, ModelCard, str]:
         return job_cls(
             input_ids=torch.tensor([ids], dtype=torch.long),
             max_new_tokens=max_new,
-            gen_settings=ExLlamaV2Sampler.Settings(**sampler_fields(sampling)),
+            gen_settings=ExLlamaV2Sampler.EngineSettings(**sampler_fields(sampling)),
             seed=seed,
             stop_conditions=stops or None,
             decode_special_tokens=False,

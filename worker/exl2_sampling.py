@@ -45,7 +45,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("genq.worker.exl2")
+log = logging.getLogger(__name__)
 
 GREEDY_BELOW = 0.01
 """exllamav2's own rule: a temperature below this samples greedily."""

@@ -19,7 +19,7 @@ from worker.entries import ack, hand_back
 from worker.jobstate import Claim, RunningJob
 from worker.state import WorkerState
 
-log = logging.getLogger("genq.worker")
+log = logging.getLogger(__name__)
 _MAX_ENGINE_FAILURES = 5
 _FLUSH_RETRY_S = 0.2
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from worker.engine import Engine, EngineJob, StepOutput
 
-log = logging.getLogger("genq.worker.runner")
+log = logging.getLogger(__name__)
 
 
 class EngineRunner:

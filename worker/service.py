@@ -40,7 +40,7 @@ from redis.exceptions import RedisError
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys, Priority
 from shared.redisconn import connect
 from shared.scripts import Scripts
-from shared.settings import Settings
+from shared.settings import WorkerSettings
 from worker.claims import Claimer
 from worker.control import Control
 from worker.engine import Engine
@@ -52,14 +52,14 @@ from worker.runner import EngineRunner
 from worker.state import LOOP_RESTART_S, WorkerState
 from worker.upkeep import Upkeep
 
-log = logging.getLogger("genq.worker")
+log = logging.getLogger(__name__)
 _TASK_STOP_TIMEOUT_S = 2.0
 
 
 class Worker:
     def __init__(
         self,
-        settings: Settings,
+        settings: WorkerSettings,
         engine: Engine,
         *,
         redis: aioredis.Redis | None = None,
@@ -93,7 +93,7 @@ class Worker:
     # ---- what callers and tests read ---------------------------------------------------
 
     @property
-    def settings(self) -> Settings:
+    def settings(self) -> WorkerSettings:
         return self.st.settings
 
     @property

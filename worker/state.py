@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from shared.keys import Keys, Priority
 from shared.scripts import Scripts
-from shared.settings import Settings
+from shared.settings import WorkerSettings
 from worker.engine import Engine
 from worker.jobstate import Claim, RunningJob
 from worker.lease import LeaseClock
@@ -21,7 +21,7 @@ LOOP_RESTART_S = 0.5
 
 @dataclass(slots=True, eq=False)
 class WorkerState:
-    settings: Settings
+    settings: WorkerSettings
     engine: Engine
     id: str
     model: str

@@ -21,7 +21,7 @@ from worker.jobstate import Claim
 from worker.lease import reclaimable
 from worker.state import WorkerState
 
-log = logging.getLogger("genq.worker")
+log = logging.getLogger(__name__)
 _RECLAIM_SCAN = 1000
 """Idle pending entries looked at per queue and reclaim round."""
 _EXPIRE_SWEEP = 1000

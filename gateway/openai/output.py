@@ -63,7 +63,7 @@ class ChoiceState:
 
 
 @dataclass(slots=True)
-class Run:
+class RequestState:
     """One OpenAI request: its id, its model, and its choices (jobs), in index order."""
 
     id: str
@@ -89,15 +89,17 @@ class Run:
 class OutputFormat(Protocol):
     """What differs between /v1/chat/completions and /v1/completions output."""
 
-    def opening(self, run: Run) -> list[BaseModel]: ...
+    def opening(self, run: RequestState) -> list[BaseModel]: ...
 
-    def token_chunk(self, run: Run, choice: ChoiceState, ev: TokenEvent) -> BaseModel | None: ...
+    def token_chunk(
+        self, run: RequestState, choice: ChoiceState, ev: TokenEvent
+    ) -> BaseModel | None: ...
 
-    def final_chunk(self, run: Run, choice: ChoiceState) -> BaseModel: ...
+    def final_chunk(self, run: RequestState, choice: ChoiceState) -> BaseModel: ...
 
-    def usage_chunk(self, run: Run) -> BaseModel: ...
+    def usage_chunk(self, run: RequestState) -> BaseModel: ...
 
-    def response(self, run: Run) -> BaseModel: ...
+    def response(self, run: RequestState) -> BaseModel: ...
 
 
 def _top(entry: dict[str, Any]) -> list[dict[str, Any]]:
@@ -128,10 +130,10 @@ class ChatFormat:
             ]
         )
 
-    def _chunk(self, run: Run, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+    def _chunk(self, run: RequestState, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=run.id, created=run.created, model=run.model, choices=choices)
 
-    def opening(self, run: Run) -> list[BaseModel]:
+    def opening(self, run: RequestState) -> list[BaseModel]:
         """The role delta, first, for every choice."""
         return [
             self._chunk(
@@ -140,7 +142,9 @@ class ChatFormat:
             for c in run.choices
         ]
 
-    def token_chunk(self, run: Run, choice: ChoiceState, ev: TokenEvent) -> BaseModel | None:
+    def token_chunk(
+        self, run: RequestState, choice: ChoiceState, ev: TokenEvent
+    ) -> BaseModel | None:
         logprobs = self._logprobs(ev.logprobs)
         if not ev.text and logprobs is None:
             return None
@@ -149,16 +153,16 @@ class ChatFormat:
             run, [ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs)]
         )
 
-    def final_chunk(self, run: Run, choice: ChoiceState) -> BaseModel:
+    def final_chunk(self, run: RequestState, choice: ChoiceState) -> BaseModel:
         last = ChatChunkChoice(
             index=choice.index, delta=ChatDelta(), finish_reason=choice.finish_reason
         )
         return self._chunk(run, [last])
 
-    def usage_chunk(self, run: Run) -> BaseModel:
+    def usage_chunk(self, run: RequestState) -> BaseModel:
         return _with_usage(self._chunk(run, []), run)
 
-    def response(self, run: Run) -> BaseModel:
+    def response(self, run: RequestState) -> BaseModel:
         choices = [
             ChatChoice(
                 index=c.index,
@@ -195,13 +199,15 @@ class CompletionFormat:
         self._offsets[index] = offset
         return out
 
-    def _chunk(self, run: Run, choices: list[CompletionChoice]) -> CompletionResponse:
+    def _chunk(self, run: RequestState, choices: list[CompletionChoice]) -> CompletionResponse:
         return CompletionResponse(id=run.id, created=run.created, model=run.model, choices=choices)
 
-    def opening(self, run: Run) -> list[BaseModel]:
+    def opening(self, run: RequestState) -> list[BaseModel]:
         return []
 
-    def token_chunk(self, run: Run, choice: ChoiceState, ev: TokenEvent) -> BaseModel | None:
+    def token_chunk(
+        self, run: RequestState, choice: ChoiceState, ev: TokenEvent
+    ) -> BaseModel | None:
         logprobs = self._logprobs(choice.index, ev.logprobs)
         if not ev.text and logprobs is None:
             return None
@@ -209,14 +215,14 @@ class CompletionFormat:
             run, [CompletionChoice(index=choice.index, text=ev.text, logprobs=logprobs)]
         )
 
-    def final_chunk(self, run: Run, choice: ChoiceState) -> BaseModel:
+    def final_chunk(self, run: RequestState, choice: ChoiceState) -> BaseModel:
         last = CompletionChoice(index=choice.index, text="", finish_reason=choice.finish_reason)
         return self._chunk(run, [last])
 
-    def usage_chunk(self, run: Run) -> BaseModel:
+    def usage_chunk(self, run: RequestState) -> BaseModel:
         return _with_usage(self._chunk(run, []), run)
 
-    def response(self, run: Run) -> BaseModel:
+    def response(self, run: RequestState) -> BaseModel:
         choices = [
             CompletionChoice(
                 index=c.index,
@@ -231,7 +237,7 @@ class CompletionFormat:
         return response
 
 
-def _with_usage(chunk: ChatCompletionChunk | CompletionResponse, run: Run) -> BaseModel:
+def _with_usage(chunk: ChatCompletionChunk | CompletionResponse, run: RequestState) -> BaseModel:
     """The closing usage-only chunk (`stream_options.include_usage`): no choices, the usage."""
     chunk.usage = run.usage()
     return chunk

@@ -23,7 +23,7 @@ from pydantic import (
 
 from shared.schemas import MAX_SEED, MAX_STOP_CHARS, MAX_TOKENS_CAP
 
-log = logging.getLogger("genq.gateway.openai")
+log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16

@@ -29,14 +29,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
-from gateway.cards import LoadedCard
-from gateway.openai.follow import Batch, disconnected, merged, stop_tasks
+from gateway.openai.merge import Batch, disconnected, merged, stop_tasks
 from gateway.openai.output import (
     ChatFormat,
     ChoiceState,
     CompletionFormat,
     OutputFormat,
-    Run,
+    RequestState,
 )
 from gateway.openai.protocol import (
     ChatCompletionRequest,
@@ -47,6 +46,7 @@ from gateway.openai.protocol import (
     SamplingParams,
 )
 from gateway.openai.templates import render_chat
+from gateway.registry import LoadedCard
 from gateway.state import GatewayState
 from gateway.streaming import KEEPALIVE, EventFollower, EventStreamResponse
 from shared.errors import (
@@ -59,7 +59,7 @@ from shared.errors import (
 )
 from shared.schemas import MAX_SEED, STREAM_EVENT, JobCreate, JobSpec, TokenEvent
 
-log = logging.getLogger("genq.gateway.openai")
+log = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499
 """Status of a response nobody will read: its client disconnected (nginx's convention)."""
@@ -110,8 +110,8 @@ class OpenAIServing:
                 f"{s.openai_max_jobs}",
                 param="n",
             )
-        loaded = await state.cards.get(model)  # ModelNotFound (404) if never served
-        beats = await state.cards.live_workers()
+        loaded = await state.registry.get(model)  # ModelNotFound (404) if never served
+        beats = await state.registry.live_workers()
         if not any(b.model == loaded.card.name and not b.draining for b in beats):
             raise Unavailable(
                 f"no live worker serves model '{model}' right now; retry later",
@@ -158,10 +158,10 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_param: str,
-    ) -> tuple[Run, list[tuple[JobCreate, JobSpec]]]:
+    ) -> tuple[RequestState, list[tuple[JobCreate, JobSpec]]]:
         """Validate and tokenize every prompt once; one job per (prompt, choice)."""
         request_id = uuid.uuid4().hex
-        run = Run(f"{kind}-{request_id}", int(time.time()), req.model, [], [])
+        run = RequestState(f"{kind}-{request_id}", int(time.time()), req.model, [], [])
         jobs: list[tuple[JobCreate, JobSpec]] = []
         for p, prompt in enumerate(prompts):
             body = _job_body(req, prompt, max_tokens, logprobs, prompt_param)
@@ -192,7 +192,7 @@ class OpenAIServing:
         self,
         req: SamplingParams,
         request: Request,
-        run: Run,
+        run: RequestState,
         jobs: list[tuple[JobCreate, JobSpec]],
         fmt: OutputFormat,
     ) -> Response:
@@ -236,7 +236,7 @@ class OpenAIServing:
             raise
         return followers
 
-    async def _collect(self, run: Run, followers: list[EventFollower]) -> None:
+    async def _collect(self, run: RequestState, followers: list[EventFollower]) -> None:
         """Follow every job to its end; raise the first failure as an error."""
         async for index, batch in merged(followers):
             if batch is not None:
@@ -250,7 +250,11 @@ class OpenAIServing:
                 raise GenqError(f"job {c.job_id} ended without a result", code="job_lost")
 
     async def _sse(
-        self, run: Run, followers: list[EventFollower], fmt: OutputFormat, include_usage: bool
+        self,
+        run: RequestState,
+        followers: list[EventFollower],
+        fmt: OutputFormat,
+        include_usage: bool,
     ) -> AsyncIterator[bytes]:
         """OpenAI's SSE: `data: {chunk}` frames, a usage chunk if asked, `data: [DONE]`."""
         try:
@@ -288,7 +292,7 @@ class OpenAIServing:
             with anyio.CancelScope(shield=True):
                 await self._close(run, followers)
 
-    async def _close(self, run: Run, followers: list[EventFollower]) -> None:
+    async def _close(self, run: RequestState, followers: list[EventFollower]) -> None:
         """Unsubscribe; cancel the jobs nobody will read (the client left, or another failed)."""
         for f in followers:
             await f.sub.close()

@@ -18,7 +18,7 @@ from gateway.streaming import EventFollower, EventStreamResponse, sse_stream
 from shared.errors import BadRequest, GenqError, Unavailable
 from shared.schemas import JobCreate, JobView
 
-log = logging.getLogger("genq.gateway.jobs")
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Authorized])
 
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key")]
@@ -52,7 +52,7 @@ async def create_job(
         await sub.close()
         sub = await state.router.subscribe(state.keys.channel(job_id))
     follower = EventFollower(state.redis, state.keys, state.settings, sub, job_id)
-    stream = follow(state, follower, cancel_on_disconnect=body.cancel_on_disconnect)
+    stream = stream_job(state, follower, cancel_on_disconnect=body.cancel_on_disconnect)
     return EventStreamResponse(stream, job_id)
 
 
@@ -80,7 +80,7 @@ async def job_events(
             ) from None
     sub = await state.router.subscribe(state.keys.channel(job_id))
     follower = EventFollower(state.redis, state.keys, state.settings, sub, job_id, after_seq)
-    return EventStreamResponse(follow(state, follower, cancel_on_disconnect=False), job_id)
+    return EventStreamResponse(stream_job(state, follower, cancel_on_disconnect=False), job_id)
 
 
 @router.delete("/{job_id}", response_model=JobView)
@@ -88,7 +88,7 @@ async def cancel_job(job_id: str, state: State) -> JobView:
     return await state.jobs.cancel(job_id)
 
 
-async def follow(
+async def stream_job(
     state: GatewayState, follower: EventFollower, *, cancel_on_disconnect: bool
 ) -> AsyncIterator[bytes]:
     """SSE bytes of one job; on a disconnect before the end, optionally cancel the job."""

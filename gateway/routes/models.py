@@ -16,13 +16,13 @@ router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Authorize
 
 async def _served(state: State) -> dict[str, list[Heartbeat]]:
     by_model: dict[str, list[Heartbeat]] = defaultdict(list)
-    for hb in await state.cards.live_workers():
+    for hb in await state.registry.live_workers():
         by_model[hb.model].append(hb)
     return by_model
 
 
 async def _entry(state: State, name: str, beats: list[Heartbeat]) -> dict[str, Any]:
-    card = (await state.cards.get(name)).card
+    card = (await state.registry.get(name)).card
     return {
         "id": name,
         "object": "model",

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | No
             [
                 sys.executable,
                 "-m",
-                "gateway.cli",
+                "genq",
                 "bench",
                 "--url",
                 gw.url,

@@ -175,7 +175,7 @@ def test_genq_serve_runs_on_its_embedded_defaults(tmp_path: Path) -> None:
     env["GENQ_SIM_STEP_MS"] = "2"
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "genq", "serve", "--port", str(port)],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
@@ -187,7 +187,7 @@ def test_genq_serve_runs_on_its_embedded_defaults(tmp_path: Path) -> None:
             [
                 sys.executable,
                 "-m",
-                "gateway.cli",
+                "genq",
                 "submit",
                 "hello",
                 "--url",
@@ -219,7 +219,7 @@ def test_bench_prints_its_figures(cluster: Cluster) -> None:
         [
             sys.executable,
             "-m",
-            "gateway.cli",
+            "genq",
             "bench",
             "--url",
             gw.url,

@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.synth import synth_model
+    from genq.synth import synth_model
 
     given = os.environ.get("GENQ_TEST_TINY_MODEL")
     if given:

@@ -19,43 +19,43 @@ for step in $steps; do
   smi=$!
   case $step in
     tests)
-      python3 -m gateway.cli synth-model /tmp/tiny --shape tiny
+      python3 -m genq synth-model /tmp/tiny --shape tiny
       GENQ_TEST_TINY_MODEL=/tmp/tiny timeout 300 python3 -m pytest -q -m gpu tests/gpu $W \
         -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest > "$OUT/gpu-tests.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/gpu-tests.log"; tail -n 15 "$OUT/gpu-tests.log" ;;
     bench64*|bare*|sweep*|procs*|gpus*|g[12]n*)
-      [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m gateway.cli synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
+      [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m genq synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
-      timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --bare --system \
+      timeout 200 python3 -m genq.benchgpu --model /tmp/m8b --streams 64 --bare --system \
         --genq-bench --json-out "$OUT/bench64.json" --logs /tmp/genq-logs/bench64 > "$OUT/bench64.log" 2>&1 ;;
     bench64gil)  # the same system run with CPython's default 5 ms GIL switch interval
-      timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --streams 64 --system \
+      timeout 200 python3 -m genq.benchgpu --model /tmp/m8b --streams 64 --system \
         --worker-env GENQ_GIL_SWITCH_INTERVAL_S=0.005 --json-out "$OUT/bench64gil.json" \
         --logs /tmp/genq-logs/bench64gil > "$OUT/bench64gil.log" 2>&1 ;;
     bare[0-9]*)  # the bare generator at N streams, e.g. bare128 (its best with exllamav2's CPU
       # sampler, per ../shared/gpu/README.md); bare128cpu: that CPU sampler, as exllamav2 comes
       n=${step//[!0-9]/}; cpu=$([[ $step == *cpu ]] && echo --cpu-sampling)
-      timeout 90 python3 -m worker.benchgpu --model /tmp/m8b --streams $n --bare $cpu \
+      timeout 90 python3 -m genq.benchgpu --model /tmp/m8b --streams $n --bare $cpu \
         --requests-per-stream 1 --json-out "$OUT/$step.json" > "$OUT/$step.log" 2>&1
       grep -h "^{" "$OUT/$step.log" | tail -n 1 ;;
     sweep)
-      timeout 330 python3 -m worker.benchgpu --model /tmp/m8b --sweep 1,8,32,64,128,192,256 \
+      timeout 330 python3 -m genq.benchgpu --model /tmp/m8b --sweep 1,8,32,64,128,192,256 \
         --max-batch 256 --requests-per-stream 1 --json-out "$OUT/sweep.json" \
         --logs /tmp/genq-logs/sweep > "$OUT/sweep.log" 2>&1 ;;
     sweep256)  # one gateway process's Redis pool (256 connections) can't carry 256 streams
-      timeout 90 python3 -m worker.benchgpu --model /tmp/m8b --sweep 256 --max-batch 256 \
+      timeout 90 python3 -m genq.benchgpu --model /tmp/m8b --sweep 256 --max-batch 256 \
         --requests-per-stream 1 --gateways 2 --json-out "$OUT/sweep256.json" \
         --logs /tmp/genq-logs/sweep256 > "$OUT/sweep256.log" 2>&1 ;;
     gpus1)  # issue 5 on a 2-GPU machine: 4 processes on one GPU at 256 streams...
-      timeout 110 python3 -m worker.benchgpu --model /tmp/m8b --sweep 256 --max-batch 256 \
+      timeout 110 python3 -m genq.benchgpu --model /tmp/m8b --sweep 256 --max-batch 256 \
         --requests-per-stream 1 --worker-arg=--gpus=0 --worker-arg=--procs-per-gpu=4 --workers 4 \
         --gateways 2 --json-out "$OUT/gpus1.json" --logs /tmp/genq-logs/gpus1 > "$OUT/gpus1.log" 2>&1 ;;
     gpus2)  # ...and 4 on each of two GPUs at 256 and 512 streams
-      timeout 170 python3 -m worker.benchgpu --model /tmp/m8b --sweep 256,512 --max-batch 256 \
+      timeout 170 python3 -m genq.benchgpu --model /tmp/m8b --sweep 256,512 --max-batch 256 \
         --requests-per-stream 1 --worker-arg=--gpus=0,1 --worker-arg=--procs-per-gpu=4 --workers 8 \
         --gateways 4 --json-out "$OUT/gpus2.json" --logs /tmp/genq-logs/gpus2 > "$OUT/gpus2.log" 2>&1 ;;
     gpus2n3)  # 3 per GPU on two GPUs at 512 streams, with a CPU snapshot mid-run
-      timeout 170 python3 -m worker.benchgpu --model /tmp/m8b --sweep 512 --max-batch 256 \
+      timeout 170 python3 -m genq.benchgpu --model /tmp/m8b --sweep 512 --max-batch 256 \
         --requests-per-stream 1 --worker-arg=--gpus=0,1 --worker-arg=--procs-per-gpu=3 --workers 6 \
         --gateways 4 --json-out "$OUT/gpus2n3.json" --logs /tmp/genq-logs/gpus2n3 \
         > "$OUT/gpus2n3.log" 2>&1 &
@@ -69,14 +69,14 @@ for step in $steps; do
       aff=$([[ $rest == *off* || $rest == *wide* ]] && echo off || echo auto)
       wide=$([[ $rest == *wide* ]] && echo "--worker-env GENQ_SAMPLING_THREADS=16 --worker-env OMP_NUM_THREADS=$(nproc)")
       cpu=$([[ $rest == *cpu* ]] && echo --cpu-sampling)
-      timeout 200 python3 -m worker.benchgpu --model /tmp/m8b --sweep $((256 * g)) --max-batch 256 \
+      timeout 200 python3 -m genq.benchgpu --model /tmp/m8b --sweep $((256 * g)) --max-batch 256 \
         --requests-per-stream 1 --worker-arg=--gpus=$gpus --worker-arg=--procs-per-gpu=$n \
         --worker-arg=--cpu-affinity=$aff $wide $cpu --workers $((g * n)) --gateways $((2 * g)) \
         --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h "^{" "$OUT/$step.log" | tail -n 3 ;;
     procs[1-4]|procs[1-4]cpu)  # N worker processes on the one GPU, total concurrency 64..256
       n=${step:5:1}; cpu=$([[ $step == *cpu ]] && echo --cpu-sampling)
-      timeout 170 python3 -m worker.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \
+      timeout 170 python3 -m genq.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \
         --max-batch 256 --requests-per-stream 1 --worker-arg=--procs-per-gpu=$n --workers $n \
         --gateways 2 $cpu \
         --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1

@@ -175,7 +175,7 @@ def test_gateway_to_worker_to_sse_with_the_real_engine(tiny_model: Path, tmp_pat
 
 def test_synth_model_cli(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "synth-model", str(tmp_path / "m")],
+        [sys.executable, "-m", "genq", "synth-model", str(tmp_path / "m")],
         capture_output=True,
         text=True,
         check=True,

@@ -55,7 +55,7 @@ def test_unknown_request_fields_are_ignored_with_a_debug_log(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     body = {"model": "sim", "messages": USER, "reasoning_effort": "low", "modalities": ["text"]}
-    with caplog.at_level(logging.DEBUG, logger="genq.gateway.openai"):
+    with caplog.at_level(logging.DEBUG, logger="gateway.openai.protocol"):
         req = ChatCompletionRequest.model_validate(body)
     assert req.model == "sim"
     [record] = [r for r in caplog.records if r.message == "ignoring unknown request fields"]

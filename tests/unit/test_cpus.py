@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import redis
 
+from genq.launcher import Launcher
 from shared.keys import Keys
 from shared.settings import Settings
 from tests.conftest import REDIS_URL
 from tests.procs import wait_for
 from worker import cpus
 from worker.cpus import Core
-from worker.launcher import Launcher
 
 
 def test_cpulists_round_trip_and_refuse_garbage() -> None:
@@ -144,7 +144,7 @@ def test_launched_workers_run_on_their_own_cpus(monkeypatch) -> None:  # type: i
     monkeypatch.setenv("GENQ_KEY_PREFIX", prefix)
     settings = Settings(redis_url=REDIS_URL, shutdown_grace_s=2, worker_id="pin")
     first, second = sorted(os.sched_getaffinity(0))[:2]
-    cmd = [sys.executable, "-m", "gateway.cli", "worker"]
+    cmd = [sys.executable, "-m", "genq", "worker"]
     la = Launcher(settings, ["0"], 2, command=cmd, cpu_sets=[[first], [second]])
     t = threading.Thread(target=la.run_supervised)
     t.start()

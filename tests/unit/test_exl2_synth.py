@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from worker.synth import BOS, CHAT_TEMPLATE, SHAPES, synth_model, tensor_shapes
+from genq.synth import BOS, CHAT_TEMPLATE, SHAPES, synth_model, tensor_shapes
 
 pytest.importorskip("numpy")
 safetensors = pytest.importorskip("safetensors")

@@ -14,11 +14,11 @@ import uuid
 import httpx
 import pytest
 
-import worker.launcher as launcher
+import genq.launcher as launcher
+from genq.launcher import Launcher, child_settings, parse_gpus, settings_env
 from shared.settings import Settings
 from tests.conftest import REDIS_URL
 from tests.procs import free_port, wait_for
-from worker.launcher import Launcher, child_settings, parse_gpus, settings_env
 
 
 def test_each_process_gets_its_share_of_the_gpu() -> None:
@@ -106,7 +106,7 @@ def test_serve_with_several_worker_processes(tmp_path) -> None:  # type: ignore[
             [
                 sys.executable,
                 "-m",
-                "gateway.cli",
+                "genq",
                 "serve",
                 "--port",
                 str(port),

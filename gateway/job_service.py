@@ -12,7 +12,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gateway.cards import CardCache
+from gateway.registry import ModelRegistry
 from shared.errors import BadRequest, Conflict, JobNotFound, PromptTooLong, Unprocessable
 from shared.keys import Keys, event_id
 from shared.schemas import (
@@ -27,7 +27,7 @@ from shared.schemas import (
     Usage,
 )
 from shared.scripts import Scripts
-from shared.settings import Settings
+from shared.settings import GatewaySettings
 
 _JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
@@ -42,12 +42,16 @@ class Submitted:
 
 class JobService:
     def __init__(
-        self, settings: Settings, redis: aioredis.Redis, scripts: Scripts, cards: CardCache
+        self,
+        settings: GatewaySettings,
+        redis: aioredis.Redis,
+        scripts: Scripts,
+        registry: ModelRegistry,
     ) -> None:
         self.settings = settings
         self.redis = redis
         self.scripts = scripts
-        self.cards = cards
+        self.registry = registry
         self.keys = Keys(settings.key_prefix)
 
     def validate_id(self, job_id: str) -> str:
@@ -57,7 +61,7 @@ class JobService:
 
     async def prepare(self, body: JobCreate) -> JobSpec:
         """Validate against the model's card and tokenize; nothing is written yet."""
-        loaded = await self.cards.get(body.model)
+        loaded = await self.registry.get(body.model)
         card = loaded.card
         if body.prompt is not None:
             if len(body.prompt) > self.settings.max_prompt_chars:

@@ -14,7 +14,6 @@ reclaimed by the queue as usual) and passes SIGTERM/SIGINT on, so that every chi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -31,7 +30,7 @@ from typing import Any
 from shared.settings import Settings
 from worker import cpus
 
-log = logging.getLogger("genq.worker.launcher")
+log = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
@@ -106,7 +105,7 @@ class Launcher:
         cpu_sets: list[list[int]] | None = None,
     ) -> None:
         self.settings = settings
-        self.command = command or [sys.executable, "-m", "gateway.cli", "worker"]
+        self.command = command or [sys.executable, "-m", "genq", "worker"]
         share = child_settings(settings, procs_per_gpu)
         base_id = settings.worker_id or socket.gethostname()
         placement = [gpu for gpu in gpus for _ in range(procs_per_gpu)]
@@ -276,62 +275,3 @@ def resolve_procs(settings: Settings, gpus: list[str], spec: str | int | None) -
 def run(settings: Settings, gpus: str | None, procs_per_gpu: str | int | None) -> int:
     gpu_list = parse_gpus(gpus)
     return Launcher(settings, gpu_list, resolve_procs(settings, gpu_list, procs_per_gpu)).run()
-
-
-def serve(
-    settings: Settings, host: str, port: int, gpus: str | None, procs_per_gpu: str | int | None
-) -> int | None:
-    """`genq serve` with several worker processes: this process runs the gateway, a child
-    runs the launcher. None when one in-process worker will do (then `genq serve` runs as
-    usual): one process per GPU chosen, or no redis-server to share between processes."""
-    from gateway.serve import private_redis, run_gateway
-
-    gpu_list = parse_gpus(gpus)
-    n = resolve_procs(settings, gpu_list, procs_per_gpu)
-    if n == 1 and len(gpu_list) == 1:
-        return None
-    with contextlib.ExitStack() as stack:
-        url = settings.redis_url or stack.enter_context(private_redis())
-        if url is None:
-            log.warning("no redis-server to share between worker processes: running one")
-            return None
-        settings = settings.model_copy(update={"redis_url": url})
-        os.environ.update(settings_env(settings))  # the gateway's uvicorn reads GENQ_*
-        workers = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gateway.cli",
-                "worker",
-                "--gpus",
-                ",".join(gpu_list),
-                "--procs-per-gpu",
-                str(n),
-            ],
-            env=os.environ.copy(),
-        )
-        print(
-            f"genq serving on http://{host}:{port} with {n} worker process(es) per GPU "
-            f"on GPU(s) {','.join(gpu_list)}",
-            flush=True,
-        )
-
-        def drain(*_: object) -> None:
-            # uvicorn re-raises the signal that stopped it once it is done; this handler
-            # catches that (instead of the default, which would kill us before the workers
-            # drained) and starts the workers' drain beside the gateway's.
-            if workers.poll() is None:
-                workers.send_signal(signal.SIGTERM)
-
-        signal.signal(signal.SIGTERM, drain)
-        signal.signal(signal.SIGINT, drain)
-        try:
-            run_gateway(settings, host, port, 1)
-        finally:
-            drain()
-            try:
-                code = workers.wait(settings.shutdown_grace_s + 2 * KILL_MARGIN_S)
-            except subprocess.TimeoutExpired:
-                workers.kill()
-                code = workers.wait()
-    return code

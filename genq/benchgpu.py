@@ -1,13 +1,13 @@
 """GPU benchmark: the bare exllamav2 generator in-process vs the whole genq system, same workload.
 
-    python -m worker.benchgpu --model DIR [--streams 64] [--new-tokens 256] [--bare] [--system]
+    python -m genq.benchgpu --model DIR [--streams 64] [--new-tokens 256] [--bare] [--system]
         [--sweep 1,8,32,64,128,256] [--worker-arg=--procs-per-gpu=2 ...] [--json-out FILE]
 
 Workload: `streams` closed-loop clients, each running jobs back to back (like `genq bench`);
 every job has a prompt of random token ids, uniform in [prompt-min, prompt-max], and asks
 for `new-tokens` tokens with neutral sampling (temperature 1). The bare run feeds the same
 jobs straight into `ExLlamaV2DynamicGenerator`; the system run sends them over HTTP
-(`gateway.bench.Client`, the client `genq bench` uses) to `genq gateway` processes, with
+(`genq.bench.Client`, the client `genq bench` uses) to `genq gateway` processes, with
 `genq worker --engine exllamav2` behind Redis. Figures: tokens/s, time to first token and
 inter-token latency p50/p99 (each token event's gap divided among its tokens).
 """
@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import redis
 
-from gateway.bench import Client, Target, percentile
+from genq.bench import Client, Target, percentile
 from shared.keys import Keys
 from shared.schemas import Sampling
 from shared.settings import Settings
@@ -189,7 +189,7 @@ class System:
         log = open(self.logs / f"{name}.log", "ab")  # the child writes to it
         self.procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "gateway.cli", *args],
+                [sys.executable, "-m", "genq", *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,
@@ -332,7 +332,7 @@ def genq_bench(system: System, streams: int, requests: int, new: int, prompt: in
     cmd = [
         sys.executable,
         "-m",
-        "gateway.cli",
+        "genq",
         "bench",
         "--url",
         system.url,
@@ -362,7 +362,7 @@ def genq_bench(system: System, streams: int, requests: int, new: int, prompt: in
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m worker.benchgpu",
+        prog="python -m genq.benchgpu",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

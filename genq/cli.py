@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from shared import logfmt
-from shared.settings import Settings
+from shared.settings import GatewaySettings, Settings
 
 DEFAULT_PORT = 8000
 
@@ -127,35 +127,33 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logfmt.setup(args.log_level)
     if args.command == "serve":
-        from gateway.serve import run_serve
-        from worker.launcher import serve as serve_several
+        from genq.serve import serve
 
         settings = _settings(**_engine_settings(args))
-        code = serve_several(settings, args.host, args.port, args.gpus, args.procs_per_gpu)
-        return run_serve(settings, args.host, args.port) if code is None else code
+        return serve(settings, args.host, args.port, args.gpus, args.procs_per_gpu)
     if args.command == "gateway":
-        from gateway.serve import run_gateway
+        from gateway.server import run_gateway
 
-        run_gateway(_settings(), args.host, args.port, args.workers)
+        run_gateway(GatewaySettings(), args.host, args.port, args.workers)
         return 0
     if args.command == "worker" and (args.gpus or args.procs_per_gpu != "1"):
-        from worker.launcher import run as launch
+        from genq.launcher import run as launch
 
         return launch(_settings(**_engine_settings(args)), args.gpus, args.procs_per_gpu)
     if args.command == "worker":
-        from worker.main import run
+        from worker.process import run
 
         return run(_settings(**_engine_settings(args)))
     if args.command == "submit":
-        from gateway.client import submit
+        from genq.submit import submit
 
         return submit(args)
     if args.command == "bench":
-        from gateway.bench import main as bench
+        from genq.bench import main as bench
 
         return bench(args)
     if args.command == "synth-model":
-        from worker.synth import synth_model
+        from genq.synth import synth_model
 
         print(synth_model(args.dir, args.shape, args.seed))
         return 0

@@ -1,4 +1,5 @@
-"""Model cards (written by workers) and the tokenizers they carry, cached per gateway process."""
+"""The models the fleet serves: cards and tokenizers (written by workers), cached per gateway
+process, and the live workers' heartbeats."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class LoadedCard:
     tokenizer: Tokenizer
 
 
-class CardCache:
+class ModelRegistry:
     def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: float) -> None:
         self._redis = redis
         self._keys = keys

@@ -11,7 +11,7 @@ from redis.exceptions import RedisError
 
 from shared.errors import GenqError
 
-log = logging.getLogger("genq.gateway")
+log = logging.getLogger(__name__)
 
 
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:

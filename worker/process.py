@@ -8,18 +8,18 @@ import signal
 import sys
 
 from shared import runtime
-from shared.settings import Settings
+from shared.settings import WorkerSettings
 from worker import cpus
 from worker.engine import Engine
 from worker.service import Worker
 from worker.sim import SimEngine
 
-log = logging.getLogger("genq.worker")
+log = logging.getLogger(__name__)
 _SIM_GIL_SWITCH_S = 0.0005
 _DEFAULT_GIL_SWITCH_S = 0.005  # CPython's own default
 
 
-def build_engine(settings: Settings) -> Engine:
+def build_engine(settings: WorkerSettings) -> Engine:
     if settings.engine == "sim":
         return SimEngine(
             model_name=settings.model_name or "sim",
@@ -42,7 +42,7 @@ def install_signals(stop: object) -> None:
         loop.add_signal_handler(sig, stop)  # type: ignore[arg-type]
 
 
-async def serve_worker(settings: Settings) -> int:
+async def serve_worker(settings: WorkerSettings) -> int:
     # The engine thread computes while this thread does Redis I/O; how often the GIL changes
     # hands decides who waits (docs/benchmarks.md has both measurements).
     interval = settings.gil_switch_interval_s
@@ -64,5 +64,5 @@ async def serve_worker(settings: Settings) -> int:
     return 0 if worker.healthy else 1
 
 
-def run(settings: Settings) -> int:
+def run(settings: WorkerSettings) -> int:
     return runtime.run(serve_worker(settings))
