@@ -21,8 +21,8 @@ from gateway.state import GatewayState
 from shared import __version__, runtime
 from shared.keys import Keys
 from shared.redisconn import connect
-from shared.scripts import Scripts
 from shared.settings import GatewaySettings
+from shared.transitions import ScriptRunner
 
 
 def create_app(
@@ -56,7 +56,7 @@ def create_app(
             keys=keys,
             router=router,
             registry=registry,
-            jobs=JobService(settings, client, Scripts.register(client), registry),
+            jobs=JobService(settings, client, ScriptRunner(client), registry),
         )
         app.state.genq = state
         runtime.tune_gc()

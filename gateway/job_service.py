@@ -8,29 +8,31 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import redis.asyncio as aioredis
 
 from gateway.registry import ModelRegistry
+from shared import events
 from shared.errors import BadRequest, Conflict, JobNotFound, PromptTooLong, Unprocessable
-from shared.keys import Keys, event_id
-from shared.schemas import (
-    TERMINAL_STATUSES,
-    ErrorInfo,
-    JobCreate,
-    JobResult,
-    JobSpec,
-    JobView,
-    QueuedEvent,
-    Timings,
-    Usage,
-)
-from shared.scripts import Scripts
+from shared.events import CancelledEvent, QueuedEvent
+from shared.keys import Keys
+from shared.records import JOB_ID, ControlMessage, IdempotencyClaim, JobRecord, QueueEntry
+from shared.schemas import JobCreate, JobSpec, JobView
 from shared.settings import GatewaySettings
+from shared.transitions import (
+    CancelEnded,
+    CancelQueued,
+    CancelRunning,
+    Queued,
+    ScriptRunner,
+    Transitions,
+)
 
-_JOB_ID = re.compile(r"^[0-9a-f]{32}$")
-_IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
+_IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+_SUBMIT_TRIES = 3
+"""An idempotency key whose job expired is freed and claimed again; past this, a 409."""
+_CANCEL_TRIES = 3
+"""A queued job a worker starts while it is being cancelled is cancelled as a running one."""
 
 
 @dataclass(slots=True)
@@ -45,7 +47,7 @@ class JobService:
         self,
         settings: GatewaySettings,
         redis: aioredis.Redis,
-        scripts: Scripts,
+        scripts: ScriptRunner,
         registry: ModelRegistry,
     ) -> None:
         self.settings = settings
@@ -53,9 +55,10 @@ class JobService:
         self.scripts = scripts
         self.registry = registry
         self.keys = Keys(settings.key_prefix)
+        self.transitions = Transitions(self.keys)
 
     def validate_id(self, job_id: str) -> str:
-        if not _JOB_ID.match(job_id):
+        if not JOB_ID.fullmatch(job_id):
             raise JobNotFound(f"no job '{job_id[:64]}'", param="id")
         return job_id
 
@@ -116,102 +119,102 @@ class JobService:
     async def submit(
         self, body: JobCreate, idempotency_key: str | None = None, spec: JobSpec | None = None
     ) -> Submitted:
-        """Queue a job atomically (record + event log + queue entry); honour Idempotency-Key."""
+        """Queue a job in one atomic step (idempotency key, record, first event, queue entry);
+        with an Idempotency-Key already used, the earlier job (or a 422 for another body)."""
         spec = spec or await self.prepare(body)
         fingerprint = _fingerprint(body)
+        idem = None
         if idempotency_key is not None:
-            earlier = await self._claim_idempotency_key(idempotency_key, spec.id, fingerprint)
-            if earlier is not None:
-                return Submitted(earlier, replayed=True)
-        k = self.keys
+            if not _IDEMPOTENCY_KEY.fullmatch(idempotency_key):
+                raise BadRequest(
+                    "Idempotency-Key must be 1 to 255 visible ASCII characters",
+                    param="Idempotency-Key",
+                )
+            idem = self.keys.idempotency(idempotency_key)
+        record = JobRecord(
+            spec=spec, status="queued", metadata=body.metadata, fingerprint=fingerprint
+        )
         prompt_tokens = len(spec.input_ids)
         queued = QueuedEvent(
             seq=1, id=spec.id, model=spec.model, priority=spec.priority, prompt_tokens=prompt_tokens
-        ).model_dump_json()
-        record = {
-            "spec": spec.model_dump_json(),
-            "status": "queued",
-            "attempt": 0,
-            "model": spec.model,
-            "priority": spec.priority,
-            "created_at": repr(spec.created_at),
-            "metadata": json.dumps(body.metadata),
-            "fingerprint": fingerprint,
-        }
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(k.job(spec.id), mapping=record)
-        pipe.xadd(k.events(spec.id), {"d": queued}, id=event_id(1))
-        pipe.publish(k.channel(spec.id), queued)
-        pipe.xadd(
-            k.queue(spec.model, spec.priority),
-            {"job": spec.id, "tokens": prompt_tokens + spec.max_tokens},
         )
-        if spec.deadline is not None:  # workers sweep this index to expire jobs still queued
-            pipe.zadd(k.deadlines(), {spec.id: spec.deadline})
-        await pipe.execute()
-        view = JobView(
-            id=spec.id,
-            status="queued",
-            model=spec.model,
-            priority=spec.priority,
-            created_at=spec.created_at,
-            metadata=body.metadata,
+        call = self.transitions.submit(
+            record,
+            queued_event=events.encode(queued),
+            entry=QueueEntry(job=spec.id, tokens=prompt_tokens + spec.max_tokens),
+            idempotency_key=idem,
+            idempotency_claim=IdempotencyClaim(job=spec.id, fingerprint=fingerprint).encode(),
+            idempotency_ttl_s=self.settings.idempotency_ttl_s,
         )
-        return Submitted(view, replayed=False)
-
-    async def _claim_idempotency_key(
-        self, key: str, job_id: str, fingerprint: str
-    ) -> JobView | None:
-        """None if `key` is new (now bound to `job_id`); else the job it already names."""
-        if not _IDEMPOTENCY_KEY.match(key):
-            raise BadRequest(
-                "Idempotency-Key must be 1 to 255 visible ASCII characters", param="Idempotency-Key"
-            )
-        idem = self.keys.idempotency(key)
-        ttl = self.settings.idempotency_ttl_s
-        for _ in range(2):
-            if await self.redis.set(idem, job_id, nx=True, ex=ttl):
-                return None
-            earlier_id = await self.redis.get(idem)
-            if earlier_id is None:
-                continue
-            raw = await self.redis.hgetall(self.keys.job(earlier_id))
-            if not raw:  # the earlier job expired (or its submission died): the key is free
-                await self.redis.delete(idem)
-                continue
-            if raw.get("fingerprint") != fingerprint:
-                raise Unprocessable(
-                    "Idempotency-Key was already used with a different request body",
-                    param="Idempotency-Key",
-                    code="idempotency_key_reused",
-                )
-            return _view(earlier_id, raw)
+        for _ in range(_SUBMIT_TRIES):
+            reply = await self.scripts.run(call)
+            if isinstance(reply, Queued):
+                return Submitted(record.view(), replayed=False)
+            assert idem is not None
+            earlier = await self._earlier(idem, reply.claim, fingerprint)
+            if earlier is not None:
+                return Submitted(earlier, replayed=True)
         raise Conflict(
             "Idempotency-Key is being claimed concurrently; retry", param="Idempotency-Key"
         )
 
+    async def _earlier(self, idem: str, claim_text: str, fingerprint: str) -> JobView | None:
+        """The job an idempotency key names; None once the key is freed (its job expired)."""
+        claim = IdempotencyClaim.decode(claim_text)
+        if claim.fingerprint != fingerprint:
+            raise Unprocessable(
+                "Idempotency-Key was already used with a different request body",
+                param="Idempotency-Key",
+                code="idempotency_key_reused",
+            )
+        raw = await self.redis.hgetall(self.keys.job(claim.job))
+        if raw:
+            return JobRecord.from_hash(raw).view()
+        await self.scripts.run(self.transitions.release_idempotency(idem, claim=claim_text))
+        return None
+
     async def get(self, job_id: str) -> JobView:
+        return (await self._record(job_id)).view()
+
+    async def _record(self, job_id: str) -> JobRecord:
         raw = await self.redis.hgetall(self.keys.job(self.validate_id(job_id)))
         if not raw:
             raise JobNotFound(f"no job '{job_id}' (unknown, or expired)", param="id")
-        return _view(job_id, raw)
+        return JobRecord.from_hash(raw)
 
     async def cancel(self, job_id: str, reason: str = "cancelled") -> JobView:
         """Cancel a queued job at once, or ask the worker running it to stop."""
-        k = self.keys
         self.validate_id(job_id)
+        for _ in range(_CANCEL_TRIES):
+            reply = await self.scripts.run(self.transitions.request_cancel(job_id, reason=reason))
+            if isinstance(reply, CancelRunning):
+                msg = ControlMessage(cancel=job_id, attempt=reply.attempt, reason=reason)
+                await self.redis.publish(self.keys.control(reply.worker), msg.encode())
+                return await self.get(job_id)
+            if isinstance(reply, CancelEnded):
+                if reply.status == "missing":
+                    raise JobNotFound(f"no job '{job_id}' (unknown, or expired)", param="id")
+                raise Conflict(f"job '{job_id}' already ended: {reply.status}", param="id")
+            if await self._cancel_queued(job_id, reply, reason):
+                return await self.get(job_id)
+        raise Conflict(f"job '{job_id}' changed while cancelling it; retry", param="id")
+
+    async def _cancel_queued(self, job_id: str, seen: CancelQueued, reason: str) -> bool:
+        """End a queued job `cancelled`, unless a worker took it meanwhile."""
         s = self.settings
-        reply = await self.scripts.cancel(
-            keys=[k.job(job_id), k.events(job_id), k.channel(job_id)],
-            args=[repr(time.time()), s.retention_s, s.event_log_maxlen, reason],
+        seq = seen.last_seq + 1
+        event = CancelledEvent(seq=seq, attempt=seen.attempt, reason=reason)
+        call = self.transitions.settle(
+            job_id,
+            status="queued",
+            attempt=seen.attempt,
+            last_seq=seen.last_seq,
+            event=(seq, events.encode(event)),
+            fields=JobRecord.fields(status="cancelled", finished_at=time.time()),
+            maxlen=s.event_log_maxlen,
+            retention_s=s.retention_s,
         )
-        if reply[0] == "missing":
-            raise JobNotFound(f"no job '{job_id}' (unknown, or expired)", param="id")
-        if reply[0] == "running" and reply[1]:
-            await self.redis.publish(k.control(reply[1]), json.dumps({"cancel": job_id}))
-        elif reply[0] in TERMINAL_STATUSES:
-            raise Conflict(f"job '{job_id}' already ended: {reply[0]}", param="id")
-        return await self.get(job_id)
+        return await self.scripts.run(call)
 
 
 _SAMPLING_FIELDS = {
@@ -232,29 +235,3 @@ _SAMPLING_FIELDS = {
 def _fingerprint(body: JobCreate) -> str:
     canonical = body.model_dump_json(exclude={"stream"})
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def _view(job_id: str, raw: dict[str, str]) -> JobView:
-    spec = JobSpec.model_validate_json(raw["spec"])
-    result = JobResult.model_validate_json(raw["result"]) if "result" in raw else None
-    return JobView(
-        id=job_id,
-        status=raw["status"],  # type: ignore[arg-type]
-        model=spec.model,
-        priority=spec.priority,
-        attempt=int(raw.get("attempt", 0)),
-        worker=raw.get("worker"),
-        created_at=spec.created_at,
-        started_at=_float(raw.get("started_at")),
-        finished_at=_float(raw.get("finished_at")),
-        text=result.text if result else None,
-        finish_reason=result.finish_reason if result else None,
-        usage=Usage.model_validate_json(raw["usage"]) if "usage" in raw else None,
-        timings=Timings.model_validate_json(raw["timings"]) if "timings" in raw else None,
-        error=ErrorInfo.model_validate_json(raw["error"]) if "error" in raw else None,
-        metadata=json.loads(raw.get("metadata", "{}")),
-    )
-
-
-def _float(v: Any) -> float | None:
-    return float(v) if v is not None else None

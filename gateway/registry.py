@@ -4,7 +4,7 @@ process, and the live workers' heartbeats."""
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import time
 from dataclasses import dataclass
 
@@ -13,8 +13,10 @@ from tokenizers import Tokenizer
 
 from shared.errors import ModelNotFound
 from shared.keys import Keys
-from shared.schemas import Heartbeat, ModelCard
+from shared.records import Heartbeat, RecordError
+from shared.schemas import ModelCard
 
+log = logging.getLogger(__name__)
 _TOKENIZERS_KEPT = 16
 
 
@@ -75,7 +77,13 @@ class ModelRegistry:
         for worker_id in ids:
             pipe.hgetall(self._keys.worker(worker_id))
         beats = []
-        for raw in await pipe.execute():
-            if raw:
-                beats.append(Heartbeat.model_validate({k: json.loads(v) for k, v in raw.items()}))
+        for worker_id, raw in zip(ids, await pipe.execute(), strict=True):
+            if not raw:
+                continue
+            try:
+                beats.append(Heartbeat.from_hash(raw))
+            except RecordError as exc:  # a worker of another version, or a forged hash
+                log.warning(
+                    "unreadable heartbeat", extra={"worker_id": worker_id, "error": str(exc)}
+                )
         return beats

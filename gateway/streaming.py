@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator
 
@@ -18,9 +17,10 @@ from redis.exceptions import RedisError
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.pubsub import PubSubRouter, Subscription
+from gateway.pubsub import Subscription
+from shared import events
+from shared.events import EVENT_FIELD, FINAL_EVENT_TYPES
 from shared.keys import Keys, event_id, seq_of
-from shared.schemas import FINAL_EVENT_TYPES
 from shared.settings import GatewaySettings
 
 KEEPALIVE = b": keepalive\n\n"
@@ -49,7 +49,7 @@ class EventFollower:
     async def read_log(self) -> list[tuple[int, str, str]]:
         """Events after `last` from the job's log."""
         entries = await self.redis.xrange(self.keys.events(self.job_id), f"({event_id(self.last)}")
-        return self._accept([(seq_of(i), _type_of(f["d"]), f["d"]) for i, f in entries])
+        return self._accept([_from_log(i, f[EVENT_FIELD]) for i, f in entries])
 
     def _accept(self, items: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
         """The run of items that continues `last` without a hole."""
@@ -121,17 +121,13 @@ async def sse_stream(follower: EventFollower) -> AsyncIterator[bytes]:
             yield "".join(sse_frame(*e) for e in batch).encode()
 
 
-async def subscribe(router: PubSubRouter, keys: Keys, job_id: str) -> Subscription:
-    return await router.subscribe(keys.channel(job_id))
-
-
-def _type_of(data: str) -> str:
-    return str(json.loads(data)["type"])
+def _from_log(entry_id: str, data: str) -> tuple[int, str, str]:
+    return seq_of(entry_id), events.peek(data)[1], data
 
 
 def _parse(data: str) -> tuple[int, str, str]:
-    ev = json.loads(data)
-    return int(ev["seq"]), str(ev["type"]), data
+    seq, etype = events.peek(data)
+    return seq, etype, data
 
 
 class EventStreamResponse(StreamingResponse):

@@ -1,13 +1,13 @@
-"""Every message that crosses a process: HTTP bodies, job records, events, cards, heartbeats.
-
-All of it is JSON produced and parsed by these pydantic models; nothing is pickled.
+"""The data of a job as clients and workers see it: HTTP bodies (what to run, what came of
+it), the job's spec, results, and the model card. JSON produced and parsed by these pydantic
+models; nothing is pickled. Events are in `shared.events`, Redis values in `shared.records`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.keys import Priority
 
@@ -18,6 +18,10 @@ FinishReason = Literal["stop", "length"]
 MAX_SEED = 2**63 - 1
 MAX_TOKENS_CAP = 1_000_000
 MAX_STOP_CHARS = 512
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+"""Limits of the sampler fields, shared by the native and the OpenAI-compatible API."""
 
 
 class Sampling(BaseModel):
@@ -34,10 +38,14 @@ class Sampling(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
-        default_factory=list, max_length=16
+        default_factory=list, max_length=MAX_STOP_STRINGS
     )
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64)
-    logprobs: int | None = Field(default=None, ge=0, le=20, description="top-N logprobs per token")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, max_length=MAX_STOP_TOKEN_IDS
+    )
+    logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="top-N logprobs per token"
+    )
 
 
 class JobCreate(Sampling):
@@ -96,63 +104,7 @@ class ErrorInfo(BaseModel):
     message: str
 
 
-# ---- events -------------------------------------------------------------------------------
-
-
-class _Event(BaseModel):
-    seq: int
-    attempt: int = 0
-
-
-class QueuedEvent(_Event):
-    type: Literal["queued"] = "queued"
-    id: str
-    model: str
-    priority: Priority
-    prompt_tokens: int
-
-
-class StartedEvent(_Event):
-    type: Literal["started"] = "started"
-    worker: str
-    resumed_tokens: int = 0
-
-
-class TokenEvent(_Event):
-    type: Literal["token"] = "token"
-    text: str
-    token_ids: list[int]
-    count: int
-    logprobs: list[dict[str, Any]] | None = None
-
-
-class DoneEvent(_Event):
-    type: Literal["done"] = "done"
-    finish_reason: FinishReason
-    usage: Usage
-    timings: Timings
-
-
-class ErrorEvent(_Event):
-    type: Literal["error"] = "error"
-    code: str
-    message: str
-
-
-class CancelledEvent(_Event):
-    type: Literal["cancelled"] = "cancelled"
-    reason: str = "cancelled"
-
-
-StreamEvent = Annotated[
-    QueuedEvent | StartedEvent | TokenEvent | DoneEvent | ErrorEvent | CancelledEvent,
-    Field(discriminator="type"),
-]
-STREAM_EVENT: TypeAdapter[StreamEvent] = TypeAdapter(StreamEvent)
-FINAL_EVENT_TYPES: frozenset[str] = frozenset({"done", "error", "cancelled"})
-
-
-# ---- job record ---------------------------------------------------------------------------
+# ---- results ------------------------------------------------------------------------------
 
 
 class JobResult(BaseModel):
@@ -181,7 +133,7 @@ class JobView(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
-# ---- workers ------------------------------------------------------------------------------
+# ---- models -------------------------------------------------------------------------------
 
 
 class ModelCard(BaseModel):
@@ -199,24 +151,3 @@ class ModelCard(BaseModel):
     add_bos: bool = False
     chat_template: str | None = None
     description: str = ""
-
-
-class Heartbeat(BaseModel):
-    worker_id: str
-    model: str
-    engine: str
-    gpu: str | None = None
-    host: str
-    pid: int
-    version: str
-    capacity: int
-    active: int
-    tokens_per_s: float
-    started_at: float
-    draining: bool = False
-
-
-class ControlMessage(BaseModel):
-    """Sent on a worker's control channel."""
-
-    cancel: str

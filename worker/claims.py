@@ -5,17 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import hashlib
 import logging
 import time
-from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
+from shared import events
+from shared.events import EVENT_FIELD, ErrorEvent, TokenEvent
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Priority
-from shared.schemas import JobSpec
+from shared.records import JOB_ID, JobRecord, QueueEntry, RecordError
+from shared.schemas import ErrorInfo, JobSpec
+from shared.transitions import Exhausted, Started, StartReply
 from worker.engine import EngineJob
-from worker.entries import ack, dead_letter, ensure_groups, requeue, requeue_waiting
+from worker.entries import (
+    ack,
+    dead_letter,
+    drop_malformed,
+    ensure_groups,
+    requeue,
+    requeue_waiting,
+)
 from worker.jobstate import Claim, RunningJob
 from worker.state import LOOP_RESTART_S, WorkerState
 
@@ -87,12 +97,22 @@ class Claimer:
             count=count,
             block=block,  # type: ignore[arg-type]
         )
-        return [
-            Claim(entry_id, queue, fields["job"], int(fields.get("tokens", 0)))
-            for queue, entries in _stream_items(reply)
-            for entry_id, fields in entries
-            if fields
-        ]
+        claims: list[Claim] = []
+        for queue, entries in reply or []:
+            for entry_id, fields in entries:
+                claim = await self._claim_of(queue, entry_id, fields)
+                if claim is not None:
+                    claims.append(claim)
+        return claims
+
+    async def _claim_of(self, queue: str, entry_id: str, fields: dict[str, str]) -> Claim | None:
+        """The claim an entry makes; None for one that names no job (dead-lettered, acked)."""
+        try:
+            entry = QueueEntry.from_hash(fields or {})
+        except RecordError as exc:
+            await drop_malformed(self.st, queue, entry_id, str(exc))
+            return None
+        return Claim(entry_id, queue, entry.job, entry.tokens)
 
     async def _start_waiting(self) -> None:
         """START every waiting claim the engine has room for, in one pipeline."""
@@ -116,29 +136,29 @@ class Claimer:
             raise
         await self._settle(ready, replies, sent)
 
-    async def _start(self, ready: list[Claim]) -> tuple[list[Any], Sent]:
+    async def _start(self, ready: list[Claim]) -> tuple[list[StartReply | Exception], Sent]:
         """START each claim (one pipeline) and read what retried ones already sent."""
         st = self.st
-        s = st.settings
-        now = repr(time.time())
-        pipe = st.redis.pipeline(transaction=False)
-        for c in ready:
-            await st.scripts.start(
-                keys=st.job_keys(c.job_id),
-                args=[st.id, now, s.max_attempts, s.retention_s, s.event_log_maxlen],
-                client=pipe,
+        now = time.time()
+        calls = [
+            st.transitions.start(
+                c.job_id, worker=st.id, now=now, max_attempts=st.settings.max_attempts
             )
+            for c in ready
+        ]
         # A START that Redis rejects (a damaged record) comes back in place and sets aside
         # that claim alone; connection errors still raise and every claim is tried again.
-        replies = await pipe.execute(raise_on_error=False)
+        replies = await st.scripts.run_all(calls)
         retried = [
             c.job_id
             for c, r in zip(ready, replies, strict=True)
-            if not isinstance(r, Exception) and r[0] == "ok" and int(r[1]) > 1
+            if isinstance(r, Started) and r.attempt > 1
         ]
         return replies, await self._sent_tokens(retried)
 
-    async def _settle(self, ready: list[Claim], replies: list[Any], sent: Sent) -> None:
+    async def _settle(
+        self, ready: list[Claim], replies: list[StartReply | Exception], sent: Sent
+    ) -> None:
         """Begin the STARTed jobs; ack the claims of jobs that had already ended. A failure
         here touches one claim only: an entry not acked stays pending and is reclaimed."""
         done_claims: list[Claim] = []
@@ -147,21 +167,49 @@ class Claimer:
                 # Left pending and not held: it is retried after a lease, costing only itself.
                 log.error("START rejected", extra={"job_id": claim.job_id, "error": str(reply)})
                 continue
-            if reply[0] == "ok":
+            if isinstance(reply, Started):
                 resumed = sent.get(claim.job_id, ([], []))
                 try:
-                    self._begin(claim, int(reply[1]), int(reply[2]), reply[3], reply[4], resumed)
+                    self._begin(claim, reply, resumed)
                 except Exception as exc:  # e.g. a record that does not parse: fails alone
-                    await self._give_up_start(claim, int(reply[1]), exc)
+                    await self._give_up_start(claim, reply.attempt, exc)
                 continue
-            if reply[0] == "exhausted":
+            if isinstance(reply, Exhausted):
                 with contextlib.suppress(RedisError, OSError):
-                    await dead_letter(self.st, claim, int(reply[1]))
+                    await self._fail_exhausted(claim, reply)
             done_claims.append(claim)
         if done_claims:
             with contextlib.suppress(RedisError, OSError):
                 await ack(self.st, done_claims)
         self.st.flush_wanted.set()
+
+    async def _fail_exhausted(self, claim: Claim, seen: Exhausted) -> None:
+        """A job out of attempts ends `failed` with an error event naming its last error, and
+        goes to the dead letters."""
+        st = self.st
+        s = st.settings
+        message = f"the job failed {s.max_attempts} attempts (GENQ_MAX_ATTEMPTS)"
+        if seen.last_error:
+            message += f"; last error: {seen.last_error}"
+        seq = seen.last_seq + 1
+        code = "max_attempts_exceeded"
+        event = ErrorEvent(seq=seq, attempt=seen.attempt, code=code, message=message)
+        call = st.transitions.settle(
+            claim.job_id,
+            status=seen.status,
+            attempt=seen.attempt,
+            last_seq=seen.last_seq,
+            event=(seq, events.encode(event)),
+            fields=JobRecord.fields(
+                status="failed",
+                finished_at=time.time(),
+                error=ErrorInfo(code=code, message=message),
+            ),
+            maxlen=s.event_log_maxlen,
+            retention_s=s.retention_s,
+        )
+        if await st.scripts.run(call):
+            await dead_letter(st, claim, seen.attempt, message)
 
     async def _give_up_start(self, claim: Claim, attempt: int, exc: Exception) -> None:
         """A job that could not even begin: back to the queue as a failed attempt, so it is
@@ -170,11 +218,11 @@ class Claimer:
         log.error("could not begin job", extra={"job_id": claim.job_id, "error": str(exc)})
         st.forget(claim.job_id)
         error = f"the worker could not begin the job: {exc}"
+        call = st.transitions.hand_back(
+            claim.job_id, worker=st.id, attempt=attempt, counted=True, error=error
+        )
         with contextlib.suppress(RedisError, OSError):
-            reply = await st.scripts.hand_back(
-                keys=[st.keys.job(claim.job_id)], args=[st.id, str(attempt), "1", error]
-            )
-            if reply:
+            if await st.scripts.run(call):
                 await requeue(st, claim)
 
     async def _sent_tokens(self, job_ids: list[str]) -> Sent:
@@ -189,29 +237,23 @@ class Claimer:
             ids: list[int] = []
             texts: list[str] = []
             for _, fields in entries:
-                ev = json.loads(fields["d"])
-                if ev["type"] == "token":
-                    ids += ev["token_ids"]
-                    texts.append(ev["text"])
+                ev = events.decode(fields[EVENT_FIELD])
+                if isinstance(ev, TokenEvent):
+                    ids += ev.token_ids
+                    texts.append(ev.text)
             sent[job_id] = (ids, texts)
         return sent
 
-    def _begin(
-        self,
-        claim: Claim,
-        attempt: int,
-        seq: int,
-        spec_json: str,
-        cancel: str,
-        resumed: tuple[list[int], list[str]],
-    ) -> None:
+    def _begin(self, claim: Claim, started: Started, resumed: tuple[list[int], list[str]]) -> None:
         st = self.st
-        spec = JobSpec.model_validate_json(spec_json)
+        spec = JobSpec.model_validate_json(started.spec)
+        if spec.id != claim.job_id:
+            raise ValueError(f"the record's spec is of another job ({spec.id[:40]!r})")
         run = RunningJob(
             spec=spec,
             claim=claim,
-            attempt=attempt,
-            seq=seq,
+            attempt=started.attempt,
+            seq=started.last_seq,
             started_wall=time.time(),
             resumed_ids=resumed[0],
             text_parts=list(resumed[1]),
@@ -220,14 +262,14 @@ class Claimer:
         st.dirty.add(spec.id)
         run.started(st.id)
         st.urgent.add(spec.id)  # `started` (and an end at once, if any) need not wait
-        if cancel or spec.id in st.early_cancels:
+        if started.cancel or spec.id in st.early_cancels:
             st.early_cancels.pop(spec.id, None)
-            run.cancelled(cancel or "cancelled")
+            run.cancelled(started.cancel or "cancelled")
             return
         if spec.deadline is not None and time.time() > spec.deadline:
             run.fail("expired", "deadline_exceeded", "the job's timeout passed before it started")
             return
-        seed = spec.sampling.seed if spec.sampling.seed is not None else _seed_of(spec.id)
+        seed = spec.sampling.seed if spec.sampling.seed is not None else seed_of(spec.id)
         assert st.runner is not None
         st.runner.add(
             EngineJob(
@@ -241,15 +283,9 @@ class Claimer:
         )
 
 
-def _stream_items(reply: Any) -> list[tuple[str, list[tuple[str, dict[str, str]]]]]:
-    """XREADGROUP's reply as (stream, entries) pairs, for RESP2 lists and RESP3 maps."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        return [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in reply.items()]
-    return [(stream, entries) for stream, entries in reply]
-
-
-def _seed_of(job_id: str) -> int:
-    """A job without a seed samples from one fixed per job, so a retry continues the same text."""
-    return int(job_id[:16], 16) if len(job_id) >= 16 else abs(hash(job_id))
+def seed_of(job_id: str) -> int:
+    """A job without a seed samples from one fixed per job id, the same in every process, so
+    a retry (on any worker) continues the same text."""
+    if JOB_ID.fullmatch(job_id):
+        return int(job_id[:16], 16)
+    return int.from_bytes(hashlib.blake2b(job_id.encode(), digest_size=8).digest(), "little")

@@ -10,6 +10,7 @@ import time
 from redis.exceptions import RedisError, ResponseError
 
 from shared.keys import CONSUMER_GROUP
+from shared.records import DeadLetter, QueueEntry
 from worker.jobstate import Claim, RunningJob
 from worker.state import WorkerState
 
@@ -26,7 +27,8 @@ async def ensure_groups(st: WorkerState) -> None:
 async def requeue(st: WorkerState, claim: Claim) -> None:
     """A fresh queue entry for the job, and ours acknowledged, in one transaction."""
     pipe = st.redis.pipeline(transaction=True)
-    pipe.xadd(claim.queue, {"job": claim.job_id, "tokens": claim.need_tokens})
+    entry = QueueEntry(job=claim.job_id, tokens=claim.need_tokens)
+    pipe.xadd(claim.queue, entry.to_hash())  # type: ignore[arg-type]
     pipe.xack(claim.queue, CONSUMER_GROUP, claim.entry_id)
     pipe.xdel(claim.queue, claim.entry_id)
     await pipe.execute()
@@ -42,14 +44,33 @@ async def requeue_waiting(st: WorkerState) -> None:
 async def hand_back(st: WorkerState, run: RunningJob, *, counted: bool, error: str = "") -> None:
     """Give a started job back to the queue for any worker, now (not after the lease).
     Fenced: a job that already moved to another worker is left alone."""
-    reply = await st.scripts.hand_back(
-        keys=[st.keys.job(run.id)],
-        args=[st.id, str(run.attempt), "1" if counted else "0", error],
+    call = st.transitions.hand_back(
+        run.id, worker=st.id, attempt=run.attempt, counted=counted, error=error
     )
-    if reply:
+    if await st.scripts.run(call):
         await requeue(st, run.claim)
     else:
         log.warning("hand-back fenced: the job moved on", extra={"job_id": run.id})
+
+
+async def drop_malformed(st: WorkerState, queue: str, entry_id: str, reason: str) -> None:
+    """An entry that names no job genq can run: to the dead letters with the reason, and out
+    of the queue, so it cannot stall the claim or reclaim loops."""
+    letter = DeadLetter(queue=queue, entry=entry_id, reason=reason, at=time.time())
+    pipe = st.redis.pipeline(transaction=True)
+    pipe.xadd(
+        st.keys.dead_letters(),
+        letter.to_hash(),  # type: ignore[arg-type]
+        maxlen=_DEAD_LETTERS_KEPT,
+        approximate=True,
+    )
+    pipe.xack(queue, CONSUMER_GROUP, entry_id)
+    pipe.xdel(queue, entry_id)
+    await pipe.execute()
+    log.error(
+        "malformed queue entry dead-lettered",
+        extra={"queue": queue, "entry": entry_id, "reason": reason},
+    )
 
 
 async def ack(st: WorkerState, claims: list[Claim]) -> None:
@@ -60,7 +81,19 @@ async def ack(st: WorkerState, claims: list[Claim]) -> None:
     await pipe.execute()
 
 
-async def dead_letter(st: WorkerState, claim: Claim, attempts: int) -> None:
-    entry = {"job": claim.job_id, "attempts": attempts, "at": repr(time.time())}
-    await st.redis.xadd(st.keys.dead_letters(), entry, maxlen=_DEAD_LETTERS_KEPT, approximate=True)
+async def dead_letter(st: WorkerState, claim: Claim, attempts: int, reason: str) -> None:
+    entry = DeadLetter(
+        job=claim.job_id,
+        queue=claim.queue,
+        entry=claim.entry_id,
+        attempts=attempts,
+        reason=reason,
+        at=time.time(),
+    )
+    await st.redis.xadd(
+        st.keys.dead_letters(),
+        entry.to_hash(),  # type: ignore[arg-type]
+        maxlen=_DEAD_LETTERS_KEPT,
+        approximate=True,
+    )
     log.warning("job dead-lettered", extra={"job_id": claim.job_id, "attempts": attempts})

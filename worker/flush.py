@@ -10,10 +10,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
 
 from redis.exceptions import RedisError
 
+from shared.transitions import Call, EmitReply, EncodedEvent, Fenced, LostTail
 from worker.engine import StepOutput
 from worker.entries import ack, hand_back
 from worker.jobstate import Claim, RunningJob
@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 _MAX_ENGINE_FAILURES = 5
 _FLUSH_RETRY_S = 0.2
 
-Written = list[tuple[RunningJob, list[str]]]
-"""(job, the seq/JSON pairs this flush sends for it), in pipeline order."""
+Written = list[tuple[RunningJob, list[EncodedEvent]]]
+"""(job, the events this flush sends for it), in pipeline order."""
 
 
 class Flusher:
@@ -98,11 +98,11 @@ class Flusher:
             st.stopping.set()
 
     async def _flush(self, job_ids: set[str]) -> None:
-        """One pipeline: these jobs' pending events (EMIT), or their ends (FINISH)."""
+        """One pipeline: these jobs' pending events, with their record fields if they ended."""
         st = self.st
         s = st.settings
-        pipe = st.redis.pipeline(transaction=False)
         order: Written = []
+        calls: list[Call[EmitReply]] = []
         retries: list[RunningJob] = []
         st.dirty -= job_ids
         st.urgent -= job_ids
@@ -111,32 +111,30 @@ class Flusher:
             if run is None:
                 continue
             events = run.take_events()
-            head = [st.id, str(run.attempt), str(s.event_log_maxlen)]
-            if run.end is not None:
-                status, fields = run.end
-                record = [x for kv in fields.items() for x in kv]
-                args = [*head, str(s.retention_s), str(len(events) // 2), *events]
-                await st.scripts.finish(
-                    keys=st.job_keys(job_id),
-                    args=[*args, "status", status, *record],
-                    client=pipe,
+            if run.end is None and not events:
+                if run.retry_error is not None:
+                    retries.append(run)
+                continue
+            calls.append(
+                st.transitions.emit(
+                    job_id,
+                    worker=st.id,
+                    attempt=run.attempt,
+                    events=events,
+                    maxlen=s.event_log_maxlen,
+                    fields=run.end,
+                    retention_s=s.retention_s if run.end is not None else 0,
                 )
-            elif events:
-                await st.scripts.emit(keys=st.job_keys(job_id), args=head + events, client=pipe)
-            elif run.retry_error is not None:
-                retries.append(run)
-                continue
-            else:
-                continue
+            )
             order.append((run, events))
         if retries:
             await self._retry(retries)
         if not order:
             return
         try:
-            # Per-command errors come back in place: one job's rejected write must not fail
+            # Per-call errors come back in place: one job's rejected write must not fail
             # (and so retry forever) the flush of every other job in the pipeline.
-            results = await pipe.execute(raise_on_error=False)
+            results = await st.scripts.run_all(calls)
         except (RedisError, OSError) as exc:
             await self._failed(order, exc)
             return
@@ -160,21 +158,21 @@ class Flusher:
         self.st.flush_wanted.set()
 
     def _apply(
-        self, order: Written, results: list[Any]
-    ) -> tuple[list[Claim], list[tuple[RunningJob, list[str], int]]]:
-        """Act on each job's script reply; return the claims of jobs that ended, and the jobs
-        whose log lost its tail (repaired by the caller, which may await)."""
+        self, order: Written, results: list[EmitReply | Exception]
+    ) -> tuple[list[Claim], list[tuple[RunningJob, list[EncodedEvent], int]]]:
+        """Act on each job's reply; return the claims of jobs that ended, and the jobs whose
+        log lost its tail (repaired by the caller, which may await)."""
         st = self.st
         ended: list[Claim] = []
-        lost_tail: list[tuple[RunningJob, list[str], int]] = []
-        for (run, events), ok in zip(order, results, strict=True):
-            if isinstance(ok, Exception):
-                log.error("Redis rejected events", extra={"job_id": run.id, "error": str(ok)})
-                run.end, run.retry_error = None, f"Redis rejected the job's events: {ok}"
+        lost_tail: list[tuple[RunningJob, list[EncodedEvent], int]] = []
+        for (run, events), reply in zip(order, results, strict=True):
+            if isinstance(reply, Exception):
+                log.error("Redis rejected events", extra={"job_id": run.id, "error": str(reply)})
+                run.end, run.retry_error = None, f"Redis rejected the job's events: {reply}"
                 self._flush_soon(run.id)  # handed back (counted) at the next flush
-            elif ok < 0:  # Redis lost the end of the log: nothing was written
-                lost_tail.append((run, events, -1 - ok))
-            elif not ok:  # fenced: another worker owns this job now
+            elif isinstance(reply, LostTail):  # Redis lost the end of the log: nothing written
+                lost_tail.append((run, events, reply.last))
+            elif isinstance(reply, Fenced):  # another worker owns this job now
                 log.warning("lost ownership; dropping job", extra={"job_id": run.id})
                 assert st.runner is not None
                 st.runner.cancel(run.id)
@@ -185,11 +183,13 @@ class Flusher:
                 ended.append(run.claim)
             else:
                 run.remember(events, st.settings.log_repair_window_s)
+                if reply.cancel is not None:  # asked while the control channel was away
+                    st.cancel(run.id, reply.cancel)
                 if run.retry_error is not None:  # its tokens are out: hand it back next flush
                     self._flush_soon(run.id)
         return ended, lost_tail
 
-    async def _repair(self, run: RunningJob, events: list[str], last: int) -> None:
+    async def _repair(self, run: RunningJob, events: list[EncodedEvent], last: int) -> None:
         """The job's log ends at `last`, short of what this worker wrote (Redis restarted
         without its last writes): write the lost events again, from memory, so readers see
         exactly what live subscribers saw. Past the repair window, hand the job back: the

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.schemas import (
-    CancelledEvent,
-    DoneEvent,
-    ErrorEvent,
-    JobResult,
-    JobSpec,
-    StartedEvent,
-    Timings,
-    TokenEvent,
-    Usage,
-)
+from shared import events
+from shared.events import CancelledEvent, DoneEvent, ErrorEvent, Event, StartedEvent, TokenEvent
+from shared.records import JobRecord
+from shared.schemas import ErrorInfo, JobResult, JobSpec, Timings, Usage
+from shared.transitions import EncodedEvent
 
 
 @dataclass(slots=True)
@@ -45,42 +38,38 @@ class RunningJob:
     token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    pending: list[str] = field(default_factory=list)
-    """seq/JSON pairs, flattened, waiting for the next flush."""
+    pending: list[EncodedEvent] = field(default_factory=list)
+    """Events waiting for the next flush."""
     acc_text: list[str] = field(default_factory=list)
     acc_ids: list[int] = field(default_factory=list)
     acc_logprobs: list[dict[str, Any]] | None = None
-    end: tuple[str, dict[str, str]] | None = None
-    """(status, record fields) once the job has ended locally."""
+    end: dict[str, str] | None = None
+    """The record fields of its end (status among them), once the job has ended locally."""
     retry_error: str | None = None
     """Set when the engine failed the job: it goes back to the queue for another attempt."""
-    recent: deque[tuple[float, list[str]]] = field(default_factory=deque)
-    """(monotonic time, seq/JSON pairs) of recent successful flushes, to repair the log."""
+    recent: deque[tuple[float, list[EncodedEvent]]] = field(default_factory=deque)
+    """(monotonic time, events) of recent successful flushes, to repair the log."""
 
     @property
     def id(self) -> str:
         return self.spec.id
 
-    def _push(self, json: str) -> None:
-        self.pending += (str(self.seq), json)
+    def _push(self, event: Event) -> None:
+        self.pending.append((event.seq, events.encode(event)))
 
-    def remember(self, events: list[str], window_s: float) -> None:
+    def remember(self, written: list[EncodedEvent], window_s: float) -> None:
         """Keep what a flush wrote for `window_s`, in case Redis loses it."""
         now = time.monotonic()
-        if events and window_s > 0:
-            self.recent.append((now, events))
+        if written and window_s > 0:
+            self.recent.append((now, written))
         while self.recent and now - self.recent[0][0] > window_s:
             self.recent.popleft()
 
-    def written_after(self, last_seq: int) -> list[str] | None:
-        """The remembered pairs from `last_seq + 1` on; None if they do not reach back that far
-        (the log's lost tail is older than the repair window)."""
-        pairs = [x for _, events in self.recent for x in events]
-        out: list[str] = []
-        for i in range(0, len(pairs), 2):
-            if int(pairs[i]) > last_seq:
-                out += pairs[i : i + 2]
-        if not out or int(out[0]) != last_seq + 1:
+    def written_after(self, last_seq: int) -> list[EncodedEvent] | None:
+        """The remembered events from `last_seq + 1` on; None if they do not reach back that
+        far (the log's lost tail is older than the repair window)."""
+        out = [e for _, written in self.recent for e in written if e[0] > last_seq]
+        if not out or out[0][0] != last_seq + 1:
             return None
         return out
 
@@ -92,7 +81,7 @@ class RunningJob:
             worker=worker_id,
             resumed_tokens=len(self.resumed_ids),
         )
-        self._push(ev.model_dump_json())
+        self._push(ev)
 
     def add_tokens(self, text: str, ids: list[int], logprobs: list[dict[str, Any]] | None) -> None:
         if self.first_token_wall is None:
@@ -102,8 +91,8 @@ class RunningJob:
         if logprobs:
             self.acc_logprobs = (self.acc_logprobs or []) + logprobs
 
-    def take_events(self) -> list[str]:
-        """The pending (seq, JSON) pairs, with accumulated tokens folded into one event."""
+    def take_events(self) -> list[EncodedEvent]:
+        """The pending events, with accumulated tokens folded into one event."""
         self._fold_tokens()
         out, self.pending = self.pending, []
         return out
@@ -120,7 +109,7 @@ class RunningJob:
                 count=len(self.acc_ids),
                 logprobs=self.acc_logprobs,
             )
-            self._push(ev.model_dump_json())
+            self._push(ev)
             self.text_parts.append(text)
             self.token_ids.extend(self.acc_ids)
             self.acc_text, self.acc_ids, self.acc_logprobs = [], [], None
@@ -150,39 +139,27 @@ class RunningJob:
             usage=usage,
             timings=timings,
         )
-        self._push(done.model_dump_json())
+        self._push(done)
         result = JobResult(
             text="".join(self.text_parts),
             token_ids=self.token_ids,
             finish_reason=done.finish_reason,
         )
-        self.end = (
-            "succeeded",
-            {
-                "finished_at": repr(now),
-                "result": result.model_dump_json(),
-                "usage": usage.model_dump_json(),
-                "timings": timings.model_dump_json(),
-            },
+        self.end = JobRecord.fields(
+            status="succeeded", finished_at=now, result=result, usage=usage, timings=timings
         )
-        if first is not None:
-            self.end[1]["first_token_at"] = repr(first)
 
     def fail(self, status: str, code: str, message: str) -> None:
         """End with an `error` event (status 'failed' or 'expired')."""
         self._fold_tokens()
         self.seq += 1
-        self._push(
-            ErrorEvent(
-                seq=self.seq, attempt=self.attempt, code=code, message=message
-            ).model_dump_json()
-        )
-        error = {"code": code, "message": message}
-        self.end = (status, {"finished_at": repr(time.time()), "error": json.dumps(error)})
+        self._push(ErrorEvent(seq=self.seq, attempt=self.attempt, code=code, message=message))
+        error = ErrorInfo(code=code, message=message)
+        self.end = JobRecord.fields(status=status, finished_at=time.time(), error=error)
 
     def cancelled(self, reason: str) -> None:
         self._fold_tokens()
         self.seq += 1
         ev = CancelledEvent(seq=self.seq, attempt=self.attempt, reason=reason)
-        self._push(ev.model_dump_json())
-        self.end = ("cancelled", {"finished_at": repr(time.time())})
+        self._push(ev)
+        self.end = JobRecord.fields(status="cancelled", finished_at=time.time())

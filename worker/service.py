@@ -39,8 +39,8 @@ from redis.exceptions import RedisError
 
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys, Priority
 from shared.redisconn import connect
-from shared.scripts import Scripts
 from shared.settings import WorkerSettings
+from shared.transitions import ScriptRunner, Transitions
 from worker.claims import Claimer
 from worker.control import Control
 from worker.engine import Engine
@@ -81,7 +81,8 @@ class Worker:
             model=model,
             keys=keys,
             redis=client,
-            scripts=Scripts.register(client),
+            scripts=ScriptRunner(client),
+            transitions=Transitions(keys),
             queues={p: keys.queue(model, p) for p in PRIORITIES},
             lease=LeaseClock(settings.lease_s),
         )
@@ -115,10 +116,6 @@ class Worker:
     @property
     def redis(self) -> aioredis.Redis:
         return self.st.redis
-
-    @property
-    def scripts(self) -> Scripts:
-        return self.st.scripts
 
     @property
     def queues(self) -> dict[Priority, str]:
@@ -188,7 +185,7 @@ class Worker:
         self.st.stopping.set()
 
     def cancel(self, job_id: str, reason: str = "cancelled") -> None:
-        self._control.cancel(job_id, reason)
+        self.st.cancel(job_id, reason)
 
     async def _supervise(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
         """Run one phase until closing: a crash is logged and the phase restarts."""
@@ -246,4 +243,6 @@ class Worker:
         pipe.zrem(st.keys.workers(), st.id)
         await pipe.execute()
         for key in st.queues.values():
-            await st.scripts.delete_idle_consumer(keys=[key], args=[CONSUMER_GROUP, st.id])
+            await st.scripts.run(
+                st.transitions.delete_idle_consumer(key, group=CONSUMER_GROUP, consumer=st.id)
+            )

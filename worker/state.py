@@ -4,19 +4,22 @@ events by which one phase wakes another. Plain state, no Redis calls."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
 from shared.keys import Keys, Priority
-from shared.scripts import Scripts
 from shared.settings import WorkerSettings
+from shared.transitions import ScriptRunner, Transitions
 from worker.engine import Engine
 from worker.jobstate import Claim, RunningJob
 from worker.lease import LeaseClock
 from worker.runner import EngineRunner
 
 LOOP_RESTART_S = 0.5
+EARLY_CANCELS_KEPT = 1000
+EARLY_CANCEL_TTL_S = 60.0
 
 
 @dataclass(slots=True, eq=False)
@@ -27,7 +30,8 @@ class WorkerState:
     model: str
     keys: Keys
     redis: aioredis.Redis
-    scripts: Scripts
+    scripts: ScriptRunner
+    transitions: Transitions
     queues: dict[Priority, str]
     lease: LeaseClock
     running: dict[str, RunningJob] = field(default_factory=dict)
@@ -52,9 +56,22 @@ class WorkerState:
         self.expiring.discard(job_id)
         return self.running.pop(job_id, None)
 
+    def cancel(self, job_id: str, reason: str = "cancelled") -> None:
+        """Stop a job this worker runs; a cancel that overtook the job's START is kept a while
+        (the job is cancelled as it starts)."""
+        if job_id not in self.running:
+            now = time.monotonic()
+            if len(self.early_cancels) > EARLY_CANCELS_KEPT:  # keep the newest, young ones
+                young = [
+                    kv for kv in self.early_cancels.items() if now - kv[1] < EARLY_CANCEL_TTL_S
+                ]
+                young.sort(key=lambda kv: kv[1])
+                self.early_cancels = dict(young[-EARLY_CANCELS_KEPT // 2 :])
+            self.early_cancels[job_id] = now
+            return
+        self.cancel_reason[job_id] = reason
+        assert self.runner is not None
+        self.runner.cancel(job_id)
+
     def free_slots(self) -> int:
         return self.engine.max_batch - len(self.running) - len(self.waiting)
-
-    def job_keys(self, job_id: str) -> list[str]:
-        k = self.keys
-        return [k.job(job_id), k.events(job_id), k.channel(job_id)]

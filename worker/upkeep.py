@@ -5,7 +5,6 @@ the reclaim of entries idle past the lease whose worker's heartbeat is gone."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -15,8 +14,10 @@ from typing import Any, cast
 from redis.exceptions import RedisError
 
 from shared import __version__
+from shared.deadlines import expire_queued
 from shared.keys import CONSUMER_GROUP
-from shared.schemas import Heartbeat
+from shared.records import Heartbeat, QueueEntry, RecordError
+from worker.entries import drop_malformed
 from worker.jobstate import Claim
 from worker.lease import reclaimable
 from worker.state import WorkerState
@@ -67,7 +68,7 @@ class Upkeep:
         pipe = st.redis.pipeline(transaction=False)
         pipe.exists(st.keys.model_card(st.model))  # first: its reply is read below
         key = st.keys.worker(st.id)
-        pipe.hset(key, mapping={k: json.dumps(v) for k, v in hb.model_dump().items()})
+        pipe.hset(key, mapping=hb.to_hash())  # type: ignore[arg-type]
         pipe.pexpire(key, lease_ms)
         pipe.zadd(st.keys.workers(), {st.id: time.time() + st.settings.lease_s})
         pipe.sadd(st.keys.models(), st.model)
@@ -109,28 +110,12 @@ class Upkeep:
 
     async def _expire_queued(self) -> None:
         """End queued jobs past their deadline, whoever's backlog they wait in (any worker may
-        sweep: the script only touches jobs still `queued`)."""
+        sweep: only jobs still `queued` are touched)."""
         st = self.st
-        index = st.keys.deadlines()
-        now = time.time()
-        due: list[str] = await st.redis.zrangebyscore(  # type: ignore[assignment]
-            index, "-inf", now, start=0, num=_EXPIRE_SWEEP
-        )
-        if not due:
-            return
-        s = st.settings
-        pipe = st.redis.pipeline(transaction=False)
-        for job_id in due:
-            await st.scripts.expire(
-                keys=st.job_keys(job_id),
-                args=[repr(now), s.retention_s, s.event_log_maxlen],
-                client=pipe,
-            )
-        for job_id, reply in zip(due, await pipe.execute(), strict=True):
-            if reply[0] == "expired":
-                log.info("queued job expired", extra={"job_id": job_id})
-        # Running jobs are their worker's to expire (`_expire_overdue`), or a reclaimer's.
-        await st.redis.zrem(index, *due)
+        for job_id in await expire_queued(
+            st.redis, st.scripts, st.keys, st.settings, _EXPIRE_SWEEP
+        ):
+            log.info("queued job expired", extra={"job_id": job_id})
 
     def _expire_overdue(self) -> None:
         """Stop running jobs past their deadline; they end `expired` (see `Flusher._collect`)."""
@@ -183,8 +168,14 @@ class Upkeep:
         # XCLAIM re-checks the idle time: an owner that touched an entry meanwhile keeps it.
         reply = await st.redis.xclaim(queue, CONSUMER_GROUP, st.id, idle_ms, cast(Any, ids))
         for entry_id, fields in cast("list[tuple[str, dict[str, str] | None]]", reply):
-            if fields:
-                claim = Claim(entry_id, queue, fields["job"], int(fields.get("tokens", 0)))
-                log.info("reclaimed job", extra={"job_id": claim.job_id, "worker_id": st.id})
-                st.waiting.append(claim)
+            if not fields:
+                continue
+            try:
+                entry = QueueEntry.from_hash(fields)
+            except RecordError as exc:
+                await drop_malformed(st, queue, entry_id, str(exc))
+                continue
+            claim = Claim(entry_id, queue, entry.job, entry.tokens)
+            log.info("reclaimed job", extra={"job_id": claim.job_id, "worker_id": st.id})
+            st.waiting.append(claim)
         st.room.set()

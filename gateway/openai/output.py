@@ -25,7 +25,8 @@ from gateway.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from shared.schemas import CancelledEvent, DoneEvent, ErrorEvent, StreamEvent, TokenEvent, Usage
+from shared.events import CancelledEvent, DoneEvent, ErrorEvent, Event, TokenEvent
+from shared.schemas import Usage
 
 
 @dataclass(slots=True)
@@ -45,7 +46,7 @@ class ChoiceState:
     def ended(self) -> bool:
         return self.finish_reason is not None or self.failure is not None
 
-    def apply(self, ev: StreamEvent) -> None:
+    def apply(self, ev: Event) -> None:
         if isinstance(ev, TokenEvent):
             self.text.append(ev.text)
             if ev.logprobs:

@@ -21,12 +21,16 @@ from pydantic import (
     model_validator,
 )
 
-from shared.schemas import MAX_SEED, MAX_STOP_CHARS, MAX_TOKENS_CAP
+from shared.schemas import (
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOKENS_CAP,
+)
 
 log = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
 MAX_NAME_CHARS = 256
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]

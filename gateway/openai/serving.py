@@ -49,6 +49,7 @@ from gateway.openai.templates import render_chat
 from gateway.registry import LoadedCard
 from gateway.state import GatewayState
 from gateway.streaming import KEEPALIVE, EventFollower, EventStreamResponse
+from shared import events
 from shared.errors import (
     BadRequest,
     Conflict,
@@ -57,7 +58,8 @@ from shared.errors import (
     Unavailable,
     Unprocessable,
 )
-from shared.schemas import MAX_SEED, STREAM_EVENT, JobCreate, JobSpec, TokenEvent
+from shared.events import TokenEvent
+from shared.schemas import MAX_SEED, JobCreate, JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +310,7 @@ class OpenAIServing:
 
 
 def _output_events(batch: Batch) -> list[Any]:
-    return [STREAM_EVENT.validate_json(data) for _, etype, data in batch if etype in _OUTPUT_EVENTS]
+    return [events.decode(data) for _, etype, data in batch if etype in _OUTPUT_EVENTS]
 
 
 def _frame(chunk: BaseModel) -> bytes:

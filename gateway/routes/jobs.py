@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -18,7 +17,6 @@ from gateway.streaming import EventFollower, EventStreamResponse, sse_stream
 from shared.errors import BadRequest, GenqError, Unavailable
 from shared.schemas import JobCreate, JobView
 
-log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Authorized])
 
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key")]

@@ -9,7 +9,7 @@ from fastapi import APIRouter
 
 from gateway.deps import Authorized, State
 from shared.errors import NotFound
-from shared.schemas import Heartbeat
+from shared.records import Heartbeat
 
 router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Authorized])
 

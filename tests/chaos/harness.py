@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 from redis.exceptions import RedisError
 
-from shared.schemas import FINAL_EVENT_TYPES, Sampling
+from shared.events import FINAL_EVENT_TYPES
+from shared.schemas import Sampling
 from worker.engine import EngineJob
 from worker.sim import SimEngine, build_tokenizer
 

@@ -21,6 +21,7 @@ def _state() -> WorkerState:
         keys=Keys(),
         redis=None,  # type: ignore[arg-type]  # nothing here touches Redis
         scripts=None,  # type: ignore[arg-type]
+        transitions=None,  # type: ignore[arg-type]
         queues={},
         lease=LeaseClock(settings.lease_s),
     )

@@ -1,0 +1,248 @@
+"""Every value genq keeps in Redis besides events: one model each, and the one codec that
+writes and reads it (job record, queue entry, heartbeat, control message, dead letter).
+
+Hashes and stream entries are flat: one Redis field per model field, `None` fields absent.
+A string or number is stored as its plain text (so the Lua scripts can compare and count
+it: `status`, `worker`, `attempt`); anything structured (a spec, a result) as its JSON.
+`to_hash` / `from_hash` are the only ways in and out; `fields` encodes a partial update (the
+fields a state transition sets), validated against the model like a whole record.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import types
+import typing
+from collections.abc import Mapping
+from functools import cache
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from shared.schemas import ErrorInfo, JobResult, JobSpec, JobStatus, JobView, Timings, Usage
+
+JOB_ID = re.compile(r"[0-9a-f]{32}")
+"""A job id: 32 lowercase hex digits (uuid4().hex); matched against the whole string."""
+_SCALARS = (str, int, float, bool)
+
+
+class RecordError(ValueError):
+    """A Redis value that does not decode into its model."""
+
+
+def _is_scalar(annotation: Any) -> bool:
+    """Whether values of this type are stored as plain text (else as JSON)."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return all(_is_scalar(a) for a in typing.get_args(annotation) if a is not type(None))
+    return annotation in _SCALARS
+
+
+def _text(value: bytes | str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            raise RecordError("a field is not UTF-8 text") from None
+    return value
+
+
+class HashModel(BaseModel):
+    """A model stored as a flat Redis hash (or stream entry)."""
+
+    @classmethod
+    @cache
+    def _json_fields(cls) -> frozenset[str]:
+        return frozenset(n for n, f in cls.model_fields.items() if not _is_scalar(f.annotation))
+
+    @classmethod
+    @cache
+    def _adapter(cls, name: str) -> TypeAdapter[Any]:
+        annotation = cls.model_fields[name].annotation
+        assert annotation is not None  # every field of these models is annotated
+        return TypeAdapter(annotation)
+
+    @classmethod
+    def _encode(cls, name: str, value: Any) -> str:
+        if name in cls._json_fields():
+            if isinstance(value, BaseModel):
+                return value.model_dump_json()
+            return json.dumps(cls._adapter(name).dump_python(value, mode="json"))
+        if isinstance(value, bool):
+            return "1" if value else "0"
+        return value if isinstance(value, str) else repr(value)
+
+    def to_hash(self) -> dict[str, str]:
+        return {
+            name: self._encode(name, value)
+            for name in type(self).model_fields
+            if (value := getattr(self, name)) is not None
+        }
+
+    @classmethod
+    def fields(cls, **values: Any) -> dict[str, str]:
+        """A partial update: each value validated as its field, then encoded."""
+        out: dict[str, str] = {}
+        for name, value in values.items():
+            if name not in cls.model_fields:
+                raise KeyError(f"{cls.__name__} has no field {name!r}")
+            out[name] = cls._encode(name, cls._adapter(name).validate_python(value))
+        return out
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[bytes, bytes] | Mapping[str, str]) -> Self:
+        """The model the hash holds; RecordError (naming the reason) when it holds none."""
+        data: dict[str, Any] = {}
+        json_fields = cls._json_fields()
+        try:
+            for key, value in raw.items():
+                name, text = _text(key), _text(value)
+                data[name] = json.loads(text) if name in json_fields else text
+            return cls.model_validate(data)
+        except json.JSONDecodeError as exc:
+            raise RecordError(f"a field is not JSON: {exc.msg}") from None
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            where = ".".join(str(x) for x in e.get("loc", ())) or "record"
+            raise RecordError(f"{where}: {e.get('msg')}") from None
+
+
+# ---- the job record -----------------------------------------------------------------------
+
+
+class JobRecord(HashModel):
+    """Hash `job:{id}`. Written at submission (whole), then by the state transitions
+    (shared/lua: `status`, `worker`, `attempt`, `handbacks`, `started_at`, `cancel`,
+    `last_error`; the rest as `fields` the worker or gateway encodes)."""
+
+    spec: JobSpec
+    status: JobStatus
+    attempt: int = 0
+    """Attempts started (START counts them)."""
+    handbacks: int = 0
+    """Attempts given back by a draining worker: not failures, not counted against the job."""
+    worker: str | None = None
+    """The worker running it (while `running`): with `attempt` and `status`, ownership."""
+    started_at: float | None = None
+    finished_at: float | None = None
+    result: JobResult | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: ErrorInfo | None = None
+    last_error: str | None = None
+    """The engine error of the last failed attempt (shown if the job runs out of attempts)."""
+    cancel: str | None = None
+    """A cancel asked for while it ran (the reason); the worker reads it."""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    fingerprint: str | None = None
+    """Hash of the submitted body, to tell an idempotent replay from a reused key."""
+
+    def view(self) -> JobView:
+        result = self.result
+        return JobView(
+            id=self.spec.id,
+            status=self.status,
+            model=self.spec.model,
+            priority=self.spec.priority,
+            attempt=self.attempt,
+            worker=self.worker,
+            created_at=self.spec.created_at,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+            text=result.text if result else None,
+            finish_reason=result.finish_reason if result else None,
+            usage=self.usage,
+            timings=self.timings,
+            error=self.error,
+            metadata=self.metadata,
+        )
+
+
+CANCEL_FIELD = "cancel"
+"""`JobRecord.cancel`, read on its own by a worker whose control channel was away."""
+
+
+# ---- queues -------------------------------------------------------------------------------
+
+
+class QueueEntry(HashModel):
+    """An entry of a model's queue stream: a job waiting for a worker."""
+
+    job: str = Field(pattern=f"^{JOB_ID.pattern}$")  # pydantic's regex: $ is the very end
+    tokens: int = Field(default=0, ge=0)
+    """Prompt + max new tokens: what the job needs of the engine's cache."""
+
+
+class DeadLetter(HashModel):
+    """An entry of the dead-letter stream: a job (or a queue entry) given up on."""
+
+    job: str | None = None
+    """None when the entry named no job genq could read."""
+    queue: str
+    entry: str
+    """The queue entry's id."""
+    attempts: int = 0
+    reason: str
+    at: float
+
+
+# ---- workers ------------------------------------------------------------------------------
+
+
+class Heartbeat(HashModel):
+    """Hash `worker:<id>` with TTL = the worker's lease."""
+
+    worker_id: str
+    model: str
+    engine: str
+    gpu: str | None = None
+    host: str
+    pid: int
+    version: str
+    capacity: int
+    active: int
+    tokens_per_s: float
+    started_at: float
+    draining: bool = False
+
+
+class ControlMessage(BaseModel):
+    """A command on a worker's control channel (JSON)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cancel: str
+    """The job to stop."""
+    attempt: int | None = None
+    """The attempt to stop; None: whichever this worker runs."""
+    reason: str = "cancelled"
+
+    def encode(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def decode(cls, data: str | bytes) -> ControlMessage:
+        try:
+            return cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise RecordError(f"not a control message: {exc.errors()[0].get('msg')}") from None
+
+
+class IdempotencyClaim(BaseModel):
+    """What an idempotency key holds: the job it made, and the body that made it."""
+
+    job: str
+    fingerprint: str
+
+    def encode(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def decode(cls, data: str | bytes) -> IdempotencyClaim:
+        try:
+            return cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise RecordError(f"not an idempotency claim: {exc.errors()[0].get('msg')}") from None

@@ -1,0 +1,340 @@
+"""The job's state transitions: the Lua scripts in `shared/lua/`, behind typed calls.
+
+Each method builds a `Call` (keys, arguments, and how to read the reply) from named
+arguments; `ScriptRunner` runs calls, one or a pipeline of many, by EVALSHA. Every script
+touches only the keys of one job (one Cluster slot), except SUBMIT (the job's keys, its queue,
+the deadlines index, the idempotency key: the seam for Cluster).
+
+Who may write a job (fencing): the gateway while it is `queued` and nobody runs it (SUBMIT,
+SETTLE of a cancel), the worker the record names at the record's `attempt` while it is
+`running` (EMIT, HAND_BACK; the one ownership check is `owns` in prelude.lua). Event ids
+are `0-<seq>`, so a replayed write fails instead of duplicating.
+
+A Redis that restarted forgets its scripts: a call answered NOSCRIPT did not run, so the
+runner loads the scripts again and re-sends exactly those calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any, Generic, TypeVar
+
+from redis.exceptions import NoScriptError
+
+from shared.keys import Keys
+from shared.records import JobRecord, QueueEntry
+
+R = TypeVar("R")
+Arg = str | int | float
+EncodedEvent = tuple[int, str]
+"""(seq, the event's JSON) as `shared.events.encode` made it."""
+
+
+@dataclass(frozen=True)
+class Script:
+    name: str
+    source: str
+
+    @property
+    def sha(self) -> str:
+        return hashlib.sha1(self.source.encode()).hexdigest()
+
+
+@cache
+def script(name: str) -> Script:
+    """`shared/lua/<name>.lua` with the prelude before it."""
+    lua = resources.files("shared") / "lua"
+    prelude = (lua / "prelude.lua").read_text(encoding="utf-8")
+    return Script(name, prelude + "\n" + (lua / f"{name}.lua").read_text(encoding="utf-8"))
+
+
+@dataclass(frozen=True)
+class Call(Generic[R]):
+    script: Script
+    keys: list[str]
+    args: list[Arg]
+    parse: Callable[[Any], R]
+
+
+# ---- replies ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Started:
+    attempt: int
+    last_seq: int
+    spec: str
+    """The record's spec as stored (decoded by the caller: a damaged one fails that job)."""
+    cancel: str | None
+
+
+@dataclass(frozen=True)
+class Exhausted:
+    """Out of attempts: nothing was written; the caller settles the job as failed."""
+
+    attempt: int
+    last_seq: int
+    status: str
+    last_error: str | None
+
+
+@dataclass(frozen=True)
+class NotStartable:
+    status: str
+    """The job's status (an ended one), or 'missing'."""
+
+
+@dataclass(frozen=True)
+class Written:
+    cancel: str | None
+    """A cancel asked for since the worker started the job (its reason), or None."""
+
+
+@dataclass(frozen=True)
+class Fenced:
+    """The writer no longer owns the job: nothing was written."""
+
+
+@dataclass(frozen=True)
+class LostTail:
+    """The log ends at `last`, short of these events (Redis lost its tail): nothing written."""
+
+    last: int
+
+
+@dataclass(frozen=True)
+class CancelRunning:
+    worker: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class CancelQueued:
+    attempt: int
+    last_seq: int
+
+
+@dataclass(frozen=True)
+class CancelEnded:
+    status: str
+    """The job's status (an ended one), or 'missing'."""
+
+
+@dataclass(frozen=True)
+class Queued:
+    """SUBMIT wrote the job."""
+
+
+@dataclass(frozen=True)
+class ClaimedBefore:
+    """The idempotency key was claimed already: what it holds."""
+
+    claim: str
+
+
+@dataclass(frozen=True)
+class JobState:
+    status: str
+    """The job's status, or 'missing'."""
+    attempt: int = 0
+    last_seq: int = 0
+
+
+StartReply = Started | Exhausted | NotStartable
+EmitReply = Written | Fenced | LostTail
+CancelReply = CancelRunning | CancelQueued | CancelEnded
+SubmitReply = Queued | ClaimedBefore
+
+
+def _start_reply(r: list[Any]) -> StartReply:
+    if r[0] == "ok":
+        return Started(int(r[1]), int(r[2]), str(r[3]), r[4] or None)
+    if r[0] == "exhausted":
+        return Exhausted(int(r[1]), int(r[2]), str(r[3]), r[4] or None)
+    return NotStartable(str(r[0]))
+
+
+def _emit_reply(r: list[Any]) -> EmitReply:
+    code = int(r[0])
+    if code == 1:
+        return Written(r[1] or None)
+    if code == 0:
+        return Fenced()
+    return LostTail(int(r[1]))
+
+
+def _cancel_reply(r: list[Any]) -> CancelReply:
+    if r[0] == "running":
+        return CancelRunning(str(r[1]), int(r[2]))
+    if r[0] == "queued":
+        return CancelQueued(int(r[1]), int(r[2]))
+    return CancelEnded(str(r[0]))
+
+
+def _state_reply(r: list[Any]) -> JobState:
+    if r[0] == "missing":
+        return JobState("missing")
+    return JobState(str(r[0]), int(r[1]), int(r[2]))
+
+
+def _submit_reply(r: list[Any]) -> SubmitReply:
+    return Queued() if r[0] == "queued" else ClaimedBefore(str(r[1]))
+
+
+def _flat(pairs: dict[str, str]) -> list[Arg]:
+    return [x for kv in pairs.items() for x in kv]
+
+
+def _events(events: Sequence[EncodedEvent]) -> list[Arg]:
+    return [x for seq, data in events for x in (seq, data)]
+
+
+# ---- the transitions ----------------------------------------------------------------------
+
+
+class Transitions:
+    """Builds the calls for the jobs of one key prefix."""
+
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+
+    def _job_keys(self, job_id: str) -> list[str]:
+        k = self.keys
+        return [k.job(job_id), k.events(job_id), k.channel(job_id)]
+
+    def submit(
+        self,
+        record: JobRecord,
+        *,
+        queued_event: str,
+        entry: QueueEntry,
+        idempotency_key: str | None,
+        idempotency_claim: str,
+        idempotency_ttl_s: int,
+    ) -> Call[SubmitReply]:
+        spec = record.spec
+        entry_fields = entry.to_hash()
+        k = self.keys
+        keys = [
+            *self._job_keys(spec.id),
+            k.queue(spec.model, spec.priority),
+            k.deadlines(),
+            idempotency_key or "",
+        ]
+        args: list[Arg] = [
+            spec.id,
+            idempotency_claim,
+            idempotency_ttl_s,
+            "" if spec.deadline is None else repr(spec.deadline),
+            queued_event,
+            len(entry_fields),
+            *_flat(entry_fields),
+            *_flat(record.to_hash()),
+        ]
+        return Call(script("submit"), keys, args, _submit_reply)
+
+    def start(self, job_id: str, *, worker: str, now: float, max_attempts: int) -> Call[StartReply]:
+        args: list[Arg] = [worker, repr(now), max_attempts]
+        return Call(script("start"), self._job_keys(job_id), args, _start_reply)
+
+    def emit(
+        self,
+        job_id: str,
+        *,
+        worker: str,
+        attempt: int,
+        events: Sequence[EncodedEvent],
+        maxlen: int,
+        fields: dict[str, str] | None = None,
+        retention_s: int = 0,
+    ) -> Call[EmitReply]:
+        """The owner's events, and (when the job ends) its record `fields` and retention."""
+        args: list[Arg] = [worker, attempt, maxlen, retention_s, len(events)]
+        args += _events(events)
+        args += _flat(fields or {})
+        return Call(script("emit"), self._job_keys(job_id), args, _emit_reply)
+
+    def settle(
+        self,
+        job_id: str,
+        *,
+        status: str,
+        attempt: int,
+        last_seq: int,
+        event: EncodedEvent,
+        fields: dict[str, str],
+        maxlen: int,
+        retention_s: int,
+    ) -> Call[bool]:
+        """End a job nobody runs, if its status, attempt and log end are still these."""
+        args: list[Arg] = [status, attempt, last_seq, maxlen, retention_s, *event]
+        args += _flat(fields)
+        return Call(script("settle"), self._job_keys(job_id), args, lambda r: bool(int(r)))
+
+    def hand_back(
+        self, job_id: str, *, worker: str, attempt: int, counted: bool, error: str = ""
+    ) -> Call[bool]:
+        args: list[Arg] = [worker, attempt, int(counted), error]
+        return Call(script("hand_back"), self._job_keys(job_id), args, lambda r: bool(int(r)))
+
+    def request_cancel(self, job_id: str, *, reason: str) -> Call[CancelReply]:
+        return Call(script("request_cancel"), self._job_keys(job_id), [reason], _cancel_reply)
+
+    def state(self, job_id: str) -> Call[JobState]:
+        return Call(script("state"), self._job_keys(job_id), [], _state_reply)
+
+    def release_idempotency(self, key: str, *, claim: str) -> Call[bool]:
+        return Call(script("release_idempotency"), [key], [claim], lambda r: bool(int(r)))
+
+    def delete_idle_consumer(self, queue: str, *, group: str, consumer: str) -> Call[bool]:
+        args: list[Arg] = [group, consumer]
+        return Call(script("delete_idle_consumer"), [queue], args, lambda r: bool(int(r)))
+
+
+class ScriptRunner:
+    """Runs calls on one Redis client by EVALSHA, reloading scripts Redis has forgotten."""
+
+    def __init__(self, redis: Any) -> None:
+        self.redis = redis
+
+    async def run(self, call: Call[R]) -> R:
+        """One call; Redis errors raise."""
+        try:
+            raw = await self._evalsha(self.redis, call)
+        except NoScriptError:
+            await self.load([call.script])
+            raw = await self._evalsha(self.redis, call)
+        return call.parse(raw)
+
+    async def run_all(self, calls: Sequence[Call[Any]]) -> list[Any]:
+        """One pipeline; each call's parsed reply, or the error Redis answered it with, in
+        place (one refused call does not fail the others). Connection errors raise."""
+        if not calls:
+            return []
+        raw = await self._pipeline(calls)
+        again = [i for i, r in enumerate(raw) if isinstance(r, NoScriptError)]
+        if again:
+            await self.load([calls[i].script for i in again])
+            for i, r in zip(again, await self._pipeline([calls[i] for i in again]), strict=True):
+                raw[i] = r
+        return [
+            r if isinstance(r, Exception) else c.parse(r) for c, r in zip(calls, raw, strict=True)
+        ]
+
+    async def load(self, scripts: Sequence[Script]) -> None:
+        for s in {s.name: s for s in scripts}.values():
+            await self.redis.script_load(s.source)
+
+    async def _pipeline(self, calls: Sequence[Call[Any]]) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        for c in calls:
+            pipe.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
+        return list(await pipe.execute(raise_on_error=False))
+
+    @staticmethod
+    async def _evalsha(client: Any, call: Call[R]) -> Any:
+        return await client.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
