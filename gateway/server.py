@@ -7,6 +7,7 @@ import signal
 
 import uvicorn
 
+from shared import logs
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ def run_gateway(settings: GatewaySettings, host: str, port: int, processes: int)
         host=host,
         port=port,
         workers=processes,
-        log_level="warning",
+        log_config=logs.log_config(settings),  # uvicorn applies it in each process it spawns
         access_log=False,  # one line per request and per stream costs more than it tells
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
         backlog=LISTEN_BACKLOG,

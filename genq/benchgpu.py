@@ -34,6 +34,7 @@ import redis
 
 from genq.bench import Client, Target, percentile
 from shared.keys import Keys
+from shared.logs import setup as setup_logging
 from shared.schemas import Sampling
 from shared.settings import Settings
 from worker import cpus
@@ -403,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_tokens=cache,
         gpu_sampling=not a.cpu_sampling,
     )
+    setup_logging(settings)  # the processes it starts are `genq` commands: they set up their own
     sampling = {"sampling": "cpu" if a.cpu_sampling else "gpu"}
     worker_args = ["--max-batch", str(max_batch), "--cache-tokens", str(cache), *a.worker_arg]
     results: list[dict] = []

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, get_args
 
-from shared import logfmt
-from shared.settings import GatewaySettings, Settings
+from shared import logs
+from shared.settings import GatewaySettings, LogLevel, RedisSettings, Settings
 
 DEFAULT_PORT = 8000
 
 
+def _given(flags: dict[str, Any]) -> dict[str, Any]:
+    """The command-line flags given, to lay over the GENQ_* variables."""
+    return {k: v for k, v in flags.items() if v is not None}
+
+
 def _settings(**overrides: Any) -> Settings:
     """Settings from GENQ_* variables, with command-line flags (those given) on top."""
-    given = {k: v for k, v in overrides.items() if v is not None}
-    return Settings(**given)
+    return Settings(**_given(overrides))
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -74,9 +78,18 @@ def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in out.items() if k in Settings.model_fields}
 
 
+def _log_level_flag(p: argparse.ArgumentParser, default: object) -> None:
+    p.add_argument(
+        "--log-level",
+        choices=get_args(LogLevel),
+        default=default,
+        help="least level logged (default: GENQ_LOG_LEVEL, else info)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="genq", description=__doc__)
-    parser.add_argument("--log-level", default="info")
+    _log_level_flag(parser, default=None)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="gateway + worker in one process (dev, demos, one GPU)")
@@ -120,30 +133,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--shape", choices=["tiny", "1b", "8b"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    for command in sub.choices.values():
+        # after the command too; SUPPRESS keeps a value given before it
+        _log_level_flag(command, default=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logfmt.setup(args.log_level)
+    # into every command's settings: the processes a command starts take it from there
+    level = {"log_level": args.log_level}
+    logs.setup(RedisSettings(**_given(level)))
     if args.command == "serve":
         from genq.serve import serve
 
-        settings = _settings(**_engine_settings(args))
+        settings = _settings(**level, **_engine_settings(args))
         return serve(settings, args.host, args.port, args.gpus, args.procs_per_gpu)
     if args.command == "gateway":
         from gateway.server import run_gateway
 
-        run_gateway(GatewaySettings(), args.host, args.port, args.workers)
+        run_gateway(GatewaySettings(**_given(level)), args.host, args.port, args.workers)
         return 0
     if args.command == "worker" and (args.gpus or args.procs_per_gpu != "1"):
         from genq.launcher import run as launch
 
-        return launch(_settings(**_engine_settings(args)), args.gpus, args.procs_per_gpu)
+        settings = _settings(**level, **_engine_settings(args))
+        return launch(settings, args.gpus, args.procs_per_gpu)
     if args.command == "worker":
         from worker.process import run
 
-        return run(_settings(**_engine_settings(args)))
+        return run(_settings(**level, **_engine_settings(args)))
     if args.command == "submit":
         from genq.submit import submit
 

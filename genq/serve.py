@@ -29,7 +29,7 @@ from gateway.app import create_app
 from gateway.server import run_gateway
 from genq import launcher
 from genq.embedded_redis import private_redis
-from shared import runtime
+from shared import logs, runtime
 from shared.redisconn import connect
 from shared.settings import Settings
 from worker.process import build_engine, install_signals
@@ -85,7 +85,7 @@ async def _serve_single(settings: Settings, client: aioredis.Redis, host: str, p
         app,
         host=host,
         port=port,
-        log_level="warning",
+        log_config=logs.log_config(settings),
         access_log=False,  # one line per request and per stream costs more than it tells
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
     )

@@ -22,6 +22,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _CONFIG = SettingsConfigDict(env_prefix="GENQ_", extra="ignore")
 
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["auto", "text", "json"]
+
 
 def _template_text(v: str | None) -> str | None:
     """A value without `{` names a template file: read it now, so a typo stops the start."""
@@ -48,6 +51,19 @@ class RedisSettings(BaseSettings):
     redis_pool_timeout_s: float = Field(
         default=10.0, gt=0, description="wait this long for a free pooled connection"
     )
+    log_level: LogLevel = Field(
+        default="info", description="least level logged; `--log-level` overrides it"
+    )
+    log_format: LogFormat = Field(
+        default="auto",
+        description="auto: human-readable lines (local time) when stderr is a terminal, else "
+        "JSON, one object per line; text or json: always that",
+    )
+
+    @field_validator("log_level", "log_format", mode="before")
+    @classmethod
+    def _lower(cls, v: object) -> object:
+        return v.lower() if isinstance(v, str) else v  # GENQ_LOG_LEVEL=INFO is common
 
     @field_validator("key_prefix")
     @classmethod
