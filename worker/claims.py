@@ -279,7 +279,8 @@ class Claimer:
                 sampling=spec.sampling,
                 seed=seed,
                 resume_ids=resumed[0],
-            )
+            ),
+            started.attempt,
         )
 
 

@@ -7,9 +7,9 @@ An engine is owned by one thread (the runner); only that thread calls `add`, `ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-from shared.schemas import ModelCard, Sampling
+from shared.schemas import FinishReason, ModelCard, Sampling
 
 
 @dataclass(slots=True)
@@ -23,6 +23,17 @@ class EngineJob:
     """Tokens already sent to the client by an earlier attempt: prefilled, not re-emitted."""
 
 
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Why the worker stops a job in the engine. It travels with the cancel command and comes
+    back on the job's last output, so the job ends the way it was stopped."""
+
+    kind: Literal["cancelled", "expired", "dropped"]
+    """cancelled: by its client (ends `cancelled`); expired: past its deadline (ends
+    `expired`); dropped: the job left this worker (fenced, handed back): nothing to write."""
+    reason: str = ""
+
+
 @dataclass(slots=True)
 class StepOutput:
     """What one engine step produced for one job."""
@@ -31,12 +42,16 @@ class StepOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] | None = None
-    finish_reason: str | None = None
-    """'stop' | 'length' when the job finished; 'cancelled' after `cancel`."""
+    finish_reason: FinishReason | None = None
+    """Set when the job finished in the engine (stop token or string, or max tokens)."""
     error: str | None = None
     """Set when the engine failed this job; the job ends (or is retried) with an error."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    attempt: int = 0
+    """The attempt this output belongs to (set by the runner, not the engine)."""
+    stopped: Stop | None = None
+    """Set by the runner on the output that confirms a `cancel`."""
 
 
 class Engine(Protocol):

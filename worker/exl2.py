@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shared.schemas import ModelCard, Sampling
+from shared.schemas import FinishReason, ModelCard, Sampling
 from worker import exl2_sampling as gpu_sampling
 from worker.engine import EngineJob, StepOutput
 
@@ -47,7 +47,7 @@ MAX_SAMPLING_THREADS = 16
 DEFAULT_CACHE_TOKENS_PER_JOB = 1024
 """Default cache size per batch slot when `cache_tokens` is not set: room for a typical
 prompt + reply without paying for a cache sized for the worst case (which costs speed)."""
-FINISH_REASONS = {
+FINISH_REASONS: dict[str, FinishReason] = {
     "stop_token": "stop",
     "stop_string": "stop",
     "end_filter": "stop",

@@ -14,7 +14,7 @@ import time
 from redis.exceptions import RedisError
 
 from shared.transitions import Call, EmitReply, EncodedEvent, Fenced, LostTail
-from worker.engine import StepOutput
+from worker.engine import StepOutput, Stop
 from worker.entries import ack, hand_back
 from worker.jobstate import Claim, RunningJob
 from worker.state import WorkerState
@@ -71,7 +71,9 @@ class Flusher:
         st = self.st
         for out in outputs:
             run = st.running.get(out.job_id)
-            if run is None or run.end is not None or run.retry_error is not None:
+            if run is None or run.attempt != out.attempt:
+                continue  # an attempt this worker no longer runs
+            if run.end is not None or run.retry_error is not None:
                 continue
             if out.token_ids or out.text:
                 if run.first_token_wall is None:
@@ -82,11 +84,8 @@ class Flusher:
                 run.cached_tokens = out.cached_tokens
             if out.error is not None:
                 run.retry_error = out.error  # handed back after its tokens are flushed
-            elif out.finish_reason == "cancelled" and run.id in st.expiring:
-                st.expiring.discard(run.id)
-                run.fail("expired", "deadline_exceeded", "the job's timeout passed while it ran")
-            elif out.finish_reason == "cancelled":
-                run.cancelled(st.cancel_reason.pop(run.id, "cancelled"))
+            elif out.stopped is not None:
+                self._stopped(run, out.stopped)
             elif out.finish_reason is not None:
                 run.finish(out.finish_reason)
             if run.end is not None or run.retry_error is not None:
@@ -96,6 +95,14 @@ class Flusher:
             log.error("engine keeps failing; stopping", extra={"worker_id": st.id})
             st.healthy = False
             st.stopping.set()
+
+    @staticmethod
+    def _stopped(run: RunningJob, stop: Stop) -> None:
+        if stop.kind == "expired":
+            run.fail("expired", "deadline_exceeded", "the job's timeout passed while it ran")
+        elif stop.kind == "cancelled":
+            run.cancelled(stop.reason or "cancelled")
+        # dropped: the job has left this worker already; `_collect` never gets here for it
 
     async def _flush(self, job_ids: set[str]) -> None:
         """One pipeline: these jobs' pending events, with their record fields if they ended."""
@@ -174,10 +181,7 @@ class Flusher:
                 lost_tail.append((run, events, reply.last))
             elif isinstance(reply, Fenced):  # another worker owns this job now
                 log.warning("lost ownership; dropping job", extra={"job_id": run.id})
-                assert st.runner is not None
-                st.runner.cancel(run.id)
-                st.forget(run.id)
-                st.room.set()
+                st.drop(run.id)
             elif run.end is not None:
                 st.forget(run.id)
                 ended.append(run.claim)
@@ -198,10 +202,7 @@ class Flusher:
         missing = run.written_after(last)
         if missing is None:
             log.warning("job log lost beyond repair; handing back", extra={"job_id": run.id})
-            st.forget(run.id)
-            assert st.runner is not None
-            st.runner.cancel(run.id)
-            st.room.set()
+            st.drop(run.id)
             with contextlib.suppress(RedisError, OSError):
                 await hand_back(st, run, counted=False)
             return
@@ -219,10 +220,8 @@ class Flusher:
         """Jobs that failed (in the engine, or Redis rejected their writes): back to the queue
         for another attempt (counted by START, which dead-letters them once spent)."""
         st = self.st
-        assert st.runner is not None
         for run in runs:
-            st.forget(run.id)
-            st.runner.cancel(run.id)  # the engine may still hold it (a write Redis rejected)
+            st.drop(run.id)  # the engine may still hold it (a write Redis rejected)
             log.warning(
                 "job failed; handing it back",
                 extra={"job_id": run.id, "attempt": run.attempt, "error": run.retry_error},

@@ -10,8 +10,9 @@ from typing import Any
 from shared import events
 from shared.events import CancelledEvent, DoneEvent, ErrorEvent, Event, StartedEvent, TokenEvent
 from shared.records import JobRecord
-from shared.schemas import ErrorInfo, JobResult, JobSpec, Timings, Usage
+from shared.schemas import ErrorInfo, FinishReason, JobResult, JobSpec, Timings, Usage
 from shared.transitions import EncodedEvent
+from worker.engine import Stop
 
 
 @dataclass(slots=True)
@@ -47,6 +48,8 @@ class RunningJob:
     """The record fields of its end (status among them), once the job has ended locally."""
     retry_error: str | None = None
     """Set when the engine failed the job: it goes back to the queue for another attempt."""
+    stop: Stop | None = None
+    """Set once the worker asked the engine to stop the job (cancel, deadline)."""
     recent: deque[tuple[float, list[EncodedEvent]]] = field(default_factory=deque)
     """(monotonic time, events) of recent successful flushes, to repair the log."""
 
@@ -114,7 +117,7 @@ class RunningJob:
             self.token_ids.extend(self.acc_ids)
             self.acc_text, self.acc_ids, self.acc_logprobs = [], [], None
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: FinishReason) -> None:
         """End with 'stop' or 'length': the done event and the result go out at the next flush."""
         self._fold_tokens()
         now = time.time()
@@ -135,7 +138,7 @@ class RunningJob:
         done = DoneEvent(
             seq=self.seq,
             attempt=self.attempt,
-            finish_reason="stop" if reason == "stop" else "length",
+            finish_reason=reason,
             usage=usage,
             timings=timings,
         )

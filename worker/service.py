@@ -229,9 +229,7 @@ class Worker:
                 await asyncio.wait_for(st.room.wait(), deadline - time.monotonic())
         await requeue_waiting(st)  # what a reclaim in flight at SIGTERM brought in
         for job_id in list(st.running):
-            assert st.runner is not None
-            st.runner.cancel(job_id)
-            run = st.forget(job_id)
+            run = st.drop(job_id)
             assert run is not None
             with contextlib.suppress(RedisError, OSError):
                 await hand_back(st, run, counted=False)

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from shared.keys import Keys, Priority
 from shared.settings import WorkerSettings
 from shared.transitions import ScriptRunner, Transitions
-from worker.engine import Engine
+from worker.engine import Engine, Stop
 from worker.jobstate import Claim, RunningJob
 from worker.lease import LeaseClock
 from worker.runner import EngineRunner
@@ -41,8 +41,7 @@ class WorkerState:
     urgent: set[str] = field(default_factory=set)
     """Dirty jobs whose events should not wait for the flush interval."""
     early_cancels: dict[str, float] = field(default_factory=dict)
-    cancel_reason: dict[str, str] = field(default_factory=dict)
-    expiring: set[str] = field(default_factory=set)
+    """Cancels that arrived before the job's START reply (job id → when)."""
     flush_wanted: asyncio.Event = field(default_factory=asyncio.Event)
     room: asyncio.Event = field(default_factory=asyncio.Event)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
@@ -51,15 +50,33 @@ class WorkerState:
     healthy: bool = True
 
     def forget(self, job_id: str) -> RunningJob | None:
-        """A job leaves this worker: drop it and every note kept about it."""
-        self.cancel_reason.pop(job_id, None)
-        self.expiring.discard(job_id)
+        """A job whose end is written (or that never reached the engine) leaves this worker."""
         return self.running.pop(job_id, None)
+
+    def drop(self, job_id: str) -> RunningJob | None:
+        """A job leaves this worker unfinished (fenced, handed back, drained): stopped in the
+        engine, forgotten, and its slot offered to the claim loop."""
+        run = self.running.pop(job_id, None)
+        if run is not None:
+            assert self.runner is not None
+            self.runner.cancel(job_id, run.attempt, Stop("dropped"))
+            self.room.set()
+        return run
+
+    def stop(self, run: RunningJob, stop: Stop) -> None:
+        """Ask the engine to stop a running job; it ends as `stop` says when the engine
+        confirms (once: a second stop of the same job is ignored)."""
+        if run.stop is not None or run.end is not None or run.retry_error is not None:
+            return
+        run.stop = stop
+        assert self.runner is not None
+        self.runner.cancel(run.id, run.attempt, stop)
 
     def cancel(self, job_id: str, reason: str = "cancelled") -> None:
         """Stop a job this worker runs; a cancel that overtook the job's START is kept a while
         (the job is cancelled as it starts)."""
-        if job_id not in self.running:
+        run = self.running.get(job_id)
+        if run is None:
             now = time.monotonic()
             if len(self.early_cancels) > EARLY_CANCELS_KEPT:  # keep the newest, young ones
                 young = [
@@ -69,9 +86,7 @@ class WorkerState:
                 self.early_cancels = dict(young[-EARLY_CANCELS_KEPT // 2 :])
             self.early_cancels[job_id] = now
             return
-        self.cancel_reason[job_id] = reason
-        assert self.runner is not None
-        self.runner.cancel(job_id)
+        self.stop(run, Stop("cancelled", reason))
 
     def free_slots(self) -> int:
         return self.engine.max_batch - len(self.running) - len(self.waiting)

@@ -17,6 +17,7 @@ from shared import __version__
 from shared.deadlines import expire_queued
 from shared.keys import CONSUMER_GROUP
 from shared.records import Heartbeat, QueueEntry, RecordError
+from worker.engine import Stop
 from worker.entries import drop_malformed
 from worker.jobstate import Claim
 from worker.lease import reclaimable
@@ -121,14 +122,10 @@ class Upkeep:
         """Stop running jobs past their deadline; they end `expired` (see `Flusher._collect`)."""
         st = self.st
         now = time.time()
-        for run in st.running.values():
+        for run in list(st.running.values()):
             deadline = run.spec.deadline
-            if deadline is None or now <= deadline or run.end is not None or run.retry_error:
-                continue
-            if run.id not in st.expiring:
-                st.expiring.add(run.id)
-                assert st.runner is not None
-                st.runner.cancel(run.id)
+            if deadline is not None and now > deadline:
+                st.stop(run, Stop("expired"))
 
     async def reclaim_loop(self) -> None:
         """Take over entries idle for a whole lease whose owner's heartbeat is gone."""

@@ -149,3 +149,24 @@ def test_lease_clock_waits_a_lease_after_an_outage_before_reclaiming() -> None:
     assert clock.reclaim_allowed()
     clock.last_ok -= 60.0
     assert not clock.held()  # paused past the lease: claims may have moved
+
+
+async def test_a_retried_job_claimed_again_by_its_worker_is_not_cancelled_by_its_old_attempt(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    """The engine is mid-step (150 ms) when attempt 1 is handed back; the same worker claims
+    and starts attempt 2 before the engine confirms attempt 1's stop. That confirmation must
+    not end attempt 2 (issue 12, item 1: it ended `cancelled` although nobody cancelled it)."""
+    async with running_stack(settings, redis, step_ms=150) as stack:
+        job = await stack.submit(prompt="handed back", max_tokens=12)
+        st = stack.worker.st
+        async with asyncio.timeout(10):
+            while not (job["id"] in st.running and st.running[job["id"]].token_ids):
+                await asyncio.sleep(0.01)
+        run = st.running[job["id"]]
+        run.retry_error = "engine failed the job (test)"  # what an engine error sets
+        st.dirty.add(run.id)
+        st.flush_wanted.set()
+        done = await stack.wait_status(job["id"], "succeeded", "cancelled", "failed", timeout=20)
+        assert done["status"] == "succeeded", done
+        assert done["attempt"] == 2
