@@ -99,7 +99,7 @@ async def _serve_single(settings: Settings, client: aioredis.Redis, host: str, p
     install_signals(stop)  # uvicorn restores (and re-raises into) these after its own
     server_task = asyncio.create_task(server.serve())
     print(
-        f"genq serving model '{worker.model}' ({worker.engine.card.engine} engine) "
+        f"genq serving model '{worker.st.model}' ({worker.st.engine.card.engine} engine) "
         f"on http://{host}:{port}  (docs: /docs)",
         flush=True,
     )
@@ -107,7 +107,7 @@ async def _serve_single(settings: Settings, client: aioredis.Redis, host: str, p
     stop()
     await asyncio.gather(server_task, worker_task, return_exceptions=True)
     await client.aclose()
-    return 0 if worker.healthy else 1
+    return 0 if worker.st.healthy else 1
 
 
 def _serve_multi(settings: Settings, host: str, port: int, plan: ServePlan) -> int:

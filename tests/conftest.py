@@ -83,7 +83,7 @@ async def running_stack(
     app = create_app(settings, redis=redis, raw_pubsub=raw_pubsub)
     try:
         async with app.router.lifespan_context(app):
-            while not await redis.exists(worker.keys.model_card(worker.model)):
+            while not await redis.exists(worker.st.keys.model_card(worker.st.model)):
                 await asyncio.sleep(0.01)
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://genq") as client:

@@ -60,8 +60,8 @@ async def serve_worker(settings: WorkerSettings) -> int:
         await worker.run()
     finally:
         engine.close()
-        await worker.redis.aclose()
-    return 0 if worker.healthy else 1
+        await worker.st.redis.aclose()
+    return 0 if worker.st.healthy else 1
 
 
 def run(settings: WorkerSettings) -> int:

@@ -91,56 +91,6 @@ class Worker:
         self._upkeep = Upkeep(self.st)
         self._control = Control(self.st)
 
-    # ---- what callers and tests read ---------------------------------------------------
-
-    @property
-    def settings(self) -> WorkerSettings:
-        return self.st.settings
-
-    @property
-    def engine(self) -> Engine:
-        return self.st.engine
-
-    @property
-    def id(self) -> str:
-        return self.st.id
-
-    @property
-    def model(self) -> str:
-        return self.st.model
-
-    @property
-    def keys(self) -> Keys:
-        return self.st.keys
-
-    @property
-    def redis(self) -> aioredis.Redis:
-        return self.st.redis
-
-    @property
-    def queues(self) -> dict[Priority, str]:
-        return self.st.queues
-
-    @property
-    def lease(self) -> LeaseClock:
-        return self.st.lease
-
-    @property
-    def running(self) -> dict[str, RunningJob]:
-        return self.st.running
-
-    @property
-    def waiting(self) -> list[Claim]:
-        return self.st.waiting
-
-    @property
-    def runner(self) -> EngineRunner | None:
-        return self.st.runner
-
-    @property
-    def healthy(self) -> bool:
-        return self.st.healthy
-
     @property
     def tokens_per_s(self) -> float:
         return self._upkeep.tokens_per_s

@@ -22,7 +22,7 @@ async def test_job_runs_to_completion_and_reports_result(stack: Stack) -> None:
         "total_tokens": 14,
         "cached_tokens": 0,
     }
-    assert done["text"] and done["attempt"] == 1 and done["worker"] == stack.worker.id
+    assert done["text"] and done["attempt"] == 1 and done["worker"] == stack.worker.st.id
     assert done["metadata"] == {"user": "u1"}
     t = done["timings"]
     assert 0 <= t["queue_s"] <= t["ttft_s"] and t["generation_s"] >= 0
@@ -85,7 +85,7 @@ async def test_idempotency_key_returns_the_same_job(stack: Stack) -> None:
     other = await stack.client.post("/v1/jobs", json={**body, "prompt": "twice"}, headers=headers)
     assert other.status_code == 422
     assert other.json()["error"]["param"] == "Idempotency-Key"
-    queue = stack.worker.queues["interactive"]
+    queue = stack.worker.st.queues["interactive"]
     await stack.wait_status(first.json()["id"], "succeeded")
     async with asyncio.timeout(5):  # one job ran, and its entry goes (acked after its end)
         while await stack.redis.xlen(queue):
@@ -124,7 +124,7 @@ async def test_bad_input_gets_4xx_naming_field_and_limit(
     assert err["param"] == param
     for w in words:
         assert w in err["message"]
-    assert await stack.redis.xlen(stack.worker.queues["interactive"]) == 0  # nothing queued
+    assert await stack.redis.xlen(stack.worker.st.queues["interactive"]) == 0  # nothing queued
 
 
 async def test_malformed_json_and_unknown_job(stack: Stack) -> None:

@@ -58,7 +58,7 @@ async def test_poison_job_is_dead_lettered_while_its_batch_goes_on(
             done = await stack.wait_status(job["id"], "succeeded")
             assert done["attempt"] == 1 and done["usage"]["completion_tokens"] == 200
         dead: list[tuple[str, dict[str, str]]] = await redis.xrange(  # type: ignore[assignment]
-            stack.worker.keys.dead_letters()
+            stack.worker.st.keys.dead_letters()
         )
         assert [d["job"] for _, d in dead] == [poison["id"]]
 
@@ -89,7 +89,7 @@ async def test_worker_rewrites_events_redis_lost_so_the_log_has_no_hole(
 ) -> None:
     async with running_stack(settings, redis, step_ms=20) as stack:
         job = await stack.submit(prompt="the model", max_tokens=100)
-        events_key = stack.worker.keys.events(job["id"])
+        events_key = stack.worker.st.keys.events(job["id"])
 
         async def wait_log(n: int) -> None:  # a poll: Redis offers nothing to await here
             while await redis.xlen(events_key) < n:
@@ -109,7 +109,7 @@ async def test_worker_rewrites_events_redis_lost_so_the_log_has_no_hole(
 async def test_job_whose_record_cannot_be_read_is_dead_lettered_and_claiming_goes_on(
     stack: Stack,
 ) -> None:
-    keys, bad = stack.worker.keys, "f" * 32
+    keys, bad = stack.worker.st.keys, "f" * 32
     await stack.redis.hset(keys.job(bad), mapping={"spec": "{not json", "status": "queued"})
     await stack.redis.xadd(keys.queue("sim", "interactive"), {"job": bad, "tokens": 10})
     healthy = await stack.submit(prompt="the model", max_tokens=5)
@@ -126,7 +126,7 @@ async def test_job_whose_record_cannot_be_read_is_dead_lettered_and_claiming_goe
 
 
 async def test_a_job_whose_keys_redis_rejects_does_not_block_the_others(stack: Stack) -> None:
-    keys = stack.worker.keys
+    keys = stack.worker.st.keys
     damaged = await stack.submit(prompt="the model", max_tokens=LONG)
     await stack.wait_status(damaged["id"], "running")
     await stack.redis.delete(keys.events(damaged["id"]))

@@ -49,7 +49,7 @@ class Slow:
         return [f["job"] for _, f in cast(Entries, self.db.xrange(self.queue))]
 
     def running(self) -> list[str]:
-        return list(self.worker.running)
+        return list(self.worker.st.running)
 
     def token_events(self, job_id: str) -> int:
         entries = cast(Entries, self.db.xrange(self.keys.events(job_id)))
