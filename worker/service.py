@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys, Priority
+from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys
 from shared.redisconn import connect
 from shared.settings import WorkerSettings
 from shared.transitions import ScriptRunner, Transitions
@@ -46,7 +46,6 @@ from worker.control import Control
 from worker.engine import Engine
 from worker.entries import ensure_groups, hand_back, requeue_waiting
 from worker.flush import Flusher
-from worker.jobstate import Claim, RunningJob
 from worker.lease import LeaseClock
 from worker.runner import EngineRunner
 from worker.state import LOOP_RESTART_S, WorkerState
