@@ -7,12 +7,43 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import (
+    BusyLoadingError,
+    MasterDownError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.settings import RedisSettings
 
 RETRY_ON = (RedisConnectionError, RedisTimeoutError, ConnectionResetError)
+TRANSIENT = (
+    *RETRY_ON,
+    OSError,
+    OutOfMemoryError,  # OOM: at maxmemory with noeviction, until memory frees up
+    BusyLoadingError,  # LOADING: a restarted Redis reading its AOF
+    ReadOnlyError,  # READONLY: a replica, before a failover promotes it or clients move
+    MasterDownError,  # MASTERDOWN
+    NoScriptError,  # NOSCRIPT: a restarted Redis forgot the scripts (the runner reloads)
+    TryAgainError,
+)
+_TRANSIENT_REPLIES = ("BUSY ", "OOM ", "LOADING ", "READONLY ", "MASTERDOWN ", "NOSCRIPT ")
+"""Error replies of a Redis that will take the same command again shortly (BUSY: a script
+or module ran long), however the client library names them."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a command that failed with `exc` should simply be sent again later: the Redis
+    is restarting, full, busy or failing over, not refusing this command for what it is (a
+    WRONGTYPE is not transient: the key is damaged, and sending it again changes nothing)."""
+    if isinstance(exc, TRANSIENT):
+        return True
+    return isinstance(exc, ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
 
 
 def connect(settings: RedisSettings, url: str | None = None, **overrides: Any) -> aioredis.Redis:

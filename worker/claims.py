@@ -15,6 +15,7 @@ from shared import events
 from shared.events import EVENT_FIELD, ErrorEvent, TokenEvent
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Priority
 from shared.records import JOB_ID, JobRecord, QueueEntry, RecordError
+from shared.redisconn import is_transient
 from shared.schemas import ErrorInfo, JobSpec
 from shared.transitions import Exhausted, Started, StartReply
 from worker.engine import EngineJob
@@ -163,6 +164,10 @@ class Claimer:
         here touches one claim only: an entry not acked stays pending and is reclaimed."""
         done_claims: list[Claim] = []
         for claim, reply in zip(ready, replies, strict=True):
+            if isinstance(reply, Exception) and is_transient(reply):
+                self.st.waiting.append(claim)  # START did not run: again once Redis takes it
+                asyncio.get_running_loop().call_later(LOOP_RESTART_S, self.st.room.set)
+                continue
             if isinstance(reply, Exception):
                 # Left pending and not held: it is retried after a lease, costing only itself.
                 log.error("START rejected", extra={"job_id": claim.job_id, "error": str(reply)})

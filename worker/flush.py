@@ -13,6 +13,7 @@ import time
 
 from redis.exceptions import RedisError
 
+from shared.redisconn import is_transient
 from shared.transitions import Call, EmitReply, EncodedEvent, Fenced, LostTail
 from worker.engine import StepOutput, Stop
 from worker.entries import ack, hand_back
@@ -172,8 +173,11 @@ class Flusher:
         st = self.st
         ended: list[Claim] = []
         lost_tail: list[tuple[RunningJob, list[EncodedEvent], int]] = []
+        refused: Written = []
         for (run, events), reply in zip(order, results, strict=True):
-            if isinstance(reply, Exception):
+            if isinstance(reply, Exception) and is_transient(reply):
+                refused.append((run, events))  # Redis is busy, full or restarting: again later
+            elif isinstance(reply, Exception):  # refused for what it is (a damaged key)
                 log.error("Redis rejected events", extra={"job_id": run.id, "error": str(reply)})
                 run.end, run.retry_error = None, f"Redis rejected the job's events: {reply}"
                 self._flush_soon(run.id)  # handed back (counted) at the next flush
@@ -191,7 +195,28 @@ class Flusher:
                     st.cancel(run.id, reply.cancel)
                 if run.retry_error is not None:  # its tokens are out: hand it back next flush
                     self._flush_soon(run.id)
+        if refused:
+            self._keep(refused, results)
         return ended, lost_tail
+
+    def _keep(self, refused: Written, results: list[EmitReply | Exception]) -> None:
+        """Writes Redis refused for now (OOM, LOADING, READONLY, BUSY, a reconnect): the
+        events go back in front of what the job produced since and are sent again after a
+        pause; the job's end, if it had one, stays. No attempt is counted."""
+        error = next(str(r) for r in results if isinstance(r, Exception))
+        log.warning(
+            "Redis refused events for now; keeping them",
+            extra={"jobs": len(refused), "error": error},
+        )
+        for run, events in refused:
+            run.pending[:0] = events
+        loop = asyncio.get_running_loop()
+        loop.call_later(_FLUSH_RETRY_S, self._retry_refused, [r.id for r, _ in refused])
+
+    def _retry_refused(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            if job_id in self.st.running:
+                self._flush_soon(job_id)
 
     async def _repair(self, run: RunningJob, events: list[EncodedEvent], last: int) -> None:
         """The job's log ends at `last`, short of what this worker wrote (Redis restarted
