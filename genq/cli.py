@@ -3,19 +3,80 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Any
+from typing import Any, TypeVar
 
-from shared import logfmt
-from shared.settings import GatewaySettings, Settings
+from pydantic import ValidationError
+from pydantic_core import PydanticUndefined
+
+from shared import __version__, logfmt
+from shared.settings import GatewaySettings, RedisSettings, Settings
 
 DEFAULT_PORT = 8000
+_S = TypeVar("_S", bound=RedisSettings)
+
+
+def _load(cls: type[_S], **overrides: Any) -> _S:
+    """Settings from GENQ_* variables, with command-line flags (those given) on top; a bad
+    value stops the command with one line naming its variable."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return cls(**given)
+    except ValidationError as exc:
+        raise SystemExit(f"genq: error: {_invalid(exc)}") from None
 
 
 def _settings(**overrides: Any) -> Settings:
-    """Settings from GENQ_* variables, with command-line flags (those given) on top."""
-    given = {k: v for k, v in overrides.items() if v is not None}
-    return Settings(**given)
+    return _load(Settings, **overrides)
+
+
+def _invalid(exc: ValidationError) -> str:
+    parts = []
+    for e in exc.errors():
+        name = f"GENQ_{e['loc'][0]}".upper() if e["loc"] else "settings"
+        parts.append(f"{name}: {e['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
+
+
+def _need_redis(settings: RedisSettings, command: str) -> None:
+    if not settings.redis_url:
+        raise SystemExit(
+            f"genq: error: genq {command} needs a Redis: --redis-url redis://HOST:6379/0 or "
+            "GENQ_REDIS_URL (genq serve runs one of its own)"
+        )
+
+
+def _redis_flag(p: argparse.ArgumentParser, embedded: bool = False) -> None:
+    p.add_argument(
+        "--redis-url",
+        help="the shared Redis, redis://[:PASSWORD@]HOST:6379/0 (rediss:// for TLS)"
+        + ("; unset: a private redis-server, else in-process fakeredis" if embedded else ""),
+    )
+
+
+def _describe_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append to each flag's help its default and, where a setting backs it, its variable:
+    `(default: 256; env GENQ_MAX_BATCH)`. A flag whose dest names a Settings field is that
+    setting (given, it overrides the variable), so both come from the field."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _describe_defaults(sub)
+            continue
+        if not action.help or action.help == argparse.SUPPRESS or action.nargs == 0:
+            continue
+        field = Settings.model_fields.get(action.dest) if action.option_strings else None
+        default = action.default
+        if field is not None:
+            default = field.get_default(call_default_factory=True)
+        parts = []
+        if default not in (None, PydanticUndefined) and "default:" not in action.help:
+            parts.append(f"default: {default}".replace("%", "%%"))
+        if field is not None:
+            parts.append(f"env GENQ_{action.dest.upper()}")
+        if parts:
+            action.help += f" ({'; '.join(parts)})"
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -26,11 +87,23 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", dest="model_dir", help="model directory (exllamav2 engine)")
     p.add_argument("--model-name", help="name clients ask for (default: sim / the folder name)")
-    p.add_argument("--step-ms", type=float, dest="sim_step_ms", help="sim: decode step time")
+    p.add_argument("--step-ms", type=float, dest="sim_step_ms", help="sim: decode step, ms")
     p.add_argument("--max-batch", type=int, help="jobs generated at once")
-    p.add_argument("--cache-tokens", type=int, dest="cache_tokens", help="exllamav2: cache size")
-    p.add_argument("--cache-mode", choices=["FP16", "Q4", "Q6", "Q8"], help="exllamav2")
-    p.add_argument("--max-seq-len", type=int, dest="max_seq_len", help="exllamav2")
+    p.add_argument(
+        "--cache-tokens",
+        type=int,
+        dest="cache_tokens",
+        help="exllamav2: K/V cache size in tokens (default: fit the batch)",
+    )
+    p.add_argument(
+        "--cache-mode", choices=["FP16", "Q4", "Q6", "Q8"], help="exllamav2: K/V cache precision"
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        dest="max_seq_len",
+        help="exllamav2: most tokens (prompt + output) of one job (default: the model's)",
+    )
     p.add_argument("--max-chunk-size", type=int, help="exllamav2: prefill chunk")
     p.add_argument("--gpu-split", help="exllamav2: GB per GPU, e.g. 20,24 (default: autosplit)")
 
@@ -76,51 +149,61 @@ def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="genq", description=__doc__)
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="gateway + worker in one process (dev, demos, one GPU)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    _listen_flags(p)
+    _redis_flag(p, embedded=True)
     _engine_flags(p)
     _launcher_flags(p, default_procs="auto")
 
     p = sub.add_parser("gateway", help="the HTTP gateway (stateless; run as many as you like)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--workers", type=int, default=1, help="uvicorn processes")
+    _listen_flags(p)
+    p.add_argument("--workers", type=int, default=1, help="uvicorn processes sharing the port")
+    _redis_flag(p)
 
     p = sub.add_parser("worker", help="a generation worker (one per GPU)")
+    _redis_flag(p)
     _engine_flags(p)
     _launcher_flags(p, default_procs="1")
 
     p = sub.add_parser("submit", help="submit one prompt and print its text")
-    p.add_argument("prompt")
-    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}")
-    p.add_argument("--model", default="sim")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--priority", choices=["interactive", "batch"], default="interactive")
+    p.add_argument("prompt", help="the prompt text")
+    _client_flags(p, max_tokens=64)
+    p.add_argument("--temperature", type=float, help="sampling temperature (default: the API's)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: none)")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
-    p.add_argument("--api-key")
 
     p = sub.add_parser("bench", help="load generator: concurrent streaming clients")
-    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}")
-    p.add_argument("--model", default="sim")
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--priority", choices=["interactive", "batch"], default="interactive")
-    p.add_argument("--api-key")
+    _client_flags(p, max_tokens=200)
+    p.add_argument("--concurrency", type=int, default=64, help="clients streaming at once")
+    p.add_argument("--requests", type=int, default=256, help="requests in all")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length of each request")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
     p = sub.add_parser("synth-model", help="write a random-weight Llama model (tests, planning)")
-    p.add_argument("dir")
-    p.add_argument("--shape", choices=["tiny", "1b", "8b"], default="tiny")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("dir", help="folder to write (a new one, or an earlier synth-model folder)")
+    p.add_argument("--shape", choices=["tiny", "1b", "8b"], default="tiny", help="model shape")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    _describe_defaults(parser)
     return parser
+
+
+def _listen_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+
+
+def _client_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the gateway")
+    p.add_argument("--model", default="sim", help="model name")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens per request")
+    p.add_argument(
+        "--priority", choices=["interactive", "batch"], default="interactive", help="queue"
+    )
+    p.add_argument("--api-key", help="a GENQ_API_KEYS key, when the gateway asks for one")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,22 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     logfmt.setup(args.log_level)
     if args.command == "serve":
         from genq.serve import serve
+        from worker.process import check_engine
 
-        settings = _settings(**_engine_settings(args))
+        settings = _settings(**_engine_settings(args), redis_url=args.redis_url)
+        check_engine(settings)
         return serve(settings, args.host, args.port, args.gpus, args.procs_per_gpu)
     if args.command == "gateway":
-        from gateway.server import run_gateway
-
-        run_gateway(GatewaySettings(), args.host, args.port, args.workers)
-        return 0
-    if args.command == "worker" and (args.gpus or args.procs_per_gpu != "1"):
-        from genq.launcher import run as launch
-
-        return launch(_settings(**_engine_settings(args)), args.gpus, args.procs_per_gpu)
+        return _gateway(args)
     if args.command == "worker":
-        from worker.process import run
-
-        return run(_settings(**_engine_settings(args)))
+        return _worker(args)
     if args.command == "submit":
         from genq.submit import submit
 
@@ -158,6 +234,34 @@ def main(argv: list[str] | None = None) -> int:
         print(synth_model(args.dir, args.shape, args.seed))
         return 0
     return 2
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from gateway.server import listen, run_gateway, url_of
+
+    settings = _load(GatewaySettings, redis_url=args.redis_url)
+    _need_redis(settings, "gateway")
+    assert settings.redis_url is not None
+    os.environ["GENQ_REDIS_URL"] = settings.redis_url  # each uvicorn process reads GENQ_*
+    sock = listen(args.host, args.port)
+    print(f"genq gateway on {url_of(sock)}  ({args.workers} process(es))", flush=True)
+    run_gateway(settings, sock, args.workers)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from worker.process import check_engine
+
+    settings = _settings(**_engine_settings(args), redis_url=args.redis_url)
+    _need_redis(settings, "worker")
+    check_engine(settings)
+    if args.gpus or args.procs_per_gpu != "1":
+        from genq.launcher import run as launch
+
+        return launch(settings, args.gpus, args.procs_per_gpu)
+    from worker.process import run
+
+    return run(settings)
 
 
 if __name__ == "__main__":
