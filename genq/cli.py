@@ -34,8 +34,9 @@ def _settings(**overrides: Any) -> Settings:
 def _invalid(exc: ValidationError) -> str:
     parts = []
     for e in exc.errors():
-        name = f"GENQ_{e['loc'][0]}".upper() if e["loc"] else "settings"
-        parts.append(f"{name}: {e['msg'].removeprefix('Value error, ')}")
+        msg = e["msg"].removeprefix("Value error, ")
+        # a whole-settings check names its variable itself
+        parts.append(f"GENQ_{str(e['loc'][0]).upper()}: {msg}" if e["loc"] else msg)
     return "; ".join(parts)
 
 
