@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.chaos.scenarios import DEPLOY_REDIS_CONF
 from tests.procs import free_port, redis_conf_in, redis_server, wait_for
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
 ]
+DEPLOY_REDIS_CONF = Path(__file__).resolve().parents[2] / "deploy" / "redis.conf"
 TCP_LISTEN = "0A"
 """State of a listening socket in /proc/net/tcp."""
 
