@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from pydantic_core import PydanticUndefined
 
 from shared import __version__, logfmt
-from shared.settings import GatewaySettings, RedisSettings, Settings
+from shared.settings import GatewaySettings, RedisSettings, Settings, WorkerSettings
 
 DEFAULT_PORT = 8000
 _S = TypeVar("_S", bound=RedisSettings)
@@ -40,12 +40,14 @@ def _invalid(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _need_redis(settings: RedisSettings, command: str) -> None:
+def _need_redis(settings: RedisSettings, command: str) -> str:
+    """The Redis URL `command` cannot run without; SystemExit with one line when unset."""
     if not settings.redis_url:
         raise SystemExit(
             f"genq: error: genq {command} needs a Redis: --redis-url redis://HOST:6379/0 or "
             "GENQ_REDIS_URL (genq serve runs one of its own)"
         )
+    return settings.redis_url
 
 
 def _redis_flag(p: argparse.ArgumentParser, embedded: bool = False) -> None:
@@ -241,9 +243,8 @@ def _gateway(args: argparse.Namespace) -> int:
     from gateway.server import listen, run_gateway, url_of
 
     settings = _load(GatewaySettings, redis_url=args.redis_url)
-    _need_redis(settings, "gateway")
-    assert settings.redis_url is not None
-    os.environ["GENQ_REDIS_URL"] = settings.redis_url  # each uvicorn process reads GENQ_*
+    # each uvicorn process builds its settings from GENQ_*: the flag must reach them
+    os.environ["GENQ_REDIS_URL"] = _need_redis(settings, "gateway")
     sock = listen(args.host, args.port)
     print(f"genq gateway on {url_of(sock)}  ({args.workers} process(es))", flush=True)
     run_gateway(settings, sock, args.workers)
@@ -253,7 +254,8 @@ def _gateway(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from worker.process import check_engine
 
-    settings = _settings(**_engine_settings(args), redis_url=args.redis_url)
+    # its own sections only: a gateway's files (GENQ_API_KEYS_FILE, …) need not exist here
+    settings = _load(WorkerSettings, **_engine_settings(args), redis_url=args.redis_url)
     _need_redis(settings, "worker")
     check_engine(settings)
     if args.gpus or args.procs_per_gpu != "1":

@@ -38,10 +38,8 @@ def redis_conf_in(config: Path, data_dir: Path) -> Path:
     """A copy of `config` in `data_dir` whose `dir` is `data_dir`. Redis enters a config
     file's `dir` as it reads the line, before any --dir given after the file, so a `dir`
     that does not exist here (deploy/redis.conf's) stops it unless replaced."""
-    lines = [
-        f"dir {data_dir}" if line.split()[:1] == ["dir"] else line
-        for line in config.read_text().splitlines()
-    ]
+    lines = [line for line in config.read_text().splitlines() if line.split()[:1] != ["dir"]]
+    lines.append(f"dir {data_dir}")
     copy = data_dir / config.name
     copy.write_text("\n".join(lines) + "\n")
     return copy

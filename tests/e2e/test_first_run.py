@@ -18,8 +18,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis
 
 from shared import __version__
+from shared.keys import Keys
 from tests.conftest import REDIS_URL
 from tests.procs import free_port, wait_for
 
@@ -240,3 +242,34 @@ def test_synth_model_without_the_gpu_extra_says_so_and_writes_nothing(
 def test_submit_to_a_gateway_that_is_down_is_one_line(env: dict[str, str]) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     _one_line_failure(_genq("submit", "hello", "--url", url, env=env), url)
+
+
+def test_a_worker_does_not_need_the_gateways_files(env: dict[str, str], tmp_path: Path) -> None:
+    """One env file for all hosts: a gateway's key file and template need not exist on a
+    worker's."""
+    prefix = f"genqfirst:{uuid.uuid4().hex[:8]}:"
+    env |= {
+        "GENQ_REDIS_URL": REDIS_URL,
+        "GENQ_KEY_PREFIX": prefix,
+        "GENQ_API_KEYS_FILE": str(tmp_path / "only-on-gateways" / "keys"),
+        "GENQ_DEFAULT_CHAT_TEMPLATE": str(tmp_path / "only-on-gateways" / "chat.jinja"),
+    }
+    with open(tmp_path / "worker.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "genq", "worker"], stdout=log, stderr=log, env=env
+        )
+    try:
+        with redis.Redis.from_url(REDIS_URL) as db:
+            wait_for(
+                lambda: db.exists(Keys(prefix).model_card("sim")) or proc.poll() is not None,
+                timeout=SERVE_START_S,
+                what="the worker's model card",
+            )
+            assert proc.poll() is None, (tmp_path / "worker.log").read_text()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(SERVE_START_S) == 0
+            db.delete(*db.keys(f"{prefix}*"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
