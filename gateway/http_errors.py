@@ -9,9 +9,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
-from shared.errors import GenqError
+from shared.errors import GenqError, Unauthorized
 
 log = logging.getLogger(__name__)
+_CHALLENGE = {"WWW-Authenticate": "Bearer"}
+"""On every 401 (RFC 9110): the scheme a client should answer with."""
 
 
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
@@ -20,7 +22,9 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
 
 def _genq_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GenqError)
-    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), exc.status)
+    headers = _CHALLENGE if isinstance(exc, Unauthorized) else None
+    body = error_body(exc.message, exc.type, exc.param, exc.code)
+    return JSONResponse(body, exc.status, headers=headers)
 
 
 def _validation_error(_: Request, exc: Exception) -> JSONResponse:

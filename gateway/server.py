@@ -1,11 +1,18 @@
-"""`genq gateway`: N uvicorn processes serving the gateway app, each building its own settings."""
+"""`genq gateway`: N uvicorn processes serving the gateway app, each building its own settings.
+
+The listening socket is made first (`listen`), before any worker or uvicorn process starts, so
+a busy port stops the command at once with one line instead of leaving half a service running.
+"""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import signal
+import socket
 
 import uvicorn
+from uvicorn.supervisors import Multiprocess
 
 from shared import logs
 from shared.settings import GatewaySettings
@@ -14,23 +21,66 @@ log = logging.getLogger(__name__)
 LISTEN_BACKLOG = 4096
 
 
-def run_gateway(settings: GatewaySettings, host: str, port: int, processes: int) -> None:
-    """N uvicorn worker processes; each builds its own settings from GENQ_* (set by the CLI)."""
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and listening; SystemExit with one line when it cannot be."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on connections of a socket that says so
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    # as uvicorn does: a restart may rebind at once while the old connections sit in TIME_WAIT
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        reason = exc.strerror or str(exc)
+        raise SystemExit(
+            f"genq: error: cannot listen on {host}:{port}: {reason} (another --port, or stop "
+            "what holds it)"
+        ) from None
+    sock.set_inheritable(True)  # uvicorn's worker processes serve this same socket
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    """http://host:port of a listening socket."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run_gateway(settings: GatewaySettings, sock: socket.socket, processes: int) -> None:
+    """N uvicorn worker processes on `sock`; each builds its own settings from GENQ_* (set by
+    the CLI)."""
     # uvicorn drains on SIGTERM (stops accepting, lets open streams finish within the grace),
     # then re-raises the signal into the handler it found installed. With the default one the
     # drained gateway would die by SIGTERM; with this one it exits 0.
     signal.signal(signal.SIGTERM, _drained)
-    uvicorn.run(
+    config = uvicorn.Config(
         "gateway.app:create_app_from_env",
         factory=True,
-        host=host,
-        port=port,
         workers=processes,
         log_config=logs.log_config(settings),  # uvicorn applies it in each process it spawns
         access_log=False,  # one line per request and per stream costs more than it tells
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
         backlog=LISTEN_BACKLOG,
     )
+    try:
+        if processes > 1:
+            _supervise(config, sock)
+        else:
+            uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def _supervise(config: uvicorn.Config, sock: socket.socket) -> None:
+    """uvicorn's supervisor of N processes on one socket, as `uvicorn.run(workers=N)` runs it
+    (it takes the socket it binds itself; genq binds first). uvicorn 0.51 dropped `target`."""
+    if "target" in inspect.signature(Multiprocess).parameters:
+        target = uvicorn.Server(config).run
+        Multiprocess(config, target=target, sockets=[sock]).run()  # type: ignore[call-arg]
+    else:
+        Multiprocess(config, sockets=[sock]).run()
 
 
 def _drained(signum: int, frame: object) -> None:

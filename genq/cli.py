@@ -3,23 +3,83 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Any, get_args
+from typing import Any, TypeVar, get_args
 
-from shared import logs
-from shared.settings import GatewaySettings, LogLevel, RedisSettings, Settings
+from pydantic import ValidationError
+from pydantic_core import PydanticUndefined
+
+from shared import __version__, logs
+from shared.settings import GatewaySettings, LogLevel, RedisSettings, Settings, WorkerSettings
 
 DEFAULT_PORT = 8000
+_S = TypeVar("_S", bound=RedisSettings)
 
 
-def _given(flags: dict[str, Any]) -> dict[str, Any]:
-    """The command-line flags given, to lay over the GENQ_* variables."""
-    return {k: v for k, v in flags.items() if v is not None}
+def _load(cls: type[_S], **overrides: Any) -> _S:
+    """Settings from GENQ_* variables, with command-line flags (those given) on top; a bad
+    value stops the command with one line naming its variable."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return cls(**given)
+    except ValidationError as exc:
+        raise SystemExit(f"genq: error: {_invalid(exc)}") from None
 
 
 def _settings(**overrides: Any) -> Settings:
-    """Settings from GENQ_* variables, with command-line flags (those given) on top."""
-    return Settings(**_given(overrides))
+    return _load(Settings, **overrides)
+
+
+def _invalid(exc: ValidationError) -> str:
+    parts = []
+    for e in exc.errors():
+        msg = e["msg"].removeprefix("Value error, ")
+        # a whole-settings check names its variable itself
+        parts.append(f"GENQ_{str(e['loc'][0]).upper()}: {msg}" if e["loc"] else msg)
+    return "; ".join(parts)
+
+
+def _need_redis(settings: RedisSettings, command: str) -> str:
+    """The Redis URL `command` cannot run without; SystemExit with one line when unset."""
+    if not settings.redis_url:
+        raise SystemExit(
+            f"genq: error: genq {command} needs a Redis: --redis-url redis://HOST:6379/0 or "
+            "GENQ_REDIS_URL (genq serve runs one of its own)"
+        )
+    return settings.redis_url
+
+
+def _redis_flag(p: argparse.ArgumentParser, embedded: bool = False) -> None:
+    p.add_argument(
+        "--redis-url",
+        help="the shared Redis, redis://[:PASSWORD@]HOST:6379/0 (rediss:// for TLS)"
+        + ("; unset: a private redis-server, else in-process fakeredis" if embedded else ""),
+    )
+
+
+def _describe_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append to each flag's help its default and, where a setting backs it, its variable:
+    `(default: 256; env GENQ_MAX_BATCH)`. A flag whose dest names a Settings field is that
+    setting (given, it overrides the variable), so both come from the field."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _describe_defaults(sub)
+            continue
+        if not action.help or action.help == argparse.SUPPRESS or action.nargs == 0:
+            continue
+        field = Settings.model_fields.get(action.dest) if action.option_strings else None
+        default = action.default
+        if field is not None:
+            default = field.get_default(call_default_factory=True)
+        parts = []
+        if default not in (None, PydanticUndefined) and "default:" not in action.help:
+            parts.append(f"default: {default}".replace("%", "%%"))
+        if field is not None:
+            parts.append(f"env GENQ_{action.dest.upper()}")
+        if parts:
+            action.help += f" ({'; '.join(parts)})"
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -30,11 +90,23 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", dest="model_dir", help="model directory (exllamav2 engine)")
     p.add_argument("--model-name", help="name clients ask for (default: sim / the folder name)")
-    p.add_argument("--step-ms", type=float, dest="sim_step_ms", help="sim: decode step time")
+    p.add_argument("--step-ms", type=float, dest="sim_step_ms", help="sim: decode step, ms")
     p.add_argument("--max-batch", type=int, help="jobs generated at once")
-    p.add_argument("--cache-tokens", type=int, dest="cache_tokens", help="exllamav2: cache size")
-    p.add_argument("--cache-mode", choices=["FP16", "Q4", "Q6", "Q8"], help="exllamav2")
-    p.add_argument("--max-seq-len", type=int, dest="max_seq_len", help="exllamav2")
+    p.add_argument(
+        "--cache-tokens",
+        type=int,
+        dest="cache_tokens",
+        help="exllamav2: K/V cache size in tokens (default: fit the batch)",
+    )
+    p.add_argument(
+        "--cache-mode", choices=["FP16", "Q4", "Q6", "Q8"], help="exllamav2: K/V cache precision"
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        dest="max_seq_len",
+        help="exllamav2: most tokens (prompt + output) of one job (default: the model's)",
+    )
     p.add_argument("--max-chunk-size", type=int, help="exllamav2: prefill chunk")
     p.add_argument("--gpu-split", help="exllamav2: GB per GPU, e.g. 20,24 (default: autosplit)")
 
@@ -78,91 +150,90 @@ def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in out.items() if k in Settings.model_fields}
 
 
-def _log_level_flag(p: argparse.ArgumentParser, default: object) -> None:
-    p.add_argument(
-        "--log-level",
-        choices=get_args(LogLevel),
-        default=default,
-        help="least level logged (default: GENQ_LOG_LEVEL, else info)",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="genq", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     _log_level_flag(parser, default=None)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="gateway + worker in one process (dev, demos, one GPU)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    _listen_flags(p)
+    _redis_flag(p, embedded=True)
     _engine_flags(p)
     _launcher_flags(p, default_procs="auto")
 
     p = sub.add_parser("gateway", help="the HTTP gateway (stateless; run as many as you like)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--workers", type=int, default=1, help="uvicorn processes")
+    _listen_flags(p)
+    p.add_argument("--workers", type=int, default=1, help="uvicorn processes sharing the port")
+    _redis_flag(p)
 
     p = sub.add_parser("worker", help="a generation worker (one per GPU)")
+    _redis_flag(p)
     _engine_flags(p)
     _launcher_flags(p, default_procs="1")
 
     p = sub.add_parser("submit", help="submit one prompt and print its text")
-    p.add_argument("prompt")
-    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}")
-    p.add_argument("--model", default="sim")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--priority", choices=["interactive", "batch"], default="interactive")
+    p.add_argument("prompt", help="the prompt text")
+    _client_flags(p, max_tokens=64)
+    p.add_argument("--temperature", type=float, help="sampling temperature (default: the API's)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: none)")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
-    p.add_argument("--api-key")
 
     p = sub.add_parser("bench", help="load generator: concurrent streaming clients")
-    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}")
-    p.add_argument("--model", default="sim")
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--priority", choices=["interactive", "batch"], default="interactive")
-    p.add_argument("--api-key")
+    _client_flags(p, max_tokens=200)
+    p.add_argument("--concurrency", type=int, default=64, help="clients streaming at once")
+    p.add_argument("--requests", type=int, default=256, help="requests in all")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length of each request")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
     p = sub.add_parser("synth-model", help="write a random-weight Llama model (tests, planning)")
-    p.add_argument("dir")
-    p.add_argument("--shape", choices=["tiny", "1b", "8b"], default="tiny")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("dir", help="folder to write (a new one, or an earlier synth-model folder)")
+    p.add_argument("--shape", choices=["tiny", "1b", "8b"], default="tiny", help="model shape")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     for command in sub.choices.values():
         # after the command too; SUPPRESS keeps a value given before it
         _log_level_flag(command, default=argparse.SUPPRESS)
+    _describe_defaults(parser)
     return parser
+
+
+def _log_level_flag(p: argparse.ArgumentParser, default: object) -> None:
+    p.add_argument(
+        "--log-level", choices=get_args(LogLevel), default=default, help="least level logged"
+    )
+
+
+def _listen_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+
+
+def _client_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the gateway")
+    p.add_argument("--model", default="sim", help="model name")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens per request")
+    p.add_argument(
+        "--priority", choices=["interactive", "batch"], default="interactive", help="queue"
+    )
+    p.add_argument("--api-key", help="a GENQ_API_KEYS key, when the gateway asks for one")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # into every command's settings: the processes a command starts take it from there
     level = {"log_level": args.log_level}
-    logs.setup(RedisSettings(**_given(level)))
+    logs.setup(_load(RedisSettings, **level))
     if args.command == "serve":
         from genq.serve import serve
+        from worker.process import check_engine
 
-        settings = _settings(**level, **_engine_settings(args))
+        settings = _settings(**level, **_engine_settings(args), redis_url=args.redis_url)
+        check_engine(settings)
         return serve(settings, args.host, args.port, args.gpus, args.procs_per_gpu)
     if args.command == "gateway":
-        from gateway.server import run_gateway
-
-        run_gateway(GatewaySettings(**_given(level)), args.host, args.port, args.workers)
-        return 0
-    if args.command == "worker" and (args.gpus or args.procs_per_gpu != "1"):
-        from genq.launcher import run as launch
-
-        settings = _settings(**level, **_engine_settings(args))
-        return launch(settings, args.gpus, args.procs_per_gpu)
+        return _gateway(args, level)
     if args.command == "worker":
-        from worker.process import run
-
-        return run(_settings(**level, **_engine_settings(args)))
+        return _worker(args, level)
     if args.command == "submit":
         from genq.submit import submit
 
@@ -177,6 +248,34 @@ def main(argv: list[str] | None = None) -> int:
         print(synth_model(args.dir, args.shape, args.seed))
         return 0
     return 2
+
+
+def _gateway(args: argparse.Namespace, level: dict[str, Any]) -> int:
+    from gateway.server import listen, run_gateway, url_of
+
+    settings = _load(GatewaySettings, **level, redis_url=args.redis_url)
+    # each uvicorn process builds its settings from GENQ_*: the flag must reach them
+    os.environ["GENQ_REDIS_URL"] = _need_redis(settings, "gateway")
+    sock = listen(args.host, args.port)
+    print(f"genq gateway on {url_of(sock)}  ({args.workers} process(es))", flush=True)
+    run_gateway(settings, sock, args.workers)
+    return 0
+
+
+def _worker(args: argparse.Namespace, level: dict[str, Any]) -> int:
+    from worker.process import check_engine
+
+    # its own sections only: a gateway's files (GENQ_API_KEYS_FILE, …) need not exist here
+    settings = _load(WorkerSettings, **level, **_engine_settings(args), redis_url=args.redis_url)
+    _need_redis(settings, "worker")
+    check_engine(settings)
+    if args.gpus or args.procs_per_gpu != "1":
+        from genq.launcher import run as launch
+
+        return launch(settings, args.gpus, args.procs_per_gpu)
+    from worker.process import run
+
+    return run(settings)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.settings import Settings
+from shared.settings import WorkerSettings
 from worker import cpus
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class Child:
         return f"gpu{self.gpu}/p{self.index}"
 
 
-def child_settings(settings: Settings, procs_per_gpu: int) -> dict[str, Any]:
+def child_settings(settings: WorkerSettings, procs_per_gpu: int) -> dict[str, Any]:
     """Per-process share of one GPU: batch slots and cache tokens divided by N."""
     per = max(1, math.ceil(settings.max_batch / procs_per_gpu))
     cache = settings.cache_tokens or settings.max_batch * DEFAULT_CACHE_TOKENS_PER_JOB
@@ -82,7 +82,7 @@ def child_settings(settings: Settings, procs_per_gpu: int) -> dict[str, Any]:
     return {"max_batch": per, "cache_tokens": per_cache}
 
 
-def settings_env(settings: Settings, **overrides: Any) -> dict[str, str]:
+def settings_env(settings: WorkerSettings, **overrides: Any) -> dict[str, str]:
     """Settings as GENQ_* variables, so each child builds the same Settings object."""
     env: dict[str, str] = {}
     for name, value in {**settings.model_dump(), **overrides}.items():
@@ -98,7 +98,7 @@ def settings_env(settings: Settings, **overrides: Any) -> dict[str, str]:
 class Launcher:
     def __init__(
         self,
-        settings: Settings,
+        settings: WorkerSettings,
         gpus: list[str],
         procs_per_gpu: int,
         command: list[str] | None = None,
@@ -201,7 +201,7 @@ class Launcher:
         return worst
 
 
-def cpu_sets_for(settings: Settings, placement: list[str]) -> list[list[int]] | None:
+def cpu_sets_for(settings: WorkerSettings, placement: list[str]) -> list[list[int]] | None:
     """Each child's CPUs (`--cpu-affinity`): `auto` pins several exllamav2 processes, whose
     CPU work is what limits them; one process, or sim workers, are left to the scheduler."""
     mode = settings.cpu_affinity
@@ -237,7 +237,7 @@ def _model_bytes(model_dir: Path) -> tuple[int, int]:
     return weights, 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim
 
 
-def auto_procs(settings: Settings, gpus: list[str]) -> int:
+def auto_procs(settings: WorkerSettings, gpus: list[str]) -> int:
     """Worker processes per GPU when none is given: one copy of the weights per process must
     fit beside the GPU's cache, each process wants CORES_PER_PROC cores, at most
     AUTO_MAX_PROCS (the *_CPU_SAMPLING values with GPU sampling off). The sim engine, an
@@ -263,7 +263,7 @@ def auto_procs(settings: Settings, gpus: list[str]) -> int:
     return max(1, min(most, by_memory, by_cpu))
 
 
-def resolve_procs(settings: Settings, gpus: list[str], spec: str | int | None) -> int:
+def resolve_procs(settings: WorkerSettings, gpus: list[str], spec: str | int | None) -> int:
     if spec is None or spec == "auto":
         n = auto_procs(settings, gpus)
         if settings.engine == "exllamav2":  # the sim engine has no GPU to speak of
@@ -272,6 +272,6 @@ def resolve_procs(settings: Settings, gpus: list[str], spec: str | int | None) -
     return max(1, int(spec))
 
 
-def run(settings: Settings, gpus: str | None, procs_per_gpu: str | int | None) -> int:
+def run(settings: WorkerSettings, gpus: str | None, procs_per_gpu: str | int | None) -> int:
     gpu_list = parse_gpus(gpus)
     return Launcher(settings, gpu_list, resolve_procs(settings, gpu_list, procs_per_gpu)).run()

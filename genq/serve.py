@@ -9,24 +9,31 @@ One plan, chosen before anything starts (`plan_serve`):
 
 Redis, in this order: GENQ_REDIS_URL; a private `redis-server` started in a temporary directory
 on a free port and stopped on exit; in-process fakeredis (single only).
+
+The listening socket comes first: a busy port stops `genq serve` before Redis or any worker
+starts, and the address is printed only once it is ours.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis.asyncio as aioredis
 import uvicorn
 
 from gateway.app import create_app
-from gateway.server import run_gateway
+from gateway.server import listen, run_gateway, url_of
 from genq import launcher
 from genq.embedded_redis import private_redis
 from shared import logs, runtime
@@ -36,6 +43,8 @@ from worker.process import build_engine, install_signals
 from worker.service import Worker
 
 log = logging.getLogger(__name__)
+TRY_MAX_TOKENS = 16
+"""max_tokens of the curl line printed as the first thing to try."""
 
 
 @dataclass(frozen=True)
@@ -56,17 +65,37 @@ def plan_serve(settings: Settings, gpus: str | None, procs_per_gpu: str | None) 
 def serve(
     settings: Settings, host: str, port: int, gpus: str | None, procs_per_gpu: str | None
 ) -> int:
+    sock = listen(host, port)
+    url = url_of(sock)
     plan = plan_serve(settings, gpus, procs_per_gpu)
-    with contextlib.ExitStack() as stack:
-        url = settings.redis_url or stack.enter_context(private_redis())
-        if url is not None:
-            settings = settings.model_copy(update={"redis_url": url})
+    with sock, contextlib.ExitStack() as stack:
+        redis_url = settings.redis_url or stack.enter_context(private_redis())
+        if redis_url is not None:
+            settings = settings.model_copy(update={"redis_url": redis_url})
         elif plan.multi:
             log.warning("no redis-server to share between worker processes: running one")
             plan = ServePlan(plan.gpus[:1], 1)
         if plan.multi:
-            return _serve_multi(settings, host, port, plan)
-        return runtime.run(_serve_single(settings, _client(settings), host, port))
+            return _serve_multi(settings, sock, url, plan)
+        return runtime.run(_serve_single(settings, _client(settings), sock, url))
+
+
+def served_model(settings: Settings) -> str:
+    """The name clients ask for: --model-name, else the model folder's name, else `sim`."""
+    if settings.model_name:
+        return settings.model_name
+    return Path(settings.model_dir).name if settings.model_dir else "sim"
+
+
+def _announce(url: str, what: str, model: str) -> None:
+    """Where genq answers, and a first request to try."""
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": TRY_MAX_TOKENS})
+    print(f"genq serving {what} on {url}  (docs: {url}/docs)", flush=True)
+    print(
+        f"try: curl -s {url}/v1/completions -H 'content-type: application/json' "
+        f"-d {shlex.quote(body)}",
+        flush=True,
+    )
 
 
 def _client(settings: Settings) -> aioredis.Redis:
@@ -78,13 +107,13 @@ def _client(settings: Settings) -> aioredis.Redis:
     return fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
 
 
-async def _serve_single(settings: Settings, client: aioredis.Redis, host: str, port: int) -> int:
+async def _serve_single(
+    settings: Settings, client: aioredis.Redis, sock: socket.socket, url: str
+) -> int:
     worker = Worker(settings, build_engine(settings), redis=client)
     app = create_app(settings, redis=client, raw_pubsub=settings.redis_url is not None)
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
         log_config=logs.log_config(settings),
         access_log=False,  # one line per request and per stream costs more than it tells
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
@@ -97,12 +126,9 @@ async def _serve_single(settings: Settings, client: aioredis.Redis, host: str, p
         worker.stop()
 
     install_signals(stop)  # uvicorn restores (and re-raises into) these after its own
-    server_task = asyncio.create_task(server.serve())
-    print(
-        f"genq serving model '{worker.st.model}' ({worker.st.engine.card.engine} engine) "
-        f"on http://{host}:{port}  (docs: /docs)",
-        flush=True,
-    )
+    server_task = asyncio.create_task(server.serve(sockets=[sock]))
+    model = worker.st.model
+    _announce(url, f"model '{model}' ({worker.st.engine.card.engine} engine)", model)
     await asyncio.wait({server_task, worker_task}, return_when=asyncio.FIRST_COMPLETED)
     stop()
     await asyncio.gather(server_task, worker_task, return_exceptions=True)
@@ -110,7 +136,7 @@ async def _serve_single(settings: Settings, client: aioredis.Redis, host: str, p
     return 0 if worker.st.healthy else 1
 
 
-def _serve_multi(settings: Settings, host: str, port: int, plan: ServePlan) -> int:
+def _serve_multi(settings: Settings, sock: socket.socket, url: str, plan: ServePlan) -> int:
     """The gateway here, the launcher (N worker processes per GPU) in a child."""
     os.environ.update(launcher.settings_env(settings))  # the gateway's uvicorn reads GENQ_*
     workers = subprocess.Popen(
@@ -126,11 +152,9 @@ def _serve_multi(settings: Settings, host: str, port: int, plan: ServePlan) -> i
         ],
         env=os.environ.copy(),
     )
-    print(
-        f"genq serving on http://{host}:{port} with {plan.procs_per_gpu} worker process(es) "
-        f"per GPU on GPU(s) {','.join(plan.gpus)}",
-        flush=True,
-    )
+    model = served_model(settings)
+    where = f"{plan.procs_per_gpu} worker process(es) per GPU on GPU(s) {','.join(plan.gpus)}"
+    _announce(url, f"model '{model}' ({where})", model)
 
     def drain(*_: object) -> None:
         # uvicorn re-raises the signal that stopped it once it is done; this handler catches
@@ -142,7 +166,7 @@ def _serve_multi(settings: Settings, host: str, port: int, plan: ServePlan) -> i
     signal.signal(signal.SIGTERM, drain)
     signal.signal(signal.SIGINT, drain)
     try:
-        run_gateway(settings, host, port, 1)
+        run_gateway(settings, sock, 1)
     finally:
         drain()
         try:

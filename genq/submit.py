@@ -10,6 +10,18 @@ import httpx
 
 
 def submit(args: argparse.Namespace) -> int:
+    try:
+        return _submit(args)
+    except httpx.ConnectError:
+        print(
+            f"genq: error: nothing answers at {args.url} (is genq serve running?)", file=sys.stderr
+        )
+    except httpx.TransportError as exc:
+        print(f"genq: error: the connection to {args.url} failed: {exc}", file=sys.stderr)
+    return 1
+
+
+def _submit(args: argparse.Namespace) -> int:
     body: dict = {
         "model": args.model,
         "prompt": args.prompt,

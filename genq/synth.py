@@ -7,18 +7,24 @@ N(0, 0.02)), `config.json`, and a byte-level BPE `tokenizer.json` trained with `
 on the Python standard library's own sources (always on disk, no download).
 
 Weights are drawn with torch on the GPU when it is there (seconds for 8B), else with numpy.
+The folder is written beside its destination under a hidden name and renamed into place at
+the end, so an interrupted or failed run leaves no half-written model behind.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sysconfig
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from worker.process import require_gpu_extra
 
 INIT_STD = 0.02
 """Standard deviation of every non-norm weight (the usual Llama initialisation)."""
@@ -35,6 +41,8 @@ CORPUS_BYTES = {"tiny": 2_000_000, "1b": 8_000_000, "8b": 8_000_000}
 """How much stdlib source trains the tokenizer: enough for the vocabulary, fast to train."""
 SHARD_BYTES = 4 * 1024**3
 """Largest safetensors shard written (HF convention: several files plus an index)."""
+SYNTHETIC_MARK = "genq_synthetic"
+"""Key of config.json that marks a folder as this command's: one it may replace."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +134,7 @@ def _config(s: Shape, bos_id: int, eos_ids: list[int]) -> dict[str, Any]:
         "torch_dtype": "float16",
         "bos_token_id": bos_id,
         "eos_token_id": eos_ids,
-        "genq_synthetic": "random weights from `genq synth-model`; not a language model",
+        SYNTHETIC_MARK: "random weights from `genq synth-model`; not a language model",
     }
 
 
@@ -194,6 +202,18 @@ class _Sampler:
         save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def _writer_modules() -> tuple[str, ...]:
+    """What `_Sampler` will import: safetensors, and numpy unless torch has a GPU to draw on."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return ("safetensors",)
+    except ImportError:
+        pass
+    return ("numpy", "safetensors")
+
+
 def _write_weights(s: Shape, out: Path, seed: int) -> None:
     sampler = _Sampler(seed)
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
@@ -224,10 +244,47 @@ def _special_id(tok: Tokenizer, token: str) -> int:
 
 
 def synth_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0) -> Path:
-    """Write a random-weight Llama checkpoint of `shape` into `out_dir`; returns the folder."""
-    s = SHAPES[shape]
+    """Write a random-weight Llama checkpoint of `shape` into `out_dir` (new, empty, or an
+    earlier synth-model folder, which is replaced); returns the folder."""
+    require_gpu_extra("genq synth-model", _writer_modules())
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_replaceable(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
+    partial.mkdir()
+    try:
+        _write_model(shape, partial, seed)
+        _move_into_place(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out
+
+
+def _check_replaceable(out: Path) -> None:
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    try:
+        config = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    if not isinstance(config, dict) or SYNTHETIC_MARK not in config:
+        raise SystemExit(
+            f"genq: error: {out} exists and is not a genq synth-model folder: "
+            "remove it or pick another"
+        )
+
+
+def _move_into_place(partial: Path, out: Path) -> None:
+    old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+    if out.exists():
+        out.rename(old)
+    partial.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_model(shape: str, out: Path, seed: int) -> None:
+    s = SHAPES[shape]
     tok = train_tokenizer(s.tokenizer_vocab, CORPUS_BYTES[shape])
     tok.save(str(out / "tokenizer.json"))
     bos_id = _special_id(tok, BOS)
@@ -238,4 +295,3 @@ def synth_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0) -> Path
         json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_ids}, indent=1)
     )
     _write_weights(s, out, seed)
-    return out

@@ -14,11 +14,12 @@ worker's file), so a path that exists only on worker hosts cannot stop it from s
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _CONFIG = SettingsConfigDict(env_prefix="GENQ_", extra="ignore")
 
@@ -34,6 +35,28 @@ def _template_text(v: str | None) -> str | None:
     if not path.is_file():
         raise ValueError(f"no chat template file at {v!r} (inline templates contain '{{')")
     return path.read_text(encoding="utf-8")
+
+
+def _key_list(v: Any) -> Any:
+    """GENQ_API_KEYS as `k1,k2` (blanks around commas dropped) or a JSON list `["k1","k2"]`."""
+    if not isinstance(v, str):
+        return v
+    if v.lstrip().startswith("["):
+        return json.loads(v)
+    return [k.strip() for k in v.split(",") if k.strip()]
+
+
+def _keys_file(path: Path) -> list[str]:
+    """One key per line; blank lines and `#` comment lines skipped."""
+    try:
+        text = path.expanduser().read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"GENQ_API_KEYS_FILE: cannot read {str(path)!r}: {exc.strerror}") from None
+    keys = [line.strip() for line in text.splitlines()]
+    keys = [k for k in keys if k and not k.startswith("#")]
+    if not keys:  # an empty file would leave the gateway open: refuse instead
+        raise ValueError(f"GENQ_API_KEYS_FILE: {str(path)!r} holds no key")
+    return keys
 
 
 class RedisSettings(BaseSettings):
@@ -86,8 +109,15 @@ class GatewaySettings(JobSettings):
     max_prompt_chars: int = Field(default=2_000_000, ge=1)
     max_metadata_bytes: int = Field(default=16_384, ge=0)
     default_max_tokens: int = Field(default=256, ge=1)
-    api_keys: list[str] = Field(
-        default_factory=list, description="accepted bearer tokens; empty = open"
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="accepted API keys, comma-separated (or a JSON list); with no "
+        "api_keys_file either, the API is open",
+    )
+    api_keys_file: Path | None = Field(
+        default=None,
+        description="file of accepted API keys (one a line; blank lines and # comments "
+        "skipped), read at start, added to api_keys",
     )
     sse_keepalive_s: float = Field(default=15.0, gt=0)
     stream_idle_poll_s: float = Field(
@@ -113,6 +143,21 @@ class GatewaySettings(JobSettings):
     )
 
     _default_template = field_validator("default_chat_template")(_template_text)
+    _split_keys = field_validator("api_keys", mode="before")(_key_list)
+    _file_keys: list[str] = PrivateAttr(default_factory=list)
+    """Kept apart from api_keys: settings passed on to child processes as GENQ_* never carry
+    them (each child reads the file itself)."""
+
+    @model_validator(mode="after")
+    def _read_keys_file(self) -> GatewaySettings:
+        if self.api_keys_file is not None:
+            self._file_keys = _keys_file(self.api_keys_file)
+        return self
+
+    @property
+    def accepted_api_keys(self) -> list[str]:
+        """Every key the API accepts: GENQ_API_KEYS and GENQ_API_KEYS_FILE; none = open."""
+        return [*self.api_keys, *self._file_keys]
 
 
 class EngineSettings(BaseSettings):

@@ -34,6 +34,17 @@ def wait_for(predicate, timeout: float = 15.0, interval: float = 0.02, what: str
     raise TimeoutError(f"timed out waiting for {what or predicate}")
 
 
+def redis_conf_in(config: Path, data_dir: Path) -> Path:
+    """A copy of `config` in `data_dir` whose `dir` is `data_dir`. Redis enters a config
+    file's `dir` as it reads the line, before any --dir given after the file, so a `dir`
+    that does not exist here (deploy/redis.conf's) stops it unless replaced."""
+    lines = [line for line in config.read_text().splitlines() if line.split()[:1] != ["dir"]]
+    lines.append(f"dir {data_dir}")
+    copy = data_dir / config.name
+    copy.write_text("\n".join(lines) + "\n")
+    return copy
+
+
 @dataclass
 class RedisServer:
     """A private redis-server (AOF on) that tests may kill and restart on the same port."""
@@ -52,7 +63,7 @@ class RedisServer:
         durability = ["--appendonly", "yes", "--appendfsync", "always"]
         durability += ["--maxmemory-policy", "noeviction"]
         if self.config is not None:
-            durability = [str(self.config)]
+            durability = [str(redis_conf_in(self.config, self.dir))]
         self.proc = subprocess.Popen(
             [
                 shutil.which("redis-server") or "redis-server",

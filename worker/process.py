@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import signal
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 from shared import runtime
-from shared.settings import WorkerSettings
+from shared.settings import EngineSettings, WorkerSettings
 from worker import cpus
 from worker.engine import Engine
 from worker.service import Worker
@@ -17,9 +20,39 @@ from worker.sim import SimEngine
 log = logging.getLogger(__name__)
 _SIM_GIL_SWITCH_S = 0.0005
 _DEFAULT_GIL_SWITCH_S = 0.005  # CPython's own default
+EXL2_MODULES = ("torch", "exllamav2")
+"""What the exllamav2 engine imports: the gpu extra (a CPU install has neither)."""
+
+
+def require_gpu_extra(what: str, modules: Sequence[str]) -> None:
+    """SystemExit with one line when a module of the gpu extra is missing."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"genq: error: {what} needs the gpu extra: pip install 'genq[gpu]' "
+            f"(missing: {', '.join(missing)})"
+        )
+
+
+def check_engine(settings: EngineSettings) -> None:
+    """Stop with one line, before anything starts, on what would keep the engine from
+    loading: no model folder, or no gpu extra."""
+    if settings.engine == "sim":
+        return
+    if not settings.model_dir:
+        raise SystemExit("genq: error: --engine exllamav2 needs --model DIR")
+    folder = Path(settings.model_dir).expanduser()
+    if not folder.is_dir():
+        raise SystemExit(f"genq: error: no model folder at {settings.model_dir} (--model)")
+    if not (folder / "config.json").is_file():
+        raise SystemExit(
+            f"genq: error: {settings.model_dir} has no config.json: not a model folder (--model)"
+        )
+    require_gpu_extra("the exllamav2 engine", EXL2_MODULES)
 
 
 def build_engine(settings: WorkerSettings) -> Engine:
+    check_engine(settings)
     if settings.engine == "sim":
         return SimEngine(
             model_name=settings.model_name or "sim",
@@ -29,8 +62,6 @@ def build_engine(settings: WorkerSettings) -> Engine:
             max_seq_len=settings.sim_max_seq_len,
             poison_marker=settings.sim_poison_marker,
         )
-    if not settings.model_dir:
-        raise SystemExit("--engine exllamav2 needs --model DIR")
     from worker.exl2 import ExLlamaV2Engine  # the only import of exllamav2, and a lazy one
 
     return ExLlamaV2Engine.from_settings(settings)

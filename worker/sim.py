@@ -8,6 +8,18 @@ step); a new job first waits a prefill delay proportional to its prompt length.
 Fault injection (tests only, off by default): with `poison_marker` set, a job whose prompt
 contains that string fails in the engine at its first decode step, on every attempt, while the
 rest of the batch goes on: the worker's poison-job path (retry, then dead-letter) under test.
+
+Chat: the card ships `CHAT_TEMPLATE`, so `/v1/chat/completions` works out of the box. Each
+message is its role as a plain-text header line, its content, then EOS; the prompt starts
+with BOS and ends with an open `assistant` header when a reply is wanted:
+
+    <s>system
+    Be brief.</s>
+    user
+    Hi</s>
+    assistant
+
+A worker's GENQ_CHAT_TEMPLATE still replaces it.
 """
 
 from __future__ import annotations
@@ -26,6 +38,13 @@ from worker.engine import EngineJob, StepOutput
 SIM_NAME = "sim"
 EOS = "</s>"
 BOS = "<s>"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ message['role'] }}\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant\n{% endif %}"
+)
 _VOCAB_SIZE = 2048
 _MASK64 = (1 << 64) - 1
 _CORPUS = """
@@ -79,6 +98,7 @@ class SimEngine:
         prefill_ms_per_1k: float = 5.0,
         max_seq_len: int = 8192,
         poison_marker: str | None = None,
+        chat_template: str | None = CHAT_TEMPLATE,
     ) -> None:
         self._max_batch = max_batch
         self._poison_marker = poison_marker
@@ -101,7 +121,7 @@ class SimEngine:
             bos_token=BOS,
             eos_token=EOS,
             eos_token_ids=[self._eos_id],
-            chat_template=None,
+            chat_template=chat_template,
             description="genq sim engine: deterministic placeholder text, not a language model",
         )
 

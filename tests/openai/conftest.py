@@ -179,7 +179,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenqServer]:
         template: str | None = None, step_ms: float = 1.0, max_batch: int = base.max_batch
     ) -> tuple[Settings, SimEngine]:
         settings = Settings(**{**base.model_dump(), "chat_template": template})
-        return settings, SimEngine(step_ms=step_ms, max_batch=max_batch)
+        # No template of the engine's own: each model's is the one its settings name.
+        engine = SimEngine(step_ms=step_ms, max_batch=max_batch, chat_template=None)
+        return settings, engine
 
     genq = GenqServer(
         base,

@@ -31,11 +31,11 @@ async def redis() -> AsyncIterator[aioredis.Redis]:
 async def test_default_template_serves_models_without_one(
     settings: Settings, redis: aioredis.Redis
 ) -> None:
-    async with running_stack(settings, redis) as bare:
+    async with running_stack(settings, redis, chat_template=None) as bare:
         r = await bare.client.post("/v1/chat/completions", json={"model": "sim", "messages": USER})
         assert r.status_code == 400 and r.json()["error"]["code"] == "chat_template_missing"
     with_default = settings.model_copy(update={"default_chat_template": CHATML})
-    async with running_stack(with_default, redis) as stack:
+    async with running_stack(with_default, redis, chat_template=None) as stack:
         body = {"model": "sim", "messages": USER, "max_tokens": 3}
         r = await stack.client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
