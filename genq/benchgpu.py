@@ -110,7 +110,7 @@ def summary(label: str, streams: int, traces: list[Trace], wall: float, **extra:
 
 def run_bare(settings: Settings, jobs: list[Job], streams: int) -> dict:
     """The generator alone: enqueue `streams` jobs, start the next as each ends."""
-    from worker.exl2 import load_backend
+    from worker.exl2.loader import load_backend
 
     backend, card, _ = load_backend(settings)
     gen = backend.make_generator()

@@ -31,7 +31,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
         )
     if not settings.model_dir:
         raise SystemExit("--engine exllamav2 needs --model DIR")
-    from worker.exl2 import ExLlamaV2Engine  # the only import of exllamav2, and a lazy one
+    from worker.exl2.engine import ExLlamaV2Engine  # lazy: only this engine needs torch
 
     return ExLlamaV2Engine.from_settings(settings)
 

@@ -14,7 +14,8 @@ import pytest
 
 from shared.schemas import ModelCard, Sampling
 from worker.engine import EngineJob
-from worker.exl2 import Backend, ExLlamaV2Engine, sampler_fields
+from worker.exl2.engine import ExLlamaV2Engine
+from worker.exl2.loader import Backend, sampler_fields
 
 PAGE = 256
 EOS_ID = 2
@@ -185,7 +186,10 @@ def run_to_end(engine: ExLlamaV2Engine, limit: int = 100) -> list:
 
 
 def test_importing_the_engine_needs_no_torch() -> None:
-    code = "import sys, worker.exl2; assert not {'torch', 'exllamav2'} & set(sys.modules)"
+    modules = (
+        "worker.exl2.engine, worker.exl2.loader, worker.exl2.results, worker.exl2.gpu_sampling"
+    )
+    code = f"import sys, {modules}; assert not {{'torch', 'exllamav2'}} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -223,7 +227,7 @@ def test_pages_come_back_when_jobs_finish() -> None:
 
 
 def test_a_lapsed_promise_frees_its_pages(monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.exl2 as exl2
+    import worker.exl2.engine as exl2
 
     h = make(pages=4)
     assert h.engine.fits(4 * PAGE, active=1)  # admitted, but START refused it: no add()
