@@ -29,6 +29,7 @@ from typing import Any
 
 from shared.settings import Settings
 from worker import cpus
+from worker.exl2 import loader
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,6 @@ STABLE_AFTER_S = 60.0
 POLL_S = 0.2
 KILL_MARGIN_S = 10.0
 """After SIGTERM a child has `shutdown_grace_s` plus this to leave before it is killed."""
-PAGE_TOKENS = 256
-DEFAULT_CACHE_TOKENS_PER_JOB = 1024
 
 # `--procs-per-gpu auto`: as many processes as memory and CPU allow, up to the point where
 # more stopped paying on an H200 with an 8B model (docs/benchmarks.md, issue 5). With sampling
@@ -77,9 +76,15 @@ class Child:
 def child_settings(settings: Settings, procs_per_gpu: int) -> dict[str, Any]:
     """Per-process share of one GPU: batch slots and cache tokens divided by N."""
     per = max(1, math.ceil(settings.max_batch / procs_per_gpu))
-    cache = settings.cache_tokens or settings.max_batch * DEFAULT_CACHE_TOKENS_PER_JOB
-    per_cache = max(PAGE_TOKENS, (cache // procs_per_gpu) // PAGE_TOKENS * PAGE_TOKENS)
+    page = loader.PAGE_TOKENS
+    per_cache = max(page, (gpu_cache_tokens(settings) // procs_per_gpu) // page * page)
     return {"max_batch": per, "cache_tokens": per_cache}
+
+
+def gpu_cache_tokens(settings: Settings) -> int:
+    """Cache tokens for one GPU: what one exllamav2 worker there would allocate by itself."""
+    seq_len = loader.max_seq_len(settings) or 0
+    return loader.cache_tokens(settings.cache_tokens, seq_len, settings.max_batch)
 
 
 def settings_env(settings: Settings, **overrides: Any) -> dict[str, str]:
@@ -251,8 +256,7 @@ def auto_procs(settings: Settings, gpus: list[str]) -> int:
         return 1
     if free is None or weights == 0:
         return 1
-    cache_tokens = settings.cache_tokens or settings.max_batch * DEFAULT_CACHE_TOKENS_PER_JOB
-    cache = cache_tokens * kv_per_token * CACHE_BYTES_PER_ELEMENT[settings.cache_mode]
+    cache = gpu_cache_tokens(settings) * kv_per_token * CACHE_BYTES_PER_ELEMENT[settings.cache_mode]
     by_memory = int((free * GPU_MEMORY_USABLE - cache) // (weights + PROC_OVERHEAD_BYTES))
     most, cores = (
         (AUTO_MAX_PROCS, CORES_PER_PROC)

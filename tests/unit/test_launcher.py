@@ -19,12 +19,26 @@ from genq.launcher import Launcher, child_settings, parse_gpus, settings_env
 from shared.settings import Settings
 from tests.conftest import REDIS_URL
 from tests.procs import free_port, wait_for
+from worker.exl2 import loader
 
 
 def test_each_process_gets_its_share_of_the_gpu() -> None:
     s = Settings(max_batch=256, cache_tokens=196_608)
     assert child_settings(s, 3) == {"max_batch": 86, "cache_tokens": 65_536}
     assert child_settings(s, 1) == {"max_batch": 256, "cache_tokens": 196_608}
+
+
+def test_a_gpus_default_cache_is_what_its_engine_would_allocate(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The launcher sizes the cache as a lone exllamav2 worker would: at least one sequence
+    of the model's length (config.json), not only 1024 tokens per batch slot."""
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131_072}))
+    s = Settings(engine="exllamav2", model_dir=str(tmp_path), max_batch=4)
+    engine_default = loader.cache_tokens(None, 131_072, 4)
+    assert engine_default == 131_072
+    assert child_settings(s, 1)["cache_tokens"] == engine_default
+    assert child_settings(s, 2)["cache_tokens"] == engine_default // 2
+    short = s.model_copy(update={"max_seq_len": 2048})  # GENQ_MAX_SEQ_LEN wins over the model's
+    assert child_settings(short, 1)["cache_tokens"] == loader.cache_tokens(None, 2048, 4) == 4096
 
 
 def test_children_get_the_settings_their_gpu_and_an_id_each(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -30,6 +30,16 @@ MAX_SAMPLING_THREADS = 16
 DEFAULT_CACHE_TOKENS_PER_JOB = 1024
 """Default cache size per batch slot when `cache_tokens` is not set: room for a typical
 prompt + reply without paying for a cache sized for the worst case (which costs speed)."""
+MAX_SEQ_LEN_KEYS = (
+    "max_sequence_length",
+    "model_max_length",
+    "max_position_embeddings",
+    "max_seq_len",
+    "n_positions",
+)
+"""config.json keys `ExLlamaV2Config` takes the model's sequence length from, the first present
+one winning; `EXL2_DEFAULT_MAX_SEQ_LEN` when none is."""
+EXL2_DEFAULT_MAX_SEQ_LEN = 2048
 
 
 @dataclass
@@ -93,6 +103,22 @@ def cache_tokens(
         return _round_up(max_seq_len, PAGE_TOKENS)
     wanted = configured or max(max_seq_len, max_batch * DEFAULT_CACHE_TOKENS_PER_JOB)
     return _round_up(wanted, PAGE_TOKENS)
+
+
+def max_seq_len(settings: EngineSettings) -> int | None:
+    """The sequence length the engine runs the model at, known without loading it:
+    GENQ_MAX_SEQ_LEN if set, else the model's as exllamav2 reads it from config.json; None
+    without a model folder whose config.json can be read."""
+    if settings.max_seq_len:
+        return settings.max_seq_len
+    if not settings.model_dir:
+        return None
+    try:
+        cfg = json.loads((Path(settings.model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    found = (cfg[k] for k in MAX_SEQ_LEN_KEYS if isinstance(cfg.get(k), int))
+    return next(found, EXL2_DEFAULT_MAX_SEQ_LEN)
 
 
 def _round_up(n: int, to: int) -> int:
