@@ -181,35 +181,3 @@ def apply(spec: str | None) -> int | None:
     cpus = parse_cpulist(spec)
     os.sched_setaffinity(0, cpus)
     return len(cpus)
-
-
-# ---- CPU time of processes, for the benchmarks (/proc) ------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process `pid` has used (its threads included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def processes() -> dict[int, tuple[int, str]]:
-    """Every live process: pid → (parent pid, command name)."""
-    out: dict[int, tuple[int, str]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            head, tail = (d / "stat").read_text().rsplit(")", 1)
-        except OSError:
-            continue
-        out[int(d.name)] = (int(tail.split()[1]), head.split("(", 1)[1])
-    return out
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and its live descendants, parents before children."""
-    procs = processes()
-    tree = [root] if root in procs else []
-    for pid in tree:  # grows as it goes
-        tree += sorted(p for p, (pp, _) in procs.items() if pp == pid)
-    return tree

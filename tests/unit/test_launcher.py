@@ -180,3 +180,14 @@ def test_auto_procs_fits_weights_cache_and_cores(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(launcher, "_gpu_free_bytes", lambda gpu: None)  # no nvidia-smi
     assert launcher.auto_procs(s, ["0"]) == 1
     assert launcher.auto_procs(Settings(), ["0"]) == 1  # the sim engine
+
+
+@pytest.mark.parametrize("command", ["worker", "serve"])
+def test_the_help_says_how_many_processes_auto_picks(command: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    from genq.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    most, most_cpu = launcher.AUTO_MAX_PROCS, launcher.AUTO_MAX_PROCS_CPU_SAMPLING
+    assert f"at most {most}; {most_cpu} without GPU sampling" in text
