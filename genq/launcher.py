@@ -30,6 +30,7 @@ from typing import Any
 from shared.settings import Settings
 from worker import cpus
 from worker.exl2 import loader
+from worker.gpus import free_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -224,14 +225,6 @@ def parse_gpus(spec: str | None) -> list[str]:
     return [g for g in visible.split(",") if g] if visible else ["0"]
 
 
-def _gpu_free_bytes(gpu: str) -> int | None:
-    free_mib = cpus.gpu_query(gpu, "memory.free")
-    try:
-        return int((free_mib or "").split()[0]) * 1024**2
-    except (ValueError, IndexError):
-        return None
-
-
 def _model_bytes(model_dir: Path) -> tuple[int, int]:
     """(weight bytes, K/V elements per cached token) of a model folder."""
     weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
@@ -249,7 +242,7 @@ def auto_procs(settings: Settings, gpus: list[str]) -> int:
     unknown GPU or model: 1."""
     if settings.engine != "exllamav2" or not settings.model_dir:
         return 1
-    free = _gpu_free_bytes(gpus[0])
+    free = free_memory_bytes(gpus[0])
     try:
         weights, kv_per_token = _model_bytes(Path(settings.model_dir))
     except (OSError, ValueError, KeyError):

@@ -164,7 +164,7 @@ def _model(tmp_path, weight_gib: float):  # type: ignore[no-untyped-def]
 
 def test_auto_procs_fits_weights_cache_and_cores(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     model = _model(tmp_path, 15)
-    monkeypatch.setattr(launcher, "_gpu_free_bytes", lambda gpu: 140 * 1024**3)
+    monkeypatch.setattr(launcher, "free_memory_bytes", lambda gpu: 140 * 1024**3)
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
     s = Settings(engine="exllamav2", model_dir=str(model), max_batch=256, cache_tokens=196_608)
     assert launcher.auto_procs(s, ["0"]) == 2  # 8B fp16 on an H200, GPU sampling: capped at 2
@@ -177,7 +177,7 @@ def test_auto_procs_fits_weights_cache_and_cores(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
     big = _model(tmp_path, 130)  # a 70B-class model fits once
     assert launcher.auto_procs(s.model_copy(update={"model_dir": str(big)}), ["0"]) == 1
-    monkeypatch.setattr(launcher, "_gpu_free_bytes", lambda gpu: None)  # no nvidia-smi
+    monkeypatch.setattr(launcher, "free_memory_bytes", lambda gpu: None)  # no NVML, nvidia-smi
     assert launcher.auto_procs(s, ["0"]) == 1
     assert launcher.auto_procs(Settings(), ["0"]) == 1  # the sim engine
 
