@@ -88,6 +88,81 @@ def test_a_dying_child_is_restarted_with_backoff(monkeypatch) -> None:  # type: 
     assert c.backoff > 0.05 * 4  # doubled on every death
 
 
+_GPU0_DIES = (
+    "import os, signal, sys, time\n"
+    "if os.environ['CUDA_VISIBLE_DEVICES'] == '0':\n"
+    "    sys.exit(3)\n"
+    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+    "time.sleep(60)\n"
+)
+"""A child command: on GPU 0 it exits at once with 3; elsewhere it runs until SIGTERM."""
+
+
+def _supervise(la: Launcher, timeout: float) -> int | None:
+    """`la.run_supervised()` in a thread; its exit code, or None while it still runs after
+    `timeout` (then it is stopped)."""
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(la.run_supervised()))
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        la._stop()
+        t.join(30)
+        return None
+    return result[0]
+
+
+def _fast_restarts(la: Launcher, backoff: float) -> None:
+    for c in la.children:
+        c.backoff = backoff
+
+
+@pytest.mark.parametrize("limit", [3, 0])
+def test_a_crash_loop_stops_every_child_and_exits_non_zero(limit: int) -> None:
+    s = Settings(restart_limit=limit, restart_window_s=60, shutdown_grace_s=5)
+    la = Launcher(s, ["0", "1"], 1, command=[sys.executable, "-c", _GPU0_DIES])
+    _fast_restarts(la, 0.05)
+    assert _supervise(la, timeout=30) == launcher.CRASH_LOOP_EXIT
+    dying, healthy = la.children
+    assert la.crash_loop is dying
+    assert dying.restarts == limit and dying.exit_codes == [3] * (limit + 1)
+    assert healthy.restarts == 0
+    assert healthy.proc is not None and healthy.proc.returncode == 0  # drained by SIGTERM
+
+
+def test_crashes_spread_out_keep_being_restarted(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    backoff = 0.3  # every restart this long after the death before it...
+    monkeypatch.setattr(launcher, "RESTART_BACKOFF_MAX_S", backoff)
+    s = Settings(restart_limit=1, restart_window_s=0.2, shutdown_grace_s=1)  # ...past the window
+    la = Launcher(s, ["0"], 1, command=[sys.executable, "-c", _GPU0_DIES])
+    _fast_restarts(la, backoff)
+    t = threading.Thread(target=la.run_supervised)
+    t.start()
+    try:
+        wait_for(lambda: la.children[0].restarts >= 4 or not t.is_alive(), timeout=30)
+    finally:
+        la._stop()
+        t.join(30)
+    assert la.crash_loop is None and la.children[0].restarts >= 4
+
+
+@pytest.mark.e2e
+def test_genq_worker_exits_non_zero_when_its_processes_crash_loop(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The real command: exllamav2 workers that cannot load (no model here, no exllamav2)."""
+    env = {
+        **os.environ,
+        "GENQ_REDIS_URL": REDIS_URL,
+        "GENQ_KEY_PREFIX": f"genqtest:{uuid.uuid4().hex[:8]}:",
+        "GENQ_RESTART_LIMIT": "1",
+        "GENQ_RESTART_WINDOW_S": "120",
+    }
+    cmd = [sys.executable, "-m", "genq", "worker", "--engine", "exllamav2", "--model"]
+    cmd += [str(tmp_path), "--procs-per-gpu", "2", "--cpu-affinity", "off"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == launcher.CRASH_LOOP_EXIT, out.stderr[-2000:]
+    assert "keeps dying" in out.stderr
+
+
 def test_sigterm_drains_every_child() -> None:
     code = (
         "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0));"
