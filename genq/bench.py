@@ -1,9 +1,17 @@
 """`genq bench`: a load generator of concurrent streaming clients.
 
-Each client runs requests back to back (`POST /v1/jobs` with `"stream": true`) over a raw
-asyncio HTTP/1.1 connection, so the load generator itself stays cheap next to the system it
-measures. Figures: requests/s, tokens/s delivered, time to first token and inter-token
-latency (p50, p99), errors; plus the gateway's open streams and memory, sampled from /readyz.
+Each client runs requests back to back over a raw asyncio HTTP/1.1 connection (TLS for
+`https://` URLs), so the load generator itself stays cheap next to the system it measures.
+`--api` picks the route: `native` streams `POST /v1/jobs`, `openai` the completions route
+(`/v1/completions`) and `chat` the chat route (`/v1/chat/completions`), both with
+`stream_options.include_usage`. Figures: requests/s, tokens/s delivered, time to first token
+and inter-token latency (p50, p99), errors; plus the gateway's open streams and memory,
+sampled from /readyz. On a terminal (and without --json) a progress bar shows finished
+requests, elapsed time, rate and ETA.
+
+Inter-token latency: a native token event says how many tokens it carries, and its gap is
+divided among them. An OpenAI chunk does not say: the stream's tokens are those of its usage
+chunk, and each chunk's gap is divided by the stream's average tokens per chunk.
 """
 
 from __future__ import annotations
@@ -12,25 +20,36 @@ import argparse
 import asyncio
 import json
 import random
+import ssl
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from tqdm import tqdm
+
+from genq.stats import TokenTimes, latency
 from shared import runtime
 
 _WORDS = "the of and to in is that for it as was with be by on not this are or from at".split()
 _READYZ_EVERY_S = 0.5
+LATENCY_DIGITS = 2
+"""Milliseconds are reported to this many decimals."""
+DEFAULT_PORTS = {"http": 80, "https": 443}
+API_PATHS = {"native": "/v1/jobs", "openai": "/v1/completions", "chat": "/v1/chat/completions"}
+ERROR_TEXT_CHARS = 200
 
 
 @dataclass
 class Result:
+    times: TokenTimes = field(default_factory=lambda: TokenTimes(time.perf_counter()))
     ok: bool = False
     error: str = ""
-    ttft: float | None = None
-    tokens: int = 0
-    gaps: list[float] = field(default_factory=list)
-    """Inter-token latency samples: each token event's gap divided among its tokens."""
+
+    @property
+    def tokens(self) -> int:
+        return self.times.tokens
 
 
 @dataclass
@@ -38,6 +57,25 @@ class Target:
     host: str
     port: int
     api_key: str | None
+    tls: ssl.SSLContext | None = None
+
+    @classmethod
+    def from_url(cls, url: str, api_key: str | None) -> Target:
+        """`http://` or `https://` (verified against the system's CA store, or the file in
+        SSL_CERT_FILE); ValueError for any other scheme."""
+        parts = urlsplit(url)
+        if parts.scheme not in DEFAULT_PORTS:
+            raise ValueError(f"--url must start with http:// or https://, not {url!r}")
+        tls = ssl.create_default_context() if parts.scheme == "https" else None
+        port = parts.port or DEFAULT_PORTS[parts.scheme]
+        return cls(parts.hostname or "127.0.0.1", port, api_key, tls)
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.tls is None:
+            return await asyncio.open_connection(self.host, self.port)
+        return await asyncio.open_connection(
+            self.host, self.port, ssl=self.tls, server_hostname=self.host
+        )
 
     def request(self, method: str, path: str, body: bytes = b"") -> bytes:
         auth = f"Authorization: Bearer {self.api_key}\r\n" if self.api_key else ""
@@ -74,16 +112,96 @@ async def _body_chunks(reader: asyncio.StreamReader, headers: dict[str, str]):  
         yield await reader.readexactly(int(headers.get("content-length", "0")))
 
 
+class Stream(Protocol):
+    """Reads one response's SSE frames into its Result."""
+
+    def frame(self, frame: bytes, now: float) -> None: ...
+
+    def end(self) -> None: ...
+
+
+def _data(frame: bytes) -> bytes:
+    return frame.split(b"data: ", 1)[1] if b"data: " in frame else b""
+
+
+class NativeStream:
+    """genq's own events: `token` (with its token count), `done`, `error`, `cancelled`."""
+
+    def __init__(self, res: Result) -> None:
+        self.res = res
+
+    def frame(self, frame: bytes, now: float) -> None:
+        etype = frame.split(b"event: ", 1)[1].split(b"\n", 1)[0] if b"event: " in frame else b""
+        if etype == b"token":
+            self.res.times.arrived(now, int(json.loads(_data(frame))["count"]))
+        elif etype == b"done":
+            self.res.ok = True
+        elif etype in (b"error", b"cancelled"):
+            self.res.error = _data(frame)[:ERROR_TEXT_CHARS].decode(errors="replace")
+
+    def end(self) -> None:
+        pass
+
+
+class OpenAIStream:
+    """OpenAI's chunks (completions: `choices[].text`; chat: `choices[].delta.content`), the
+    usage chunk, then `[DONE]`; an `error` object ends it."""
+
+    def __init__(self, res: Result) -> None:
+        self.res = res
+        self.finished = False
+        self.done = False
+        self.usage_tokens: int | None = None
+
+    def frame(self, frame: bytes, now: float) -> None:
+        data = _data(frame)
+        if not data:
+            return
+        if data == b"[DONE]":
+            self.done = True
+            return
+        chunk = json.loads(data)
+        if chunk.get("error"):
+            self.res.error = json.dumps(chunk["error"])[:ERROR_TEXT_CHARS]
+            return
+        for choice in chunk.get("choices") or []:
+            text = choice.get("text") or (choice.get("delta") or {}).get("content")
+            if text:
+                self.res.times.arrived(now, 1)
+            self.finished = self.finished or choice.get("finish_reason") is not None
+        if chunk.get("usage"):
+            self.usage_tokens = int(chunk["usage"]["completion_tokens"])
+
+    def end(self) -> None:
+        if self.res.error:
+            return
+        if not (self.finished and self.done):
+            self.res.error = "the stream ended before its finish_reason and [DONE]"
+            return
+        self.res.ok = True
+        if self.usage_tokens is not None:
+            self.res.times.recount(self.usage_tokens)
+
+
+STREAMS: dict[str, type[NativeStream] | type[OpenAIStream]] = {
+    "native": NativeStream,
+    "openai": OpenAIStream,
+    "chat": OpenAIStream,
+}
+
+
 class Client:
     """One keep-alive connection running requests back to back."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, api: str = "native") -> None:
         self.target = target
+        self.path = API_PATHS[api]
+        self.stream_cls = STREAMS[api]
         self.conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self.conn is None:
-            self.conn = await asyncio.open_connection(self.target.host, self.target.port)
+            self.conn = await self.target.connect()
         return self.conn
 
     async def close(self) -> None:
@@ -95,52 +213,32 @@ class Client:
         res = Result()
         try:
             reader, writer = await self._connection()
-            t0 = time.perf_counter()
-            writer.write(self.target.request("POST", "/v1/jobs", body))
+            res.times.start = time.perf_counter()
+            writer.write(self.target.request("POST", self.path, body))
             status, headers = await _read_head(reader)
+            stream = self.stream_cls(res)
             buf = b""
-            last = t0
             async for chunk in _body_chunks(reader, headers):
                 if status >= 400:
-                    res.error = f"HTTP {status}: {chunk[:200].decode(errors='replace')}"
+                    res.error = (
+                        f"HTTP {status}: {chunk[:ERROR_TEXT_CHARS].decode(errors='replace')}"
+                    )
                     continue
                 now = time.perf_counter()
                 buf += chunk
                 *frames, buf = buf.split(b"\n\n")
                 for frame in frames:
-                    last = self._frame(res, frame, t0, last, now)
+                    if not frame.startswith(b":"):  # a comment: keep-alive
+                        stream.frame(frame, now)
+            if status < 400:
+                stream.end()
             if headers.get("connection", "").lower() == "close":
                 await self.close()
-        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        except (OSError, asyncio.IncompleteReadError, ValueError, KeyError) as exc:
+            res.ok = False
             res.error = f"{type(exc).__name__}: {exc}"
             await self.close()
         return res
-
-    @staticmethod
-    def _frame(res: Result, frame: bytes, t0: float, last: float, now: float) -> float:
-        if frame.startswith(b":"):
-            return last
-        etype = frame.split(b"event: ", 1)[1].split(b"\n", 1)[0] if b"event: " in frame else b""
-        if etype == b"token":
-            count = json.loads(frame.split(b"data: ", 1)[1])["count"]
-            if res.ttft is None:
-                res.ttft = now - t0
-            else:
-                res.gaps.extend([(now - last) / count] * count)
-            res.tokens += count
-            return now
-        if etype == b"done":
-            res.ok = True
-        elif etype in (b"error", b"cancelled"):
-            res.error = frame.split(b"data: ", 1)[-1][:200].decode(errors="replace")
-        return last
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 async def _readyz(target: Target, peak: dict[str, float], stop: asyncio.Event) -> None:
@@ -168,57 +266,76 @@ def _prompt(n_tokens: int, rng: random.Random) -> str:
     return "".join(" " + rng.choice(_WORDS) for _ in range(n_tokens)).lstrip()
 
 
+def request_body(api: str, args: argparse.Namespace, prompt: str, seed: int) -> bytes:
+    """One request of the workload on route `api`."""
+    body: dict[str, Any] = {
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "stream": True,
+        "seed": seed,
+    }
+    if api == "native":
+        body |= {"prompt": prompt, "priority": args.priority}
+    else:
+        body["stream_options"] = {"include_usage": True}
+        if api == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+    return json.dumps(body).encode()
+
+
 async def run_bench(args: argparse.Namespace) -> dict:
-    url = urlsplit(args.url)
-    target = Target(url.hostname or "127.0.0.1", url.port or 80, args.api_key)
+    target = Target.from_url(args.url, args.api_key)
+    api = getattr(args, "api", "native")
     rng = random.Random(0)
     bodies = [
-        json.dumps(
-            {
-                "model": args.model,
-                "prompt": _prompt(args.prompt_tokens, rng),
-                "max_tokens": args.max_tokens,
-                "priority": args.priority,
-                "stream": True,
-                "seed": i,
-            }
-        ).encode()
-        for i in range(args.requests)
+        request_body(api, args, _prompt(args.prompt_tokens, rng), i) for i in range(args.requests)
     ]
     results: list[Result] = []
     todo = iter(bodies)
-    show = sys.stderr.isatty() and not args.json
+    bar = tqdm(
+        total=args.requests,
+        unit="req",
+        file=sys.stderr,
+        disable=args.json or not sys.stderr.isatty(),
+        dynamic_ncols=True,
+    )
 
     async def client_loop() -> None:
-        client = Client(target)
+        client = Client(target, api)
         for body in todo:
-            results.append(await client.stream_job(body))
-            if show:
-                _progress(len(results), args.requests)
+            res = await client.stream_job(body)
+            results.append(res)
+            bar.update(1)
+            if not res.ok:
+                bar.set_postfix(errors=sum(not r.ok for r in results), refresh=False)
         await client.close()
 
     peak: dict[str, float] = {}
     stop = asyncio.Event()
     sampler = asyncio.create_task(_readyz(target, peak, stop))
     t0 = time.perf_counter()
-    await asyncio.gather(*(client_loop() for _ in range(min(args.concurrency, args.requests))))
-    wall = time.perf_counter() - t0
-    stop.set()
-    await sampler
-    if show:
-        sys.stderr.write("\n")
-    return _summary(args, results, wall, peak)
+    try:
+        await asyncio.gather(*(client_loop() for _ in range(min(args.concurrency, args.requests))))
+    finally:
+        wall = time.perf_counter() - t0
+        bar.close()
+        stop.set()
+        await sampler
+    return _summary(args, api, results, wall, peak)
 
 
-def _summary(args: argparse.Namespace, results: list[Result], wall: float, peak: dict) -> dict:
+def _summary(
+    args: argparse.Namespace, api: str, results: list[Result], wall: float, peak: dict
+) -> dict:
     ok = [r for r in results if r.ok]
-    ttfts = [r.ttft for r in ok if r.ttft is not None]
-    gaps = [g for r in ok for g in r.gaps]
-    ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
     errors = [r.error for r in results if not r.ok]
+    tokens = sum(r.tokens for r in ok)
     return {
         "url": args.url,
         "model": args.model,
+        "api": api,
         "concurrency": args.concurrency,
         "requests": len(results),
         "completed": len(ok),
@@ -228,25 +345,20 @@ def _summary(args: argparse.Namespace, results: list[Result], wall: float, peak:
         "prompt_tokens": args.prompt_tokens,
         "wall_s": round(wall, 3),
         "requests_per_s": round(len(ok) / wall, 2),
-        "tokens": sum(r.tokens for r in ok),
-        "tokens_per_s": round(sum(r.tokens for r in ok) / wall, 1),
-        "ttft_ms_p50": ms(percentile(ttfts, 50)),
-        "ttft_ms_p99": ms(percentile(ttfts, 99)),
-        "itl_ms_p50": ms(percentile(gaps, 50)),
-        "itl_ms_p99": ms(percentile(gaps, 99)),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 1),
+        **latency([r.times for r in ok], LATENCY_DIGITS),
         "gateway_peak_streams": peak.get("streams"),
         "gateway_peak_rss_mb": peak.get("rss_mb"),
     }
 
 
-def _progress(done: int, total: int) -> None:
-    width = 40
-    filled = width * done // total
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-    sys.stderr.flush()
-
-
 def main(args: argparse.Namespace) -> int:
+    try:
+        Target.from_url(args.url, args.api_key)
+    except ValueError as exc:
+        print(f"genq bench: {exc}", file=sys.stderr)
+        return 2
     summary = runtime.run(run_bench(args))
     if args.json:
         print(json.dumps(summary))

@@ -20,24 +20,24 @@ import contextlib
 import json
 import os
 import random
-import resource
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import redis
 
-from genq.bench import Client, Target, percentile
+from genq import procstats
+from genq.bench import Client, Target
+from genq.stats import TokenTimes, latency
 from shared.keys import Keys
 from shared.logs import setup as setup_logging
 from shared.schemas import Sampling
 from shared.settings import Settings
-from worker import cpus
 
 VOCAB_LOW = 300
 """Lowest token id used in prompts: above the special tokens of a synth model."""
@@ -55,25 +55,6 @@ class Job:
     seed: int
 
 
-@dataclass
-class Trace:
-    start: float
-    first: float | None = None
-    last: float | None = None
-    tokens: int = 0
-    gaps: list[float] = field(default_factory=list)
-
-    def tokens_at(self, now: float, n: int) -> None:
-        if n <= 0:
-            return
-        if self.first is None:
-            self.first = now
-        elif self.last is not None:
-            self.gaps.extend([(now - self.last) / n] * n)
-        self.last = now
-        self.tokens += n
-
-
 def workload(n: int, prompt_min: int, prompt_max: int, new_tokens: int, vocab: int) -> list[Job]:
     rng = random.Random(0)
     return [
@@ -86,10 +67,11 @@ def workload(n: int, prompt_min: int, prompt_max: int, new_tokens: int, vocab: i
     ]
 
 
-def summary(label: str, streams: int, traces: list[Trace], wall: float, **extra: Any) -> dict:
-    ttft = [t.first - t.start for t in traces if t.first is not None]
-    gaps = [g for t in traces for g in t.gaps]
-    ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
+LATENCY_DIGITS = 1
+"""Milliseconds are reported to this many decimals."""
+
+
+def summary(label: str, streams: int, traces: list[TokenTimes], wall: float, **extra: Any) -> dict:
     tokens = sum(t.tokens for t in traces)
     return {
         "run": label,
@@ -98,10 +80,7 @@ def summary(label: str, streams: int, traces: list[Trace], wall: float, **extra:
         "tokens": tokens,
         "wall_s": round(wall, 2),
         "tokens_per_s": round(tokens / wall, 1),
-        "ttft_ms_p50": ms(percentile(ttft, 50)),
-        "ttft_ms_p99": ms(percentile(ttft, 99)),
-        "itl_ms_p50": ms(percentile(gaps, 50)),
-        "itl_ms_p99": ms(percentile(gaps, 99)),
+        **latency(traces, LATENCY_DIGITS),
         **extra,
     }
 
@@ -111,12 +90,12 @@ def summary(label: str, streams: int, traces: list[Trace], wall: float, **extra:
 
 def run_bare(settings: Settings, jobs: list[Job], streams: int) -> dict:
     """The generator alone: enqueue `streams` jobs, start the next as each ends."""
-    from worker.exl2 import load_backend
+    from worker.exl2.loader import load_backend
 
     backend, card, _ = load_backend(settings)
     gen = backend.make_generator()
     todo = list(reversed(jobs))
-    traces: dict[int, Trace] = {}
+    traces: dict[int, TokenTimes] = {}
     sampling = Sampling()
 
     def start() -> None:
@@ -125,7 +104,7 @@ def run_bare(settings: Settings, jobs: list[Job], streams: int) -> dict:
         handle = backend.make_job(
             job.ids, job.new_tokens, sampling, job.seed, list(card.eos_token_ids), str(key)
         )
-        traces[key] = Trace(time.perf_counter())
+        traces[key] = TokenTimes(time.perf_counter())
         gen.enqueue(handle)
 
     t0 = time.perf_counter()
@@ -138,7 +117,7 @@ def run_bare(settings: Settings, jobs: list[Job], streams: int) -> dict:
             if r.get("stage") != "streaming":
                 continue
             ids = r.get("token_ids")
-            traces[int(r["identifier"])].tokens_at(now, 0 if ids is None else int(ids.shape[-1]))
+            traces[int(r["identifier"])].arrived(now, 0 if ids is None else int(ids.shape[-1]))
             if r.get("eos") and todo:
                 start()
     wall = time.perf_counter() - t0
@@ -245,10 +224,10 @@ class System:
 
 async def drive_http(
     url: str, model: str, jobs: list[Job], streams: int
-) -> tuple[list[Trace], float]:
+) -> tuple[list[TokenTimes], float]:
     target = Target("127.0.0.1", int(url.rsplit(":", 1)[1]), None)
     todo = iter(jobs)
-    traces: list[Trace] = []
+    traces: list[TokenTimes] = []
 
     async def client_loop() -> None:
         client = Client(target)
@@ -262,14 +241,10 @@ async def drive_http(
                     "seed": job.seed,
                 }
             ).encode()
-            t = Trace(time.perf_counter())
             res = await client.stream_job(body)
             if not res.ok:
                 raise RuntimeError(f"job failed: {res.error}")
-            t.tokens = res.tokens
-            t.first = None if res.ttft is None else t.start + res.ttft
-            t.gaps = res.gaps
-            traces.append(t)
+            traces.append(res.times)
         await client.close()
 
     t0 = time.perf_counter()
@@ -296,36 +271,25 @@ class CpuUse:
 
     def __init__(self, system: System) -> None:
         gateway, worker = (p.pid for p in system.procs)
-        self.groups = {"gateway": cpus.process_tree(gateway)}
-        workers = cpus.process_tree(worker)  # the launcher, then the processes it started
+        self.groups = {"gateway": procstats.process_tree(gateway)}
+        workers = procstats.process_tree(worker)  # the launcher, then the processes it started
         if len(workers) > 1:
             self.groups["launcher"] = workers[:1]
         for i, pid in enumerate(workers[1:] or workers):
             self.groups[f"worker{i}"] = [pid]
-        self.groups["redis"] = [p for p, (_, n) in cpus.processes().items() if n == "redis-server"]
-        self.before = {g: self._seconds(pids) for g, pids in self.groups.items()}
-        self.self_before = _self_cpu()
-
-    @staticmethod
-    def _seconds(pids: list[int]) -> float:
-        total = 0.0
-        for pid in pids:
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                total += cpus.cpu_seconds(pid)
-        return total
+        self.groups["redis"] = procstats.pids_named("redis-server")
+        self.groups["bench"] = [os.getpid()]
+        self.before = {g: procstats.total_cpu_seconds(p) for g, p in self.groups.items()}
 
     def cores(self, wall: float) -> dict[str, float]:
-        out = {g: (self._seconds(p) - self.before[g]) / wall for g, p in self.groups.items()}
-        out["bench"] = (_self_cpu() - self.self_before) / wall
+        out = {
+            g: (procstats.total_cpu_seconds(p) - self.before[g]) / wall
+            for g, p in self.groups.items()
+        }
         out = {g: round(v, 2) for g, v in out.items()}
         out["total"] = round(sum(out.values()), 2)
         out["host_cpus"] = os.cpu_count() or 0
         return out
-
-
-def _self_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def genq_bench(system: System, streams: int, requests: int, new: int, prompt: int) -> dict:

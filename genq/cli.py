@@ -121,7 +121,8 @@ def _launcher_flags(p: argparse.ArgumentParser, default_procs: str) -> None:
         "--procs-per-gpu",
         default=default_procs,
         help="worker processes per GPU, "
-        "or 'auto' (as many as memory and CPU allow, at most 4); --max-batch and "
+        "or 'auto' (as many as memory and CPU allow, at most 2; 4 without GPU sampling); "
+        "--max-batch and "
         f"--cache-tokens are per GPU, shared among them (default: {default_procs})",
     )
     p.add_argument(
@@ -185,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=256, help="requests in all")
     p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length of each request")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument(
+        "--api",
+        choices=["native", "openai", "chat"],
+        default="native",
+        help="route: native POST /v1/jobs, openai /v1/completions, chat /v1/chat/completions",
+    )
 
     p = sub.add_parser("synth-model", help="write a random-weight Llama model (tests, planning)")
     p.add_argument("dir", help="folder to write (a new one, or an earlier synth-model folder)")

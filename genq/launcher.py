@@ -9,11 +9,17 @@ process: N copies of the model must fit on the GPU beside the caches.
 
 The launcher restarts a child that dies (backoff doubling from `RESTART_BACKOFF_S` up to
 `RESTART_BACKOFF_MAX_S`, reset once a child has stayed up `STABLE_AFTER_S`; its jobs are
-reclaimed by the queue as usual) and passes SIGTERM/SIGINT on, so that every child drains.
+reclaimed by the queue as usual), but only `GENQ_RESTART_LIMIT` times within
+`GENQ_RESTART_WINDOW_S`: a child that dies once more in that window is a crash loop the
+launcher cannot fix (a bad model, a broken GPU), so it stops every child (drained, as on
+SIGTERM) and exits `CRASH_LOOP_EXIT` — restarting the whole set, with its own backoff and
+alerting, is then the job of systemd or Kubernetes. SIGTERM/SIGINT are passed on, so that
+every child drains.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -29,6 +35,8 @@ from typing import Any
 
 from shared.settings import WorkerSettings
 from worker import cpus
+from worker.exl2 import loader
+from worker.gpus import free_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +46,8 @@ STABLE_AFTER_S = 60.0
 POLL_S = 0.2
 KILL_MARGIN_S = 10.0
 """After SIGTERM a child has `shutdown_grace_s` plus this to leave before it is killed."""
-PAGE_TOKENS = 256
-DEFAULT_CACHE_TOKENS_PER_JOB = 1024
+CRASH_LOOP_EXIT = 1
+"""The launcher's exit code after a child exceeded its restarts (a failure to systemd)."""
 
 # `--procs-per-gpu auto`: as many processes as memory and CPU allow, up to the point where
 # more stopped paying on an H200 with an 8B model (docs/benchmarks.md, issue 5). With sampling
@@ -68,6 +76,8 @@ class Child:
     backoff: float = RESTART_BACKOFF_S
     next_start: float = 0.0
     exit_codes: list[int] = field(default_factory=list)
+    recent_restarts: collections.deque[float] = field(default_factory=collections.deque)
+    """When this child was last restarted, within the restart window."""
 
     @property
     def name(self) -> str:
@@ -77,9 +87,15 @@ class Child:
 def child_settings(settings: WorkerSettings, procs_per_gpu: int) -> dict[str, Any]:
     """Per-process share of one GPU: batch slots and cache tokens divided by N."""
     per = max(1, math.ceil(settings.max_batch / procs_per_gpu))
-    cache = settings.cache_tokens or settings.max_batch * DEFAULT_CACHE_TOKENS_PER_JOB
-    per_cache = max(PAGE_TOKENS, (cache // procs_per_gpu) // PAGE_TOKENS * PAGE_TOKENS)
+    page = loader.PAGE_TOKENS
+    per_cache = max(page, (gpu_cache_tokens(settings) // procs_per_gpu) // page * page)
     return {"max_batch": per, "cache_tokens": per_cache}
+
+
+def gpu_cache_tokens(settings: WorkerSettings) -> int:
+    """Cache tokens for one GPU: what one exllamav2 worker there would allocate by itself."""
+    seq_len = loader.max_seq_len(settings) or 0
+    return loader.cache_tokens(settings.cache_tokens, seq_len, settings.max_batch)
 
 
 def settings_env(settings: WorkerSettings, **overrides: Any) -> dict[str, str]:
@@ -124,6 +140,8 @@ class Launcher:
                 env.setdefault("OMP_NUM_THREADS", str(len(cpu_sets[n])))
             self.children.append(Child(gpu, i, env))
         self.stopping = False
+        self.crash_loop: Child | None = None
+        """The child whose deaths passed the restart limit, once one has."""
 
     def _start(self, c: Child) -> None:
         env = dict(c.env)
@@ -156,13 +174,15 @@ class Launcher:
         return self.run_supervised()
 
     def run_supervised(self) -> int:
-        """Start every child, keep them running until `_stop`, then wait for their drain."""
+        """Start every child, keep them running until `_stop` or a crash loop, then wait for
+        their drain; `CRASH_LOOP_EXIT` after a crash loop, else the worst child's exit code."""
         for c in self.children:
             self._start(c)
         while not self.stopping:
             self._supervise(time.monotonic())
             time.sleep(POLL_S)
-        return self._wait_all()
+        code = self._wait_all()
+        return CRASH_LOOP_EXIT if self.crash_loop is not None else code
 
     def _supervise(self, now: float) -> None:
         for c in self.children:
@@ -177,13 +197,36 @@ class Launcher:
                 continue
             c.exit_codes.append(code)
             c.proc = None
+            if not self._may_restart(c, now):
+                self._give_up(c, code)
+                return
             c.restarts += 1
+            c.recent_restarts.append(now)
             c.next_start = now + c.backoff
             log.warning(
                 "worker process exited; restarting",
                 extra={"child": c.name, "code": code, "in_s": c.backoff},
             )
             c.backoff = min(c.backoff * 2, RESTART_BACKOFF_MAX_S)
+
+    def _may_restart(self, c: Child, now: float) -> bool:
+        """Whether `c` has restarts left in the window that ends now."""
+        while c.recent_restarts and c.recent_restarts[0] <= now - self.settings.restart_window_s:
+            c.recent_restarts.popleft()
+        return len(c.recent_restarts) < self.settings.restart_limit
+
+    def _give_up(self, c: Child, code: int) -> None:
+        log.error(
+            "worker process keeps dying: stopping every worker process",
+            extra={
+                "child": c.name,
+                "code": code,
+                "restarts": len(c.recent_restarts),
+                "window_s": self.settings.restart_window_s,
+            },
+        )
+        self.crash_loop = c
+        self._stop()
 
     def _wait_all(self) -> int:
         deadline = time.monotonic() + self.settings.shutdown_grace_s + KILL_MARGIN_S
@@ -219,14 +262,6 @@ def parse_gpus(spec: str | None) -> list[str]:
     return [g for g in visible.split(",") if g] if visible else ["0"]
 
 
-def _gpu_free_bytes(gpu: str) -> int | None:
-    free_mib = cpus.gpu_query(gpu, "memory.free")
-    try:
-        return int((free_mib or "").split()[0]) * 1024**2
-    except (ValueError, IndexError):
-        return None
-
-
 def _model_bytes(model_dir: Path) -> tuple[int, int]:
     """(weight bytes, K/V elements per cached token) of a model folder."""
     weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
@@ -244,15 +279,14 @@ def auto_procs(settings: WorkerSettings, gpus: list[str]) -> int:
     unknown GPU or model: 1."""
     if settings.engine != "exllamav2" or not settings.model_dir:
         return 1
-    free = _gpu_free_bytes(gpus[0])
+    free = free_memory_bytes(gpus[0])
     try:
         weights, kv_per_token = _model_bytes(Path(settings.model_dir))
     except (OSError, ValueError, KeyError):
         return 1
     if free is None or weights == 0:
         return 1
-    cache_tokens = settings.cache_tokens or settings.max_batch * DEFAULT_CACHE_TOKENS_PER_JOB
-    cache = cache_tokens * kv_per_token * CACHE_BYTES_PER_ELEMENT[settings.cache_mode]
+    cache = gpu_cache_tokens(settings) * kv_per_token * CACHE_BYTES_PER_ELEMENT[settings.cache_mode]
     by_memory = int((free * GPU_MEMORY_USABLE - cache) // (weights + PROC_OVERHEAD_BYTES))
     most, cores = (
         (AUTO_MAX_PROCS, CORES_PER_PROC)

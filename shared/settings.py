@@ -249,6 +249,19 @@ class WorkerSettings(JobSettings, EngineSettings):
         description="pin each launched worker process to cores of its own (on its GPU's NUMA "
         "node where known); auto: when the launcher runs several exllamav2 processes",
     )
+    restart_limit: int = Field(
+        default=5,
+        ge=0,
+        description="the launcher restarts a worker process that dies at most this many times "
+        "within GENQ_RESTART_WINDOW_S; one more death then stops every process (drained) and "
+        "exits non-zero, so that systemd or Kubernetes sees the crash loop (0: never restart)",
+    )
+    restart_window_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="the window GENQ_RESTART_LIMIT counts one worker process's restarts in; "
+        "deaths further apart are restarted without end",
+    )
     cpus: str | None = Field(
         default=None,
         pattern=r"^[0-9][0-9,\- ]*$",

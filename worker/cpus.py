@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from worker.gpus import pci_bus_id
 
 log = logging.getLogger(__name__)
 
@@ -94,26 +95,11 @@ def host_cores(available: Iterable[int], sys_cpu: Path = SYS_CPU) -> list[Core]:
     return cores
 
 
-def gpu_query(gpu: str, field: str) -> str | None:
-    """One `nvidia-smi --query-gpu` field of one GPU (no header, no units), or None when
-    nvidia-smi is missing or fails."""
-    try:
-        return subprocess.run(
-            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", gpu],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def gpu_numa_node(gpu: str, sys_pci: Path = SYS_PCI) -> int | None:
     """The NUMA node a GPU hangs off (from its PCI address), or None when unknown."""
-    bus = gpu_query(gpu, "pci.bus_id")
+    bus = pci_bus_id(gpu)
     try:
-        # nvidia-smi: 00000000:1B:00.0; sysfs: 0000:1b:00.0
+        # NVML, nvidia-smi: 00000000:1B:00.0; sysfs: 0000:1b:00.0
         domain, rest = (bus or "").split(":", 1)
         node = int((sys_pci / f"{domain[-4:]}:{rest}".lower() / "numa_node").read_text())
     except (OSError, ValueError):
@@ -181,35 +167,3 @@ def apply(spec: str | None) -> int | None:
     cpus = parse_cpulist(spec)
     os.sched_setaffinity(0, cpus)
     return len(cpus)
-
-
-# ---- CPU time of processes, for the benchmarks (/proc) ------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process `pid` has used (its threads included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def processes() -> dict[int, tuple[int, str]]:
-    """Every live process: pid → (parent pid, command name)."""
-    out: dict[int, tuple[int, str]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            head, tail = (d / "stat").read_text().rsplit(")", 1)
-        except OSError:
-            continue
-        out[int(d.name)] = (int(tail.split()[1]), head.split("(", 1)[1])
-    return out
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and its live descendants, parents before children."""
-    procs = processes()
-    tree = [root] if root in procs else []
-    for pid in tree:  # grows as it goes
-        tree += sorted(p for p, (pp, _) in procs.items() if pp == pid)
-    return tree

@@ -62,7 +62,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
             max_seq_len=settings.sim_max_seq_len,
             poison_marker=settings.sim_poison_marker,
         )
-    from worker.exl2 import ExLlamaV2Engine  # the only import of exllamav2, and a lazy one
+    from worker.exl2.engine import ExLlamaV2Engine  # lazy: only this engine needs torch
 
     return ExLlamaV2Engine.from_settings(settings)
 

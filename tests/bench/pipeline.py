@@ -21,8 +21,9 @@ from pathlib import Path
 
 import redis
 
+from genq.procstats import children, cpu_seconds
+from genq.stats import ms, percentile
 from tests.procs import Cluster, redis_server
-from worker.cpus import cpu_seconds
 
 
 def worker_timings(url: str, prefix: str) -> dict[str, float]:
@@ -34,18 +35,16 @@ def worker_timings(url: str, prefix: str) -> dict[str, float]:
             t = json.loads(raw)
             queue.append(t["queue_s"])
             ttft.append(t["ttft_s"])
-    queue.sort()
-    ttft.sort()
     lens = [r.xlen(k) for k in list(r.scan_iter(match=f"{prefix}events:*", count=1000))[:200]]
 
-    def p(v: list[float], q: float) -> float:
-        return round(1000 * v[min(len(v) - 1, int(q * len(v)))], 2) if v else float("nan")
+    def p(v: list[float], q: float) -> float | None:
+        return ms(percentile(v, q), 2)
 
     return {
-        "worker_queue_ms_p50": p(queue, 0.5),
-        "worker_queue_ms_p99": p(queue, 0.99),
-        "worker_ttft_ms_p50": p(ttft, 0.5),
-        "worker_ttft_ms_p99": p(ttft, 0.99),
+        "worker_queue_ms_p50": p(queue, 50),
+        "worker_queue_ms_p99": p(queue, 99),
+        "worker_ttft_ms_p50": p(ttft, 50),
+        "worker_ttft_ms_p99": p(ttft, 99),
         "events_per_job": round(sum(lens) / max(1, len(lens)), 1),
     }
 
@@ -60,13 +59,10 @@ def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | No
         if redis_pid is not None:
             procs["redis"] = redis_pid
         if args.gateway_procs > 1:  # uvicorn's children do the work
-            children = subprocess.run(
-                ["pgrep", "-P", str(gw.proc.pid)], capture_output=True, text=True
-            ).stdout.split()
-            for i, pid in enumerate(children):
-                procs[f"gateway{i}"] = int(pid)
+            for i, pid in enumerate(children(gw.proc.pid)):
+                procs[f"gateway{i}"] = pid
         before = {k: cpu_seconds(p) for k, p in procs.items()}
-        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         out = subprocess.run(
             [
@@ -94,7 +90,7 @@ def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | No
         figures = json.loads(out.stdout)
         figures["cpu_s"] = {k: round(cpu_seconds(p) - before[k], 2) for k, p in procs.items()}
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        bench_cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
+        bench_cpu = after.ru_utime + after.ru_stime - reaped.ru_utime - reaped.ru_stime
         figures["cpu_s"]["bench"] = round(bench_cpu, 2)
         figures["bench_wall_s"] = round(wall, 2)
         figures.update(worker_timings(redis_url, prefix))

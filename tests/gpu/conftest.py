@@ -46,7 +46,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(tiny_model: Path) -> Iterator[object]:
-    from worker.exl2 import ExLlamaV2Engine
+    from worker.exl2.engine import ExLlamaV2Engine
 
     settings = Settings(
         model_dir=str(tiny_model),

@@ -1,4 +1,4 @@
-"""Sampling on the GPU (worker/exl2_sampling.py): the same distributions as exllamav2's CPU
+"""Sampling on the GPU (worker/exl2/gpu_sampling.py): the same distributions as exllamav2's CPU
 sampler, and the engine taking it for what it can serve and the CPU sampler for the rest."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from shared.schemas import Sampling
 from shared.settings import Settings
 from tests.gpu.conftest import TEST_BATCH, TEST_CACHE_TOKENS, drive
 from tests.gpu.test_exl2_gpu import ejob, prompt
-from worker.exl2 import sampler_fields
-from worker.exl2_sampling import sample_on_device
+from worker.exl2.gpu_sampling import sample_on_device
+from worker.exl2.loader import sampler_fields
 
 pytestmark = pytest.mark.gpu
 DRAWS = 20_000
@@ -62,7 +62,7 @@ def cpu_histogram(logits: Any, sampling: Sampling) -> Any:
 
 
 def reference(logits: Any, temperature: float, top_k: int, top_p: float, min_p: float) -> Any:
-    """The distribution the docstring of exl2_sampling defines, in float64."""
+    """The distribution the docstring of worker.exl2.gpu_sampling defines, in float64."""
     import torch
 
     p = torch.softmax(logits.half().double() / temperature, -1)
@@ -152,7 +152,7 @@ def test_greedy_is_the_argmax_over_a_full_vocabulary() -> None:
 @pytest.fixture(scope="module")
 def cpu_engine(tiny_model: Any) -> Iterator[Any]:
     """The same model with exllamav2's CPU sampler only (GENQ_GPU_SAMPLING=false)."""
-    from worker.exl2 import ExLlamaV2Engine
+    from worker.exl2.engine import ExLlamaV2Engine
 
     e = ExLlamaV2Engine.from_settings(
         Settings(

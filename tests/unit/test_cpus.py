@@ -4,7 +4,6 @@ real `genq worker` pinned by the launcher."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 import uuid
@@ -82,20 +81,18 @@ def test_gpu_numa_node_from_the_pci_address(tmp_path: Path, monkeypatch) -> None
     dev = tmp_path / "0000:1b:00.0"
     dev.mkdir()
     (dev / "numa_node").write_text("1\n")
+    asked: list[str] = []
 
-    def smi(cmd, **kw):  # type: ignore[no-untyped-def]
-        assert cmd[-1] == "3"
-        return subprocess.CompletedProcess(cmd, 0, stdout="00000000:1B:00.0\n")
+    def bus_id(gpu: str) -> str:
+        asked.append(gpu)
+        return "00000000:1B:00.0"
 
-    monkeypatch.setattr(cpus.subprocess, "run", smi)
+    monkeypatch.setattr(cpus, "pci_bus_id", bus_id)
     assert cpus.gpu_numa_node("3", tmp_path) == 1
+    assert asked == ["3"]
     (dev / "numa_node").write_text("-1\n")  # the host does not know
     assert cpus.gpu_numa_node("3", tmp_path) is None
-
-    def missing(cmd, **kw):  # type: ignore[no-untyped-def]
-        raise FileNotFoundError("nvidia-smi")
-
-    monkeypatch.setattr(cpus.subprocess, "run", missing)
+    monkeypatch.setattr(cpus, "pci_bus_id", lambda gpu: None)  # neither NVML nor nvidia-smi
     assert cpus.gpu_numa_node("3", tmp_path) is None
 
 

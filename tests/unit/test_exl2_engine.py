@@ -13,8 +13,11 @@ from typing import Any
 import pytest
 
 from shared.schemas import ModelCard, Sampling
+from shared.settings import Settings
 from worker.engine import EngineJob
-from worker.exl2 import Backend, ExLlamaV2Engine, sampler_fields
+from worker.exl2 import loader
+from worker.exl2.engine import ExLlamaV2Engine
+from worker.exl2.loader import Backend, sampler_fields
 
 PAGE = 256
 EOS_ID = 2
@@ -185,7 +188,10 @@ def run_to_end(engine: ExLlamaV2Engine, limit: int = 100) -> list:
 
 
 def test_importing_the_engine_needs_no_torch() -> None:
-    code = "import sys, worker.exl2; assert not {'torch', 'exllamav2'} & set(sys.modules)"
+    modules = (
+        "worker.exl2.engine, worker.exl2.loader, worker.exl2.results, worker.exl2.gpu_sampling"
+    )
+    code = f"import sys, {modules}; assert not {{'torch', 'exllamav2'}} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -223,7 +229,7 @@ def test_pages_come_back_when_jobs_finish() -> None:
 
 
 def test_a_lapsed_promise_frees_its_pages(monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.exl2 as exl2
+    import worker.exl2.engine as exl2
 
     h = make(pages=4)
     assert h.engine.fits(4 * PAGE, active=1)  # admitted, but START refused it: no add()
@@ -398,3 +404,26 @@ def test_sampler_fields_carry_the_request() -> None:
     assert (f["temperature"], f["top_p"], f["top_k"], f["min_p"]) == (0.7, 0.9, 40, 0.05)
     assert f["token_repetition_penalty"] == 1.1
     assert (f["token_presence_penalty"], f["token_frequency_penalty"]) == (0.5, 0.25)
+
+
+# ---- cache sizing -------------------------------------------------------------------------
+
+
+def test_max_seq_len_is_read_as_exllamav2_reads_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    s = Settings(engine="exllamav2", model_dir=str(tmp_path))
+    assert loader.max_seq_len(s) is None  # no config.json
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"max_position_embeddings": 8192, "n_positions": 4096}')
+    assert loader.max_seq_len(s) == 8192
+    cfg.write_text('{"max_sequence_length": 1000, "max_position_embeddings": 8192}')
+    assert loader.max_seq_len(s) == 1000  # exllamav2's first key wins
+    cfg.write_text("{}")
+    assert loader.max_seq_len(s) == loader.EXL2_DEFAULT_MAX_SEQ_LEN
+    assert loader.max_seq_len(s.model_copy(update={"max_seq_len": 512})) == 512
+
+
+def test_default_cache_holds_a_sequence_or_a_slice_per_slot() -> None:
+    assert loader.cache_tokens(None, 131_072, 4) == 131_072
+    assert loader.cache_tokens(None, 8192, 256) == 256 * loader.DEFAULT_CACHE_TOKENS_PER_JOB
+    assert loader.cache_tokens(1000, 8192, 256) == 1024  # the setting, in whole pages
+    assert loader.cache_tokens(None, 1000, 256, paged=False) == 1024  # one sequence

@@ -1,4 +1,5 @@
-"""GPU sampling (worker/exl2_sampling.py): which jobs it serves, which rows of a step are theirs.
+"""GPU sampling (worker/exl2/gpu_sampling.py): which jobs it serves, which rows of a step are
+theirs.
 
 Plain Python against stand-ins with the attributes of exllamav2's job and sampler settings; the
 sampling itself runs on the GPU (tests/gpu/test_sampling_gpu.py)."""
@@ -12,8 +13,8 @@ from typing import Any
 import pytest
 
 from shared.schemas import Sampling
-from worker.exl2 import sampler_fields
-from worker.exl2_sampling import RowParams, job_params, plan
+from worker.exl2.gpu_sampling import RowParams, job_params, plan
+from worker.exl2.loader import sampler_fields
 
 
 def settings(**fields: Any) -> SimpleNamespace:

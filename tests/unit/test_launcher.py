@@ -19,12 +19,26 @@ from genq.launcher import Launcher, child_settings, parse_gpus, settings_env
 from shared.settings import Settings
 from tests.conftest import REDIS_URL
 from tests.procs import free_port, wait_for
+from worker.exl2 import loader
 
 
 def test_each_process_gets_its_share_of_the_gpu() -> None:
     s = Settings(max_batch=256, cache_tokens=196_608)
     assert child_settings(s, 3) == {"max_batch": 86, "cache_tokens": 65_536}
     assert child_settings(s, 1) == {"max_batch": 256, "cache_tokens": 196_608}
+
+
+def test_a_gpus_default_cache_is_what_its_engine_would_allocate(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The launcher sizes the cache as a lone exllamav2 worker would: at least one sequence
+    of the model's length (config.json), not only 1024 tokens per batch slot."""
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131_072}))
+    s = Settings(engine="exllamav2", model_dir=str(tmp_path), max_batch=4)
+    engine_default = loader.cache_tokens(None, 131_072, 4)
+    assert engine_default == 131_072
+    assert child_settings(s, 1)["cache_tokens"] == engine_default
+    assert child_settings(s, 2)["cache_tokens"] == engine_default // 2
+    short = s.model_copy(update={"max_seq_len": 2048})  # GENQ_MAX_SEQ_LEN wins over the model's
+    assert child_settings(short, 1)["cache_tokens"] == loader.cache_tokens(None, 2048, 4) == 4096
 
 
 def test_children_get_the_settings_their_gpu_and_an_id_each(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -72,6 +86,81 @@ def test_a_dying_child_is_restarted_with_backoff(monkeypatch) -> None:  # type: 
     c = la.children[0]
     assert c.restarts >= 3 and set(c.exit_codes) == {3}
     assert c.backoff > 0.05 * 4  # doubled on every death
+
+
+_GPU0_DIES = (
+    "import os, signal, sys, time\n"
+    "if os.environ['CUDA_VISIBLE_DEVICES'] == '0':\n"
+    "    sys.exit(3)\n"
+    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+    "time.sleep(60)\n"
+)
+"""A child command: on GPU 0 it exits at once with 3; elsewhere it runs until SIGTERM."""
+
+
+def _supervise(la: Launcher, timeout: float) -> int | None:
+    """`la.run_supervised()` in a thread; its exit code, or None while it still runs after
+    `timeout` (then it is stopped)."""
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(la.run_supervised()))
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        la._stop()
+        t.join(30)
+        return None
+    return result[0]
+
+
+def _fast_restarts(la: Launcher, backoff: float) -> None:
+    for c in la.children:
+        c.backoff = backoff
+
+
+@pytest.mark.parametrize("limit", [3, 0])
+def test_a_crash_loop_stops_every_child_and_exits_non_zero(limit: int) -> None:
+    s = Settings(restart_limit=limit, restart_window_s=60, shutdown_grace_s=5)
+    la = Launcher(s, ["0", "1"], 1, command=[sys.executable, "-c", _GPU0_DIES])
+    _fast_restarts(la, 0.05)
+    assert _supervise(la, timeout=30) == launcher.CRASH_LOOP_EXIT
+    dying, healthy = la.children
+    assert la.crash_loop is dying
+    assert dying.restarts == limit and dying.exit_codes == [3] * (limit + 1)
+    assert healthy.restarts == 0
+    assert healthy.proc is not None and healthy.proc.returncode == 0  # drained by SIGTERM
+
+
+def test_crashes_spread_out_keep_being_restarted(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    backoff = 0.3  # every restart this long after the death before it...
+    monkeypatch.setattr(launcher, "RESTART_BACKOFF_MAX_S", backoff)
+    s = Settings(restart_limit=1, restart_window_s=0.2, shutdown_grace_s=1)  # ...past the window
+    la = Launcher(s, ["0"], 1, command=[sys.executable, "-c", _GPU0_DIES])
+    _fast_restarts(la, backoff)
+    t = threading.Thread(target=la.run_supervised)
+    t.start()
+    try:
+        wait_for(lambda: la.children[0].restarts >= 4 or not t.is_alive(), timeout=30)
+    finally:
+        la._stop()
+        t.join(30)
+    assert la.crash_loop is None and la.children[0].restarts >= 4
+
+
+@pytest.mark.e2e
+def test_genq_worker_exits_non_zero_when_its_processes_crash_loop(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The real command: exllamav2 workers that cannot load (no model here, no exllamav2)."""
+    env = {
+        **os.environ,
+        "GENQ_REDIS_URL": REDIS_URL,
+        "GENQ_KEY_PREFIX": f"genqtest:{uuid.uuid4().hex[:8]}:",
+        "GENQ_RESTART_LIMIT": "1",
+        "GENQ_RESTART_WINDOW_S": "120",
+    }
+    cmd = [sys.executable, "-m", "genq", "worker", "--engine", "exllamav2", "--model"]
+    cmd += [str(tmp_path), "--procs-per-gpu", "2", "--cpu-affinity", "off"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == launcher.CRASH_LOOP_EXIT, out.stderr[-2000:]
+    assert "keeps dying" in out.stderr
 
 
 def test_sigterm_drains_every_child() -> None:
@@ -150,7 +239,7 @@ def _model(tmp_path, weight_gib: float):  # type: ignore[no-untyped-def]
 
 def test_auto_procs_fits_weights_cache_and_cores(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     model = _model(tmp_path, 15)
-    monkeypatch.setattr(launcher, "_gpu_free_bytes", lambda gpu: 140 * 1024**3)
+    monkeypatch.setattr(launcher, "free_memory_bytes", lambda gpu: 140 * 1024**3)
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
     s = Settings(engine="exllamav2", model_dir=str(model), max_batch=256, cache_tokens=196_608)
     assert launcher.auto_procs(s, ["0"]) == 2  # 8B fp16 on an H200, GPU sampling: capped at 2
@@ -163,6 +252,17 @@ def test_auto_procs_fits_weights_cache_and_cores(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
     big = _model(tmp_path, 130)  # a 70B-class model fits once
     assert launcher.auto_procs(s.model_copy(update={"model_dir": str(big)}), ["0"]) == 1
-    monkeypatch.setattr(launcher, "_gpu_free_bytes", lambda gpu: None)  # no nvidia-smi
+    monkeypatch.setattr(launcher, "free_memory_bytes", lambda gpu: None)  # no NVML, nvidia-smi
     assert launcher.auto_procs(s, ["0"]) == 1
     assert launcher.auto_procs(Settings(), ["0"]) == 1  # the sim engine
+
+
+@pytest.mark.parametrize("command", ["worker", "serve"])
+def test_the_help_says_how_many_processes_auto_picks(command: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    from genq.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    most, most_cpu = launcher.AUTO_MAX_PROCS, launcher.AUTO_MAX_PROCS_CPU_SAMPLING
+    assert f"at most {most}; {most_cpu} without GPU sampling" in text

@@ -1,0 +1,352 @@
+"""Loading a model for the exllamav2 engine: config, model, cache, tokenizer, the generator
+and job factories over them (`Backend`), and the model card. The only code of the engine that
+touches torch and exllamav2 (with `gpu_sampling`), and only inside functions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shared.schemas import ModelCard, Sampling
+from worker.exl2 import gpu_sampling
+
+if TYPE_CHECKING:
+    from shared.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+PAGE_TOKENS = 256
+"""exllamav2's paged-attention page size; cache sizes and chunk sizes are multiples of it."""
+MAX_Q_SIZE = 8
+"""Tokens per sequence per forward pass that the generator allows for (its default)."""
+MAX_SAMPLING_THREADS = 16
+"""exllamav2's own default; fewer when this process is pinned to fewer CPUs (worker/cpus.py)."""
+DEFAULT_CACHE_TOKENS_PER_JOB = 1024
+"""Default cache size per batch slot when `cache_tokens` is not set: room for a typical
+prompt + reply without paying for a cache sized for the worst case (which costs speed)."""
+MAX_SEQ_LEN_KEYS = (
+    "max_sequence_length",
+    "model_max_length",
+    "max_position_embeddings",
+    "max_seq_len",
+    "n_positions",
+)
+"""config.json keys `ExLlamaV2Config` takes the model's sequence length from, the first present
+one winning; `EXL2_DEFAULT_MAX_SEQ_LEN` when none is."""
+EXL2_DEFAULT_MAX_SEQ_LEN = 2048
+
+
+@dataclass
+class Backend:
+    """What the engine needs from exllamav2; `load_backend` builds the real one."""
+
+    make_generator: Callable[[], Any]
+    """A fresh generator over the loaded model and cache (called again after a failed step)."""
+    make_job: Callable[..., Any]
+    """(input_ids, max_new_tokens, sampling, seed, stop_conditions, identifier) → a job."""
+    piece: Callable[[int], str]
+    """Text of one token id (as the generator decodes it)."""
+    close: Callable[[], None] = lambda: None
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The generator's limits, decided once at load."""
+
+    paged: bool
+    max_batch: int
+    max_seq_len: int
+    chunk: int
+
+
+def sampler_fields(s: Sampling) -> dict[str, Any]:
+    """Every `ExLlamaV2Sampler.EngineSettings` field, set explicitly: exllamav2's own defaults
+    (temperature 0.8, top_k 50, top_p 0.8, repetition penalty 1.025) are not neutral."""
+    greedy = s.temperature == 0.0
+    return {
+        "temperature": 1.0 if greedy else s.temperature,
+        "top_k": 1 if greedy else s.top_k,
+        "top_p": 1.0 if greedy else s.top_p,
+        "min_p": 0.0 if greedy else s.min_p,
+        "token_repetition_penalty": s.repetition_penalty,
+        "token_repetition_range": -1,
+        "token_repetition_decay": 0,
+        "token_presence_penalty": s.presence_penalty,
+        "token_frequency_penalty": s.frequency_penalty,
+        "temp_exponent": 1.0,
+        **gpu_sampling.UNUSED,
+    }
+
+
+def sampling_threads(configured: int | None = None) -> int:
+    """exllamav2 samples each job's logits on the CPU, in a thread pool: GENQ_SAMPLING_THREADS
+    if set, else no more threads than this process may use CPUs (its pinned set)."""
+    if configured:
+        return configured
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(MAX_SAMPLING_THREADS, usable or 1))
+
+
+def cache_tokens(
+    configured: int | None, max_seq_len: int, max_batch: int, paged: bool = True
+) -> int:
+    """Tokens of cache to allocate: `configured` (GENQ_CACHE_TOKENS) if set, else room for
+    the longest sequence or `DEFAULT_CACHE_TOKENS_PER_JOB` per batch slot, whichever is more;
+    unpaged (one job at a time), one sequence. A multiple of the page size."""
+    if not paged:
+        return _round_up(max_seq_len, PAGE_TOKENS)
+    wanted = configured or max(max_seq_len, max_batch * DEFAULT_CACHE_TOKENS_PER_JOB)
+    return _round_up(wanted, PAGE_TOKENS)
+
+
+def max_seq_len(settings: EngineSettings) -> int | None:
+    """The sequence length the engine runs the model at, known without loading it:
+    GENQ_MAX_SEQ_LEN if set, else the model's as exllamav2 reads it from config.json; None
+    without a model folder whose config.json can be read."""
+    if settings.max_seq_len:
+        return settings.max_seq_len
+    if not settings.model_dir:
+        return None
+    try:
+        cfg = json.loads((Path(settings.model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    found = (cfg[k] for k in MAX_SEQ_LEN_KEYS if isinstance(cfg.get(k), int))
+    return next(found, EXL2_DEFAULT_MAX_SEQ_LEN)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+# ---- the model card -------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _token_text(v: Any) -> str | None:
+    return v.get("content") if isinstance(v, dict) else v
+
+
+def _chat_template(tc: dict[str, Any]) -> str | None:
+    t = tc.get("chat_template")
+    if isinstance(t, list):  # named templates: take the default one
+        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return t
+
+
+def build_card(
+    settings: EngineSettings,
+    model_dir: Path,
+    tokenizer_json: str,
+    max_seq_len: int,
+    max_batch: int,
+    eos_ids: list[int],
+) -> ModelCard:
+    tc = _read_json(model_dir / "tokenizer_config.json")
+    cfg = _read_json(model_dir / "config.json")
+    bos = _token_text(tc.get("bos_token"))
+    synthetic = cfg.get("genq_synthetic")
+    return ModelCard(
+        name=settings.model_name or model_dir.name,
+        engine="exllamav2",
+        max_seq_len=max_seq_len,
+        max_batch=max_batch,
+        tokenizer_sha=hashlib.sha256(tokenizer_json.encode()).hexdigest(),
+        bos_token=bos,
+        eos_token=_token_text(tc.get("eos_token")),
+        eos_token_ids=eos_ids,
+        add_bos=bool(tc.get("add_bos_token", bos is not None)),
+        chat_template=_chat_template(tc),
+        description=synthetic or f"exllamav2 model from {model_dir.name}",
+    )
+
+
+def _eos_ids(model_dir: Path, config_eos: Any) -> list[int]:
+    ids: list[int] = []
+    gen = _read_json(model_dir / "generation_config.json").get("eos_token_id")
+    for v in (config_eos, gen):
+        for i in v if isinstance(v, list) else [v]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+
+def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
+    """Load the model, cache and tokenizer; a factory for generators over them; the card."""
+    from exllamav2 import ExLlamaV2Tokenizer
+
+    assert settings.model_dir is not None
+    model_dir = Path(settings.model_dir)
+    paged = _paged_attention()
+    max_batch = settings.max_batch if paged else 1
+    config, chunk = _model_config(settings, model_dir, max_batch)
+    cache_size = cache_tokens(settings.cache_tokens, config.max_seq_len, max_batch, paged)
+    model, cache = _load_model(settings, config, cache_size)
+    tokenizer = ExLlamaV2Tokenizer(config)
+    shape = _Shape(
+        paged=paged,
+        max_batch=max_batch,
+        max_seq_len=min(config.max_seq_len, cache_size),
+        chunk=min(chunk, config.max_input_len),
+    )
+    make_job = _job_factory(settings.gpu_sampling)
+    piece = _piece_lookup(tokenizer)
+    make_generator = _warm_generator_factory(settings, model, cache, tokenizer, shape)
+    eos_ids = _eos_ids(model_dir, config.eos_token_id)
+    tokenizer_json = (model_dir / "tokenizer.json").read_text()
+    card = build_card(settings, model_dir, tokenizer_json, shape.max_seq_len, max_batch, eos_ids)
+    log.info(
+        "exllamav2 model loaded",
+        extra={
+            "model": card.name,
+            "paged": paged,
+            "cache_tokens": cache_size,
+            "cache_mode": settings.cache_mode,
+            "max_batch": max_batch,
+            "chunk": shape.chunk,
+            "gpu_sampling": settings.gpu_sampling,
+        },
+    )
+    return Backend(make_generator, make_job, piece, model.unload), card, tokenizer_json
+
+
+def _paged_attention() -> bool:
+    """Whether flash-attn's paged attention is there; without it exllamav2 runs one job at
+    a time."""
+    from exllamav2 import attn as exl_attn
+
+    paged = bool(exl_attn.has_flash_attn_with_paged)
+    if not paged:
+        log.warning(
+            "flash-attn >= 2.5.7 is not importable: exllamav2 runs unpaged, ONE job at a time "
+            "(no batching). Install flash-attn for continuous batching."
+        )
+    return paged
+
+
+def _model_config(settings: EngineSettings, model_dir: Path, max_batch: int) -> tuple[Any, int]:
+    """The model's config with genq's sequence length and forward buffer sizes; the prefill
+    chunk size (a multiple of the page)."""
+    from exllamav2 import ExLlamaV2Config
+
+    config = ExLlamaV2Config(str(model_dir))
+    if settings.max_seq_len:
+        config.max_seq_len = settings.max_seq_len
+    chunk = _round_up(settings.max_chunk_size, PAGE_TOKENS)
+    # The model's forward buffers must hold a prefill chunk and one decode step of the batch.
+    config.max_input_len = max(chunk, _round_up(max_batch * MAX_Q_SIZE, PAGE_TOKENS))
+    config.max_attention_size = config.max_input_len**2
+    return config, chunk
+
+
+def _load_model(settings: EngineSettings, config: Any, cache_size: int) -> tuple[Any, Any]:
+    """The model's weights on the GPU(s) (split as GENQ_GPU_SPLIT says, else automatically
+    around the cache) and a cache of `cache_size` tokens."""
+    from exllamav2 import (
+        ExLlamaV2,
+        ExLlamaV2Cache,
+        ExLlamaV2Cache_Q4,
+        ExLlamaV2Cache_Q6,
+        ExLlamaV2Cache_Q8,
+    )
+
+    model = ExLlamaV2(config)
+    cache_cls = {
+        "FP16": ExLlamaV2Cache,
+        "Q4": ExLlamaV2Cache_Q4,
+        "Q6": ExLlamaV2Cache_Q6,
+        "Q8": ExLlamaV2Cache_Q8,
+    }[settings.cache_mode]
+    if settings.gpu_split:
+        model.load([float(x) for x in settings.gpu_split.split(",")])
+        cache = cache_cls(model, max_seq_len=cache_size, lazy=False)
+    else:
+        cache = cache_cls(model, max_seq_len=cache_size, lazy=True)
+        model.load_autosplit(cache)
+    return model, cache
+
+
+def _warm_generator_factory(
+    settings: EngineSettings, model: Any, cache: Any, tokenizer: Any, shape: _Shape
+) -> Callable[[], Any]:
+    """A factory of generators over the loaded model and cache; the first is built and warmed
+    up now (kernel autotuning before the first real job, not during it)."""
+    from exllamav2.generator import ExLlamaV2DynamicGenerator
+
+    def build_generator() -> Any:
+        gen = ExLlamaV2DynamicGenerator(
+            model=model,
+            cache=cache,
+            tokenizer=tokenizer,
+            max_batch_size=shape.max_batch,
+            max_seq_len=shape.max_seq_len,
+            max_chunk_size=shape.chunk,
+            max_q_size=MAX_Q_SIZE,
+            paged=shape.paged,
+            max_sampling_threads=sampling_threads(settings.sampling_threads),
+        )
+        if settings.gpu_sampling:
+            gpu_sampling.install(gen)
+        return gen
+
+    warmed = [build_generator()]
+    warmed[0].warmup()
+
+    def make_generator() -> Any:
+        return warmed.pop() if warmed else build_generator()
+
+    return make_generator
+
+
+def _job_factory(on_gpu: bool) -> Callable[..., Any]:
+    """`Backend.make_job`: exllamav2 jobs, of the class that takes GPU-sampled tokens when
+    GPU sampling is on."""
+    import torch
+    from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+    job_cls = gpu_sampling.job_class() if on_gpu else ExLlamaV2DynamicJob
+
+    def make_job(
+        ids: list[int],
+        max_new: int,
+        sampling: Sampling,
+        seed: int,
+        stops: list[int | str],
+        identifier: str,
+    ) -> Any:
+        n = sampling.logprobs
+        return job_cls(
+            input_ids=torch.tensor([ids], dtype=torch.long),
+            max_new_tokens=max_new,
+            gen_settings=ExLlamaV2Sampler.EngineSettings(**sampler_fields(sampling)),
+            seed=seed,
+            stop_conditions=stops or None,
+            decode_special_tokens=False,
+            return_probs=n is not None,
+            return_top_tokens=n or 0,
+            identifier=identifier,
+        )
+
+    return make_job
+
+
+def _piece_lookup(tokenizer: Any) -> Callable[[int], str]:
+    pieces = tokenizer.get_id_to_piece_list(False)
+
+    def piece(token_id: int) -> str:
+        return pieces[token_id] if 0 <= token_id < len(pieces) else ""
+
+    return piece
