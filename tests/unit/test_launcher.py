@@ -49,6 +49,11 @@ def test_children_get_the_settings_their_gpu_and_an_id_each(monkeypatch) -> None
     assert rebuilt.api_keys == ["k"] and rebuilt.engine == "exllamav2"
 
 
+def test_each_child_serves_its_probes_on_a_port_of_its_own() -> None:
+    la = Launcher(Settings(metrics_port=9400), ["0", "1"], 2)
+    assert [c.env["GENQ_METRICS_PORT"] for c in la.children] == ["9400", "9401", "9402", "9403"]
+
+
 def test_gpus_default_to_the_visible_ones(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     assert parse_gpus("0, 2") == ["0", "2"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
