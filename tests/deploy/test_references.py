@@ -64,6 +64,7 @@ def test_environment_builds_the_settings_of_its_process(
 def _deploy_texts() -> dict[str, str]:
     files = [*m.DOCKERFILES.values(), m.COMPOSE, *sorted(m.K8S.glob("*.yaml"))]
     files += sorted((m.DEPLOY / "prometheus").glob("*.yml"))
+    files += [m.DEPLOY / "genq.env.example", *sorted(m.DEPLOY.glob("*.service"))]
     return {p.name: p.read_text() for p in files}
 
 
