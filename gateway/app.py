@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from gateway import http_errors
+from gateway import http_errors, queues
 from gateway.job_service import JobService
 from gateway.openai import routes as openai_routes
 from gateway.pubsub import PubSubRouter
@@ -61,10 +61,12 @@ def create_app(
         app.state.genq = state
         runtime.tune_gc()
         receiver = asyncio.create_task(router.run(), name="pubsub-router")
+        groups = await queues.start(client, keys, settings.queue_models)
         try:
             yield
         finally:
             state.draining = True
+            await queues.stop(groups)
             await router.close()
             receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError):

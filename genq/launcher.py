@@ -132,6 +132,8 @@ class Launcher:
             env = {**os.environ, **settings_env(settings, **share)}
             env["CUDA_VISIBLE_DEVICES"] = gpu
             env["GENQ_WORKER_ID"] = f"{base_id}-g{gpu}p{i}"
+            if settings.metrics_port is not None:  # one host, one port each
+                env["GENQ_METRICS_PORT"] = str(settings.metrics_port + n)
             if cpu_sets:
                 env["GENQ_CPUS"] = cpus.format_cpulist(cpu_sets[n])
                 # thread pools sized to the set (OpenMP reads this, not the affinity mask);

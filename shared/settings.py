@@ -124,6 +124,12 @@ class GatewaySettings(JobSettings):
         default=2.0, gt=0, description="a stream silent this long re-reads the event log"
     )
     card_cache_s: float = Field(default=2.0, ge=0)
+    queue_models: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description="models whose queues and consumer groups the gateway creates at start, "
+        "before any worker of theirs has run (JSON list): a queue autoscaler such as KEDA "
+        "scaling workers from zero reads the group, and a missing one is an error to it",
+    )
 
     # OpenAI-compatible API
     default_chat_template: str | None = Field(
@@ -241,6 +247,16 @@ class WorkerSettings(JobSettings, EngineSettings):
     )
     batch_share: int = Field(
         default=4, ge=1, description="when both queues have work, every Nth claim takes a batch job"
+    )
+    metrics_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="port of the worker's own HTTP server: /healthz and /readyz for probes "
+        "(later /metrics); unset = no server. The launcher gives its Nth process port + N",
+    )
+    metrics_host: str | None = Field(
+        default=None, description="address that server binds; default: every interface"
     )
 
     # worker processes (the launcher)

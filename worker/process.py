@@ -14,6 +14,8 @@ from shared import runtime
 from shared.settings import EngineSettings, WorkerSettings
 from worker import cpus
 from worker.engine import Engine
+from worker.health import Health
+from worker.http import HttpServer
 from worker.service import Worker
 from worker.sim import SimEngine
 
@@ -83,8 +85,29 @@ async def serve_worker(settings: WorkerSettings) -> int:
     pinned = cpus.apply(settings.cpus)  # before torch loads: its pools size to the set
     if pinned is not None:
         log.info("pinned to CPUs", extra={"cpus": settings.cpus, "count": pinned})
-    engine = build_engine(settings)
+    health = Health()
+    server = await _start_http(settings, health)
+    try:
+        # In a thread (which inherits the CPU set): probes are answered while weights load.
+        engine = await asyncio.to_thread(build_engine, settings)
+        return await _serve(settings, engine, health)
+    finally:
+        if server is not None:
+            await server.close()
+
+
+async def _start_http(settings: WorkerSettings, health: Health) -> HttpServer | None:
+    if settings.metrics_port is None:
+        return None
+    server = HttpServer(settings.metrics_host, settings.metrics_port)
+    health.install(server)
+    await server.start()
+    return server
+
+
+async def _serve(settings: WorkerSettings, engine: Engine, health: Health) -> int:
     worker = Worker(settings, engine)
+    health.attach(worker.st)
     runtime.tune_gc()
     install_signals(worker.stop)
     try:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -61,6 +64,11 @@ def test_children_get_the_settings_their_gpu_and_an_id_each(monkeypatch) -> None
         monkeypatch.setenv(k, v)
     rebuilt = Settings()
     assert rebuilt.api_keys == ["k"] and rebuilt.engine == "exllamav2"
+
+
+def test_each_child_serves_its_probes_on_a_port_of_its_own() -> None:
+    la = Launcher(Settings(metrics_port=9400), ["0", "1"], 2)
+    assert [c.env["GENQ_METRICS_PORT"] for c in la.children] == ["9400", "9401", "9402", "9403"]
 
 
 def test_gpus_default_to_the_visible_ones(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -147,20 +155,46 @@ def test_crashes_spread_out_keep_being_restarted(monkeypatch) -> None:  # type: 
 
 
 @pytest.mark.e2e
-def test_genq_worker_exits_non_zero_when_its_processes_crash_loop(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The real command: exllamav2 workers that cannot load (no model here, no exllamav2)."""
-    env = {
-        **os.environ,
-        "GENQ_REDIS_URL": REDIS_URL,
-        "GENQ_KEY_PREFIX": f"genqtest:{uuid.uuid4().hex[:8]}:",
-        "GENQ_RESTART_LIMIT": "1",
-        "GENQ_RESTART_WINDOW_S": "120",
-    }
-    cmd = [sys.executable, "-m", "genq", "worker", "--engine", "exllamav2", "--model"]
-    cmd += [str(tmp_path), "--procs-per-gpu", "2", "--cpu-affinity", "off"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+def test_genq_worker_exits_non_zero_when_its_processes_crash_loop() -> None:
+    """The real command: sim workers that die at start (their health port is taken)."""
+    with _held_ports(2) as port:
+        env = {
+            **os.environ,
+            "GENQ_REDIS_URL": REDIS_URL,
+            "GENQ_KEY_PREFIX": f"genqtest:{uuid.uuid4().hex[:8]}:",
+            "GENQ_RESTART_LIMIT": "1",
+            "GENQ_RESTART_WINDOW_S": "120",
+            "GENQ_METRICS_PORT": str(port),  # the launcher's Nth process takes port + N
+        }
+        cmd = [sys.executable, "-m", "genq", "worker", "--procs-per-gpu", "2"]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == launcher.CRASH_LOOP_EXIT, out.stderr[-2000:]
     assert "keeps dying" in out.stderr
+
+
+@contextlib.contextmanager
+def _held_ports(n: int) -> Iterator[int]:
+    """`n` consecutive local ports, listened on (so nothing else can bind them)."""
+    for _ in range(50):
+        first = free_port()
+        socks: list[socket.socket] = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", first + i))
+                s.listen()
+        except OSError:
+            for s in socks:
+                s.close()
+            continue
+        try:
+            yield first
+        finally:
+            for s in socks:
+                s.close()
+        return
+    raise RuntimeError("no run of free ports")
 
 
 def test_sigterm_drains_every_child() -> None:
