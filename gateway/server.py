@@ -7,6 +7,7 @@ import signal
 
 import uvicorn
 
+from gateway.app import create_app
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -18,6 +19,9 @@ def run_gateway(settings: GatewaySettings, host: str, port: int, processes: int)
     # uvicorn drains on SIGTERM (stops accepting, lets open streams finish within the grace),
     # then re-raises the signal into the handler it found installed. With the default one the
     # drained gateway would die by SIGTERM; with this one it exits 0.
+    # Built once here, for its checks only: a setting the app refuses stops the start now,
+    # where the children uvicorn forks would each fail and be respawned forever.
+    create_app(settings)
     signal.signal(signal.SIGTERM, _drained)
     uvicorn.run(
         "gateway.app:create_app_from_env",
