@@ -231,7 +231,9 @@ class RawPubSub(asyncio.Protocol):
             try:
                 await self.endpoint.connect(lambda: self)
             except (OSError, TimeoutError) as exc:
-                log.warning("pub/sub connect failed; retrying", extra=self._fields(exc))
+                # A certificate refused is a misconfiguration, as a password refused is.
+                level = logging.ERROR if isinstance(exc, ssl.SSLError) else logging.WARNING
+                log.log(level, "pub/sub connect failed; retrying", extra=self._fields(exc))
             else:
                 if self._closed and self._transport is not None:  # closed while connecting
                     self._transport.close()
