@@ -14,7 +14,7 @@ from gateway import http_errors, queues
 from gateway.job_service import JobService
 from gateway.openai import routes as openai_routes
 from gateway.pubsub import PubSubRouter
-from gateway.pubsub_wire import PubSubBackend, RawPubSub, RedisPyPubSub
+from gateway.pubsub_wire import Endpoint, PubSubBackend, RawPubSub, RedisPyPubSub
 from gateway.registry import ModelRegistry
 from gateway.routes import health, jobs, models
 from gateway.state import GatewayState
@@ -35,8 +35,14 @@ def create_app(
 
     `raw_pubsub`: stream events over genq's own hiredis pub/sub connection to
     `settings.redis_url` (default when the app makes its own client) rather than redis-py's.
+    ValueError, before anything serves, for a URL option that connection cannot honour.
     """
     use_raw = (redis is None) if raw_pubsub is None else raw_pubsub
+    endpoint = (
+        Endpoint.from_url(settings.redis_url, settings.redis_socket_timeout_s)
+        if use_raw and settings.redis_url
+        else None
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -44,9 +50,8 @@ def create_app(
         keys = Keys(settings.key_prefix)
         registry = ModelRegistry(client, keys, settings.card_cache_s)
         backend: PubSubBackend
-        if use_raw and settings.redis_url:
-            name = f"genq-gateway-pubsub-{os.getpid()}"
-            backend = RawPubSub(settings.redis_url, settings.redis_socket_timeout_s, name)
+        if endpoint is not None:
+            backend = RawPubSub(endpoint, f"genq-gateway-pubsub-{os.getpid()}")
         else:
             backend = RedisPyPubSub(client)
         router = PubSubRouter(backend)

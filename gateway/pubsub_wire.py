@@ -5,20 +5,27 @@ to the router straight from `data_received`: no task wake-up, no await, no per-m
 wrapper objects. redis-py's PubSub costs several times more per message, and the gateway
 handles one message per job per worker flush, so this is its hottest path. The fallback
 (`RedisPyPubSub`) serves in-process fakeredis and anything the raw one cannot reach.
+
+The raw connection reads its address, credentials and TLS settings through redis-py's own
+URL parsing (`Endpoint.from_url`), and refuses at start any URL option it cannot honour:
+a gateway never subscribes somewhere else, or with less security, than its URL says.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import ssl
 from collections.abc import Callable
-from typing import Protocol, cast
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
 
 import hiredis
 import redis.asyncio as aioredis
-from redis.asyncio.connection import SSLConnection, parse_url
+from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
+from redis.credentials import UsernamePasswordCredentialProvider
 from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
@@ -28,12 +35,131 @@ _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 2.0
 _POLL_S = 1.0
 
+PING_INTERVAL_S = 2.0
+"""The raw connection PINGs this often after each PONG. A peer gone without a FIN (a network
+partition, a stopped Redis) sends nothing, and a subscribed connection waiting for messages
+cannot tell that from a quiet one; the PING makes silence mean something."""
+PONG_TIMEOUT_S = 3.0
+"""No PONG and no other reply this long after a PING: the connection is dropped and made
+again (replies still arriving mean the PONG is queued behind them, and extend the wait)."""
+
+_DEFAULT_HOST = "localhost"  # redis-py's, for a URL that names none
+_DEFAULT_PORT = 6379
+_NAME_CHARS = frozenset(map(chr, range(ord("!"), ord("~") + 1)))
+"""What CLIENT SETNAME takes."""
+_TLS_OPTIONS = frozenset(
+    p for p in inspect.signature(SSLConnection.__init__).parameters if p.startswith("ssl_")
+)
+"""Handed to redis-py's SSLConnection, which builds the context: honoured as redis-py does."""
+_HONOURED = frozenset(
+    {"host", "port", "path", "username", "password", "client_name", "socket_connect_timeout"}
+)
+NOT_APPLICABLE = {
+    "db": "pub/sub channels are global: a message reaches subscribers of every db",
+    "socket_timeout": "a subscribed connection waits for messages by design; the PING timer "
+    "bounds its silence",
+    "health_check_interval": "the PING timer checks this connection",
+    "socket_keepalive": "the PING timer notices a dead peer sooner than TCP keepalive",
+    "retry_on_timeout": "this connection always reconnects",
+    "max_connections": "sizes redis-py's pool; this is one connection",
+    "timeout": "the wait for a free pooled connection; this is one connection",
+    "socket_read_size": "the transport hands over whatever arrived",
+    "protocol": "a message reads the same in RESP2, which this connection speaks",
+    "legacy_responses": "shapes redis-py's command replies; this connection has none",
+}
+"""URL options that configure redis-py's pooled client, whose job this connection does its
+own way: accepted, so one URL serves both. Any option in neither table stops the start."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where and how the raw connection reaches Redis, read from a redis-py URL."""
+
+    host: str
+    port: int
+    connect_timeout_s: float
+    path: str | None = None
+    """A unix socket: redis-py's `unix:///path/to/redis.sock`."""
+    tls: ssl.SSLContext | None = None
+    auth: tuple[str, ...] = field(default=(), repr=False)
+    """AUTH's arguments, as redis-py sends them: ([username,] password)."""
+    username: str | None = None
+    client_name: str | None = None
+
+    @classmethod
+    def from_url(cls, url: str, connect_timeout_s: float) -> Endpoint:
+        """ValueError naming the option, for any the raw connection cannot honour. The
+        message never quotes the URL: it may carry a password."""
+        opts: dict[str, Any] = dict(parse_url(url))  # ValueError: bad scheme or value
+        connection_class = opts.pop("connection_class", None)
+        _refuse_unhonoured(opts, tls=connection_class is SSLConnection)
+        username, password = opts.get("username"), opts.get("password")
+        auth = UsernamePasswordCredentialProvider(username, password).get_credentials()
+        tls = {k: v for k, v in opts.items() if k in _TLS_OPTIONS}
+        path = opts.get("path")
+        client_name = opts.get("client_name")
+        if client_name is not None and not _NAME_CHARS.issuperset(client_name):
+            raise ValueError("redis_url option client_name: Redis takes printable ASCII, no spaces")
+        if connection_class is UnixDomainSocketConnection and not path:
+            raise ValueError("redis_url: a unix:// URL needs the socket's path")
+        return cls(
+            host=str(opts.get("host", _DEFAULT_HOST)),
+            port=int(opts.get("port", _DEFAULT_PORT)),
+            connect_timeout_s=float(opts.get("socket_connect_timeout", connect_timeout_s)),
+            path=path,
+            tls=_tls_context(tls) if connection_class is SSLConnection else None,
+            auth=tuple(auth) if username or password else (),
+            username=username,
+            client_name=client_name,
+        )
+
+    @property
+    def where(self) -> str:
+        """For logs: the address, never the credentials."""
+        if self.path is not None:
+            return f"unix:{self.path}"
+        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}"
+
+    async def connect(self, protocol: Callable[[], asyncio.Protocol]) -> None:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self.connect_timeout_s):
+            if self.path is not None:
+                await loop.create_unix_connection(protocol, self.path)
+            else:
+                await loop.create_connection(protocol, self.host, self.port, ssl=self.tls)
+
+
+def _refuse_unhonoured(opts: dict[str, Any], *, tls: bool) -> None:
+    unknown = sorted(o for o in opts if o not in _HONOURED | _TLS_OPTIONS | NOT_APPLICABLE.keys())
+    if unknown:
+        raise ValueError(
+            f"redis_url option(s) {', '.join(unknown)}: the gateway's pub/sub connection "
+            f"cannot honour them (it honours {', '.join(sorted(_HONOURED | _TLS_OPTIONS))}; "
+            f"and accepts {', '.join(sorted(NOT_APPLICABLE))}, which it has no use for)"
+        )
+    tls_given = sorted(o for o in opts if o in _TLS_OPTIONS)
+    if tls_given and not tls:
+        raise ValueError(f"redis_url option(s) {', '.join(tls_given)}: TLS needs rediss://")
+
+
+def _tls_context(options: dict[str, Any]) -> ssl.SSLContext:
+    """redis-py's own context for these options (its defaults: certificate and host name
+    verified), built now so a missing or bad file stops the start."""
+    try:
+        return SSLConnection(**options).ssl_context.get()
+    except (RedisError, OSError, ValueError) as exc:
+        names = ", ".join(sorted(options)) or "(defaults)"
+        raise ValueError(f"redis_url TLS option(s) {names}: {exc}") from exc
+
 
 class PubSubBackend(Protocol):
     immediate: bool
     """True when (un)subscribe only writes to a socket buffer: no batching needed."""
 
-    async def run(self, on_message: OnMessage, on_reconnect: Callable[[], None]) -> None: ...
+    async def run(self, on_message: OnMessage, on_reconnect: Callable[[], None]) -> None:
+        """Receive until closed. `on_reconnect` runs whenever messages may have been missed
+        (a new connection is subscribed): streams then re-read their event logs."""
+        ...
 
     async def subscribe(self, *channels: str) -> None: ...
 
@@ -50,82 +176,162 @@ def _pack(*parts: str) -> bytes:
     return b"".join(out)
 
 
+_PING = _pack("PING")
+
+
 class RawPubSub(asyncio.Protocol):
-    """One Redis connection in subscribed mode; reconnects and resubscribes by itself."""
+    """One Redis connection in subscribed mode; reconnects and resubscribes by itself.
+
+    A connection is ready once its first PONG arrives: Redis answers in order, so by then
+    AUTH and SUBSCRIBE have been accepted. An error reply (NOAUTH, WRONGPASS, NOPERM, ...)
+    drops the connection; one that never became ready is made again after a backoff.
+    """
 
     immediate = True
 
-    def __init__(self, url: str, connect_timeout_s: float, name: str = "genq-gateway") -> None:
-        opts = parse_url(url)
-        self.name = name
-        self._host = str(opts.get("host", "127.0.0.1"))
-        self._port = int(opts.get("port", 6379))
-        self._auth = [a for a in (opts.get("username"), opts.get("password")) if a]
-        self._ssl = (
-            ssl.create_default_context() if opts.get("connection_class") is SSLConnection else None
-        )
-        self._timeout = connect_timeout_s
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        name: str = "genq-gateway",
+        *,
+        ping_interval_s: float = PING_INTERVAL_S,
+        pong_timeout_s: float = PONG_TIMEOUT_S,
+    ) -> None:
+        self.endpoint = endpoint
+        self.name = endpoint.client_name or name
+        self._ping_interval_s = ping_interval_s
+        self._pong_timeout_s = pong_timeout_s
         self._channels: set[str] = set()
         self._transport: asyncio.Transport | None = None
         self._outbox: list[bytes] = []
         self._reader = hiredis.Reader(encoding="utf-8", errors="replace")
         self._lost: asyncio.Future[None] | None = None
         self._on_message: OnMessage = lambda c, d: None
+        self._on_ready: Callable[[], None] = lambda: None
+        self._ready = False
+        self._dropped = False
+        self._heard = False
+        """Something arrived since the last PING."""
+        self._timer: asyncio.TimerHandle | None = None
         self._closed = False
 
+    @classmethod
+    def from_url(cls, url: str, connect_timeout_s: float, name: str = "genq-gateway") -> RawPubSub:
+        return cls(Endpoint.from_url(url, connect_timeout_s), name)
+
     async def run(self, on_message: OnMessage, on_reconnect: Callable[[], None]) -> None:
-        self._on_message = on_message
+        self._on_message, self._on_ready = on_message, on_reconnect
         loop = asyncio.get_running_loop()
-        backoff, first = _BACKOFF_START_S, True
+        backoff = _BACKOFF_START_S
         while not self._closed:
             # Made here, not in connection_made: uvloop calls that only after
             # create_connection has returned.
             lost: asyncio.Future[None] = loop.create_future()
-            self._lost = lost
+            self._lost, self._ready = lost, False
             try:
-                async with asyncio.timeout(self._timeout):
-                    await loop.create_connection(
-                        lambda: self, self._host, self._port, ssl=self._ssl
-                    )
+                await self.endpoint.connect(lambda: self)
             except (OSError, TimeoutError) as exc:
-                log.warning("pub/sub connect failed; retrying", extra={"error": str(exc)})
+                # A certificate refused is a misconfiguration, as a password refused is.
+                level = logging.ERROR if isinstance(exc, ssl.SSLError) else logging.WARNING
+                log.log(level, "pub/sub connect failed; retrying", extra=self._fields(exc))
+            else:
+                if self._closed and self._transport is not None:  # closed while connecting
+                    self._transport.close()
+                    return
+                await lost
+            if self._ready:  # it worked until now: make it again at once
+                backoff = _BACKOFF_START_S
+            elif not self._closed:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
-                continue
-            backoff = _BACKOFF_START_S
-            if self._closed and self._transport is not None:  # closed while connecting
-                self._transport.close()
-                return
-            if not first:
-                on_reconnect()  # messages may have been missed: streams re-read their logs
-            first = False
-            await lost
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         t = cast(asyncio.Transport, transport)  # uvloop's transports are no asyncio.Transport
-        self._transport = t
+        self._transport, self._dropped = t, False
         self._reader = hiredis.Reader(encoding="utf-8", errors="replace")
         self._outbox = []  # superseded by the full SUBSCRIBE below
-        if self._auth:
-            t.write(_pack("AUTH", *self._auth))
-        t.write(_pack("CLIENT", "SETNAME", self.name))  # visible in CLIENT LIST
+        hello = [_pack("AUTH", *self.endpoint.auth)] if self.endpoint.auth else []
+        hello.append(_pack("CLIENT", "SETNAME", self.name))  # visible in CLIENT LIST
         if self._channels:
-            t.write(_pack("SUBSCRIBE", *self._channels))
+            hello.append(_pack("SUBSCRIBE", *self._channels))
+        t.write(b"".join(hello))
+        self._ping()
 
     def data_received(self, data: bytes) -> None:
+        self._heard = True
         self._reader.feed(data)
-        while (reply := self._reader.gets()) is not False:
-            if isinstance(reply, list) and reply and reply[0] == "message":
-                self._on_message(reply[1], reply[2])
-            elif isinstance(reply, hiredis.ReplyError):
-                log.warning("pub/sub error reply", extra={"error": str(reply)})
+        try:
+            while (reply := self._reader.gets()) is not False:
+                if isinstance(reply, list) and reply:
+                    if reply[0] == "message":
+                        self._on_message(reply[1], reply[2])
+                    elif reply[0] == "pong":  # PONG in subscribed mode
+                        self._ponged()
+                elif isinstance(reply, hiredis.ReplyError):
+                    self._refused(str(reply))
+                    return
+                elif reply == "PONG":  # no channel subscribed: not in subscribed mode
+                    self._ponged()
+        except hiredis.ProtocolError as exc:
+            self._refused(f"unreadable reply: {exc}")
+
+    def _ping(self) -> None:
+        if self._transport is None:
+            return
+        self._heard = False
+        self._transport.write(_PING)
+        self._timer = asyncio.get_running_loop().call_later(
+            self._pong_timeout_s, self._pong_overdue
+        )
+
+    def _ponged(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(self._ping_interval_s, self._ping)
+        if not self._ready:
+            self._ready = True
+            self._on_ready()  # subscribed from now on: what came before, the logs hold
+
+    def _pong_overdue(self) -> None:
+        if self._heard:  # replies are still arriving: the PONG is queued behind them
+            self._heard = False
+            self._timer = asyncio.get_running_loop().call_later(
+                self._pong_timeout_s, self._pong_overdue
+            )
+            return
+        log.warning(
+            "pub/sub: no reply to PING; reconnecting",
+            extra={**self._fields(), "pong_timeout_s": self._pong_timeout_s},
+        )
+        self._drop()
+
+    def _refused(self, error: str) -> None:
+        log.error("pub/sub: Redis refused the connection; reconnecting", extra=self._fields(error))
+        self._drop()
+
+    def _drop(self) -> None:
+        """Abort, not close: a half-open connection would never flush what is buffered."""
+        self._dropped = True
+        if self._transport is not None:
+            self._transport.abort()
+
+    def _fields(self, error: object = None) -> dict[str, object]:
+        fields: dict[str, object] = {"redis": self.endpoint.where, "client_name": self.name}
+        if self.endpoint.username:
+            fields["redis_user"] = self.endpoint.username
+        if error is not None:
+            fields["error"] = str(error)
+        return fields
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._lost is not None and not self._lost.done():
             self._lost.set_result(None)
-        if not self._closed:
-            log.warning("pub/sub connection lost; reconnecting", extra={"error": str(exc)})
+        if not self._closed and not self._dropped:
+            log.warning("pub/sub connection lost; reconnecting", extra=self._fields(exc))
 
     async def subscribe(self, *channels: str) -> None:
         """Written at once: the caller queues its job next and wants to be listening first."""
@@ -154,6 +360,8 @@ class RawPubSub(asyncio.Protocol):
 
     async def close(self) -> None:
         self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         if self._transport is not None:
             self._transport.close()
         if self._lost is not None and not self._lost.done():

@@ -14,6 +14,7 @@ import socket
 import uvicorn
 from uvicorn.supervisors import Multiprocess
 
+from gateway.app import create_app
 from shared import logs
 from shared.settings import GatewaySettings
 
@@ -54,6 +55,9 @@ def run_gateway(settings: GatewaySettings, sock: socket.socket, processes: int) 
     # uvicorn drains on SIGTERM (stops accepting, lets open streams finish within the grace),
     # then re-raises the signal into the handler it found installed. With the default one the
     # drained gateway would die by SIGTERM; with this one it exits 0.
+    # Built once here, for its checks only: a setting the app refuses stops the start now,
+    # where the children uvicorn forks would each fail and be respawned forever.
+    create_app(settings)
     signal.signal(signal.SIGTERM, _drained)
     config = uvicorn.Config(
         "gateway.app:create_app_from_env",

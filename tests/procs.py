@@ -54,6 +54,8 @@ class RedisServer:
     proc: subprocess.Popen[bytes] | None = None
     config: Path | None = None
     """A redis.conf to start from (e.g. deploy/redis.conf); else AOF with fsync always."""
+    args: tuple[str, ...] = ()
+    """More redis-server options (TLS, a unix socket, a password), appended last."""
 
     @property
     def url(self) -> str:
@@ -76,6 +78,7 @@ class RedisServer:
                 str(self.dir),
                 "--save",
                 "",
+                *self.args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

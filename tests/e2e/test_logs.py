@@ -113,7 +113,7 @@ def test_text_format_is_human_lines_in_local_time_with_the_fields(tmp_path: Path
     )
     line = re.compile(
         r"^(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) WARNING \[(?P<pid>\d+)\] "
-        r"gateway\.pubsub_wire: " + re.escape(PUBSUB_DOWN) + r" error=\S"
+        r"gateway\.pubsub_wire: " + re.escape(PUBSUB_DOWN) + r" (\S+=\S+ )*error=\S"
     )
 
     def warned() -> list[re.Match[str]]:

@@ -18,7 +18,7 @@ async def router(request: pytest.FixtureRequest, redis: aioredis.Redis):  # type
     if request.param == "raw" and _is_fake(redis):
         pytest.skip("the raw connection needs a real Redis")
     backend: PubSubBackend = (
-        RawPubSub(REDIS_URL, 5.0, f"genq-test-{uuid.uuid4().hex}")
+        RawPubSub.from_url(REDIS_URL, 5.0, f"genq-test-{uuid.uuid4().hex}")
         if request.param == "raw"
         else RedisPyPubSub(redis)
     )
