@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from gateway import http_errors, queues
+from gateway.deadline_sweep import DeadlineSweep
 from gateway.job_service import JobService
 from gateway.openai import routes as openai_routes
 from gateway.pubsub import PubSubRouter
@@ -55,17 +56,20 @@ def create_app(
         else:
             backend = RedisPyPubSub(client)
         router = PubSubRouter(backend)
+        scripts = ScriptRunner(client)
         state = GatewayState(
             settings=settings,
             redis=client,
             keys=keys,
             router=router,
             registry=registry,
-            jobs=JobService(settings, client, ScriptRunner(client), registry),
+            jobs=JobService(settings, client, scripts, registry),
         )
         app.state.genq = state
         runtime.tune_gc()
         receiver = asyncio.create_task(router.run(), name="pubsub-router")
+        sweep = DeadlineSweep(settings, client, scripts, keys)
+        background = [receiver, asyncio.create_task(sweep.run(), name="deadline-sweep")]
         groups = await queues.start(client, keys, settings.queue_models)
         try:
             yield
@@ -73,9 +77,10 @@ def create_app(
             state.draining = True
             await queues.stop(groups)
             await router.close()
-            receiver.cancel()
+            for task in background:
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await receiver
+                await asyncio.gather(*background)
             if redis is None:
                 await client.aclose()
 

@@ -13,11 +13,12 @@ import redis.asyncio as aioredis
 
 from gateway.registry import ModelRegistry
 from shared import events
+from shared.deadlines import EXPIRED_CODE, RUNNING_MESSAGE, expire_due
 from shared.errors import BadRequest, Conflict, JobNotFound, PromptTooLong, Unprocessable
 from shared.events import CancelledEvent, QueuedEvent
 from shared.keys import Keys
 from shared.records import JOB_ID, ControlMessage, IdempotencyClaim, JobRecord, QueueEntry
-from shared.schemas import JobCreate, JobSpec, JobView
+from shared.schemas import ErrorInfo, JobCreate, JobSpec, JobView
 from shared.settings import GatewaySettings
 from shared.transitions import (
     CancelEnded,
@@ -174,7 +175,24 @@ class JobService:
         return None
 
     async def get(self, job_id: str) -> JobView:
-        return (await self._record(job_id)).view()
+        record = await self._record(job_id)
+        if _overdue(record):
+            return await self._expired_view(record)
+        return record.view()
+
+    async def _expired_view(self, record: JobRecord) -> JobView:
+        """A job past its deadline is `expired` as soon as anyone looks: ended now if nobody
+        else will end it (queued, or its worker gone), else shown so until its worker, which
+        stops it within a heartbeat, writes the end."""
+        job_id = record.spec.id
+        s = self.settings
+        await expire_due(self.redis, self.scripts, self.keys, s, 1, [job_id])
+        record = await self._record(job_id)
+        view = record.view()
+        if _overdue(record):
+            view.status = "expired"
+            view.error = ErrorInfo(code=EXPIRED_CODE, message=RUNNING_MESSAGE)
+        return view
 
     async def _record(self, job_id: str) -> JobRecord:
         raw = await self.redis.hgetall(self.keys.job(self.validate_id(job_id)))
@@ -230,6 +248,12 @@ _SAMPLING_FIELDS = {
     "stop_token_ids",
     "logprobs",
 }
+
+
+def _overdue(record: JobRecord) -> bool:
+    deadline = record.spec.deadline
+    live = record.status in ("queued", "running")
+    return live and deadline is not None and time.time() > deadline
 
 
 def _fingerprint(body: JobCreate) -> str:

@@ -59,6 +59,10 @@ class Keys:
     def dead_letters(self) -> str:
         return f"{self.prefix}dead"
 
+    def lock(self, name: str) -> str:
+        """String with TTL: held by the one process doing `name` now (e.g. a sweep)."""
+        return f"{self.prefix}lock:{name}"
+
     def idempotency(self, key: str) -> str:
         return f"{self.prefix}idem:{key}"
 

@@ -56,6 +56,10 @@ def connect(settings: RedisSettings, url: str | None = None, **overrides: Any) -
         connection_pool_class=aioredis.BlockingConnectionPool,
         timeout=settings.redis_pool_timeout_s,
         decode_responses=True,
+        # Anything genq writes is UTF-8; bytes that are not (a forged queue entry, a pickle)
+        # decode with U+FFFD and fail validation where they are read, instead of failing the
+        # whole reply they came in (one bad entry would stall a queue read forever).
+        encoding_errors="replace",
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), settings.redis_retries),
         retry_on_error=list(RETRY_ON),
         health_check_interval=settings.redis_health_check_s,

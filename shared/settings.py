@@ -124,6 +124,12 @@ class GatewaySettings(JobSettings):
         default=2.0, gt=0, description="a stream silent this long re-reads the event log"
     )
     card_cache_s: float = Field(default=2.0, ge=0)
+    deadline_sweep_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="how often one gateway ends jobs past their deadline that no live worker "
+        "will end (queued ones, those of dead workers)",
+    )
     queue_models: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list,
         description="models whose queues and consumer groups the gateway creates at start, "

@@ -2,8 +2,10 @@
 
 Each method builds a `Call` (keys, arguments, and how to read the reply) from named
 arguments; `ScriptRunner` runs calls, one or a pipeline of many, by EVALSHA. Every script
-touches only the keys of one job (one Cluster slot), except SUBMIT (the job's keys, its queue,
-the deadlines index, the idempotency key: the seam for Cluster).
+touches the keys of one job (one Cluster slot) and, besides them, only: SUBMIT its queue, the
+deadlines index and the idempotency key; EMIT and SETTLE the deadlines index when the job
+ends; TOUCH the queue it checks. Those are the seam for Cluster (per-slot submits, an index
+per slot).
 
 Who may write a job (fencing): the gateway while it is `queued` and nobody runs it (SUBMIT,
 SETTLE of a cancel), the worker the record names at the record's `attempt` while it is
@@ -142,6 +144,7 @@ class JobState:
     """The job's status, or 'missing'."""
     attempt: int = 0
     last_seq: int = 0
+    worker: str | None = None
 
 
 StartReply = Started | Exhausted | NotStartable
@@ -178,7 +181,7 @@ def _cancel_reply(r: list[Any]) -> CancelReply:
 def _state_reply(r: list[Any]) -> JobState:
     if r[0] == "missing":
         return JobState("missing")
-    return JobState(str(r[0]), int(r[1]), int(r[2]))
+    return JobState(str(r[0]), int(r[1]), int(r[2]), r[3] or None)
 
 
 def _submit_reply(r: list[Any]) -> SubmitReply:
@@ -205,6 +208,10 @@ class Transitions:
     def _job_keys(self, job_id: str) -> list[str]:
         k = self.keys
         return [k.job(job_id), k.events(job_id), k.channel(job_id)]
+
+    def _ending_keys(self, job_id: str) -> list[str]:
+        """A job's keys and the deadlines index it leaves when it ends."""
+        return [*self._job_keys(job_id), self.keys.deadlines()]
 
     def submit(
         self,
@@ -253,10 +260,10 @@ class Transitions:
         retention_s: int = 0,
     ) -> Call[EmitReply]:
         """The owner's events, and (when the job ends) its record `fields` and retention."""
-        args: list[Arg] = [worker, attempt, maxlen, retention_s, len(events)]
+        args: list[Arg] = [worker, attempt, maxlen, retention_s, job_id, len(events)]
         args += _events(events)
         args += _flat(fields or {})
-        return Call(script("emit"), self._job_keys(job_id), args, _emit_reply)
+        return Call(script("emit"), self._ending_keys(job_id), args, _emit_reply)
 
     def settle(
         self,
@@ -271,9 +278,9 @@ class Transitions:
         retention_s: int,
     ) -> Call[bool]:
         """End a job nobody runs, if its status, attempt and log end are still these."""
-        args: list[Arg] = [status, attempt, last_seq, maxlen, retention_s, *event]
+        args: list[Arg] = [status, attempt, last_seq, maxlen, retention_s, job_id, *event]
         args += _flat(fields)
-        return Call(script("settle"), self._job_keys(job_id), args, lambda r: bool(int(r)))
+        return Call(script("settle"), self._ending_keys(job_id), args, lambda r: bool(int(r)))
 
     def hand_back(
         self, job_id: str, *, worker: str, attempt: int, counted: bool, error: str = ""
@@ -283,6 +290,22 @@ class Transitions:
 
     def request_cancel(self, job_id: str, *, reason: str) -> Call[CancelReply]:
         return Call(script("request_cancel"), self._job_keys(job_id), [reason], _cancel_reply)
+
+    def touch(
+        self,
+        queue: str,
+        entry_id: str,
+        job_id: str,
+        *,
+        group: str,
+        worker: str,
+        attempt: int | None,
+    ) -> Call[bool]:
+        """Keep a held entry's idle time low, if this worker still holds it (`attempt`: the
+        job's, once started; None for a claim not started yet)."""
+        keys = [queue, self.keys.job(job_id)]
+        args: list[Arg] = [group, worker, entry_id, "" if attempt is None else attempt]
+        return Call(script("touch"), keys, args, lambda r: bool(int(r)))
 
     def state(self, job_id: str) -> Call[JobState]:
         return Call(script("state"), self._job_keys(job_id), [], _state_reply)

@@ -193,3 +193,92 @@ class Cluster:
     def close(self) -> None:
         for p in reversed(self.procs):
             p.kill()
+
+
+class StallProxy:
+    """A TCP proxy to a Redis that can stall: while stalled it forwards nothing either way
+    (data waits, as on a network that drops every packet but the connection stays up), and
+    on `resume` it delivers everything that waited. Its own thread and event loop, so the
+    tests' blocking waits do not stall it."""
+
+    def __init__(self, target_port: int) -> None:
+        import asyncio
+        import threading
+
+        self.target_port = target_port
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    async def start(self) -> None:
+        import asyncio
+
+        self._thread.start()
+        listen = asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self._server = asyncio.run_coroutine_threadsafe(listen, self._loop).result(5)
+
+    def stall(self) -> None:
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
+
+    async def close(self) -> None:
+        import asyncio
+
+        self._flowing.set()
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        import asyncio
+
+        if self._server is not None:
+            self._server.close()
+        for w in self._writers:
+            w.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _serve(self, reader, writer) -> None:  # type: ignore[no-untyped-def]
+        import asyncio
+
+        self._writers.append(writer)
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        self._writers.append(up_w)
+        for task in (self._pipe(reader, up_w), self._pipe(up_r, writer)):
+            t = asyncio.ensure_future(task)
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _pipe(self, reader, writer) -> None:  # type: ignore[no-untyped-def]
+        import asyncio
+
+        try:
+            while data := await reader.read(65536):
+                while not self._flowing.is_set():
+                    await asyncio.sleep(0.01)
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()

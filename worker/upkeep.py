@@ -14,7 +14,7 @@ from typing import Any, cast
 from redis.exceptions import RedisError
 
 from shared import __version__
-from shared.deadlines import expire_queued
+from shared.deadlines import expire_due
 from shared.keys import CONSUMER_GROUP
 from shared.records import Heartbeat, QueueEntry, RecordError
 from worker.engine import Stop
@@ -73,18 +73,34 @@ class Upkeep:
         pipe.pexpire(key, lease_ms)
         pipe.zadd(st.keys.workers(), {st.id: time.time() + st.settings.lease_s})
         pipe.sadd(st.keys.models(), st.model)
-        held: dict[str, list[str]] = {}
-        for c in [r.claim for r in st.running.values()] + st.waiting:
-            held.setdefault(c.queue, []).append(c.entry_id)
-        # Reset idle time: these entries have a live owner. Not after a lapsed lease: they may
-        # have moved to another worker, and taking them back would hide them from its reclaim.
-        if st.lease.held():
-            for queue, ids in held.items():
-                pipe.xclaim(queue, CONSUMER_GROUP, st.id, 0, ids, justid=True)
         card_exists, *_ = await pipe.execute()
+        # Not after a lapsed lease: the entries may have moved to another worker meanwhile.
+        if st.lease.held():
+            await self._touch_held()
         st.lease.beat_ok()
         if not card_exists:  # Redis lost it (restarted without its data): gateways need it
             await self.publish_card()
+
+    async def _touch_held(self) -> None:
+        """Reset the idle time of the entries this worker holds (a dead worker's go idle and
+        are reclaimed); let go of those it no longer owns: they moved while it was away."""
+        st = self.st
+        started = [(r.claim, r.attempt) for r in st.running.values() if r.end is None]
+        held = started + [(c, None) for c in st.waiting]
+        calls = [
+            st.transitions.touch(
+                c.queue, c.entry_id, c.job_id, group=CONSUMER_GROUP, worker=st.id, attempt=a
+            )
+            for c, a in held
+        ]
+        for (claim, attempt), still in zip(held, await st.scripts.run_all(calls), strict=True):
+            if still is not False:
+                continue  # touched, or an error this once: next beat
+            log.warning("entry moved to another worker; letting go", extra={"job_id": claim.job_id})
+            if attempt is None:
+                st.waiting = [c for c in st.waiting if c.entry_id != claim.entry_id]
+            elif (run := st.running.get(claim.job_id)) is not None and run.attempt == attempt:
+                st.drop(claim.job_id)
 
     def _heartbeat(self) -> Heartbeat:
         st = self.st
@@ -110,12 +126,10 @@ class Upkeep:
         )
 
     async def _expire_queued(self) -> None:
-        """End queued jobs past their deadline, whoever's backlog they wait in (any worker may
-        sweep: only jobs still `queued` are touched)."""
+        """End jobs past their deadline that nobody else will end (queued ones, whoever's
+        backlog they wait in, and those of dead workers); any process may sweep."""
         st = self.st
-        for job_id in await expire_queued(
-            st.redis, st.scripts, st.keys, st.settings, _EXPIRE_SWEEP
-        ):
+        for job_id in await expire_due(st.redis, st.scripts, st.keys, st.settings, _EXPIRE_SWEEP):
             log.info("queued job expired", extra={"job_id": job_id})
 
     def _expire_overdue(self) -> None:
@@ -137,8 +151,44 @@ class Upkeep:
             try:
                 for queue in st.queues.values():
                     await self._reclaim(queue)
+                    await self._forget_dead(queue)
             except (RedisError, OSError) as exc:
                 log.warning("reclaim failed", extra={"error": str(exc)})
+
+    async def _forget_dead(self, queue: str) -> None:
+        """A crashed worker's consumer, once it holds no entry (all reclaimed) and its lease
+        is over, leaves the group, and its member the workers set: else one of each stays
+        per crash, forever."""
+        st = self.st
+        lease_ms = int(st.settings.lease_s * 1000)
+        consumers: list[dict[str, Any]] = await st.redis.xinfo_consumers(queue, CONSUMER_GROUP)
+        idle = [
+            str(c["name"])
+            for c in consumers
+            if c["name"] != st.id and int(c["pending"]) == 0 and int(c["idle"]) > lease_ms
+        ]
+        if not idle:
+            return
+        pipe = st.redis.pipeline(transaction=False)
+        for name in idle:
+            pipe.exists(st.keys.worker(name))
+        dead = [n for n, alive in zip(idle, await pipe.execute(), strict=True) if not alive]
+        calls = [
+            st.transitions.delete_idle_consumer(queue, group=CONSUMER_GROUP, consumer=n)
+            for n in dead
+        ]
+        gone = [
+            n for n, ok in zip(dead, await st.scripts.run_all(calls), strict=True) if ok is True
+        ]
+        if gone:
+            # Only members whose lease has passed: a worker that just restarted under the
+            # same id (and beats again) keeps its place.
+            expired = time.time()
+            scores = await st.redis.zmscore(st.keys.workers(), gone)
+            stale = [n for n, s in zip(gone, scores, strict=True) if s is None or s < expired]
+            if stale:
+                await st.redis.zrem(st.keys.workers(), *stale)
+            log.info("forgot dead workers", extra={"workers": gone, "queue": queue})
 
     async def _reclaim(self, queue: str) -> None:
         st = self.st

@@ -1,13 +1,14 @@
 -- EMIT: the job's owner writes its events and, when the job ends, its record fields.
--- ARGV: worker, attempt, maxlen, retention (0 while running), n, then n (seq, json) pairs,
--- then record (field, value) pairs.
+-- KEYS: job, events, channel, deadlines.
+-- ARGV: worker, attempt, maxlen, retention (0 while running), job id, n, then n (seq, json)
+-- pairs, then record (field, value) pairs.
 -- -> {1, cancel}: written (cancel: the reason of a cancel asked for meanwhile, or '')
 --  | {0}: fenced, this worker no longer owns the job
 --  | {-1, last}: nothing written, the log ends at seq `last` (the caller re-sends from there)
 if not owns(KEYS[1], ARGV[1], ARGV[2]) then return {0} end
-local to = 5 + 2 * tonumber(ARGV[5])
-local last = append(KEYS[2], KEYS[3], ARGV[3], 6, to)
+local to = 6 + 2 * tonumber(ARGV[6])
+local last = append(KEYS[2], KEYS[3], ARGV[3], 7, to)
 if last then return {-1, last} end
 set_fields(KEYS[1], to + 1)
-retain(KEYS[1], KEYS[2], ARGV[4])
+retain(KEYS[1], KEYS[2], ARGV[4], ARGV[5])
 return {1, redis.call('HGET', KEYS[1], 'cancel') or ''}

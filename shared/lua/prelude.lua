@@ -43,10 +43,12 @@ local function set_fields(job, from)
   if #ARGV >= from then redis.call('HSET', job, unpack(ARGV, from, #ARGV)) end
 end
 
--- A job that ended keeps its record and log for `retention` seconds (0: no change).
-local function retain(job, events, retention)
+-- A job that ended keeps its record and log for `retention` seconds (0: it goes on) and
+-- leaves the deadlines index (KEYS[4], if given; another slot: part of the Cluster seam).
+local function retain(job, events, retention, job_id)
   if tonumber(retention) > 0 then
     redis.call('EXPIRE', job, retention)
     redis.call('EXPIRE', events, retention)
+    if KEYS[4] then redis.call('ZREM', KEYS[4], job_id) end
   end
 end

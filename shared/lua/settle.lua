@@ -1,13 +1,14 @@
 -- SETTLE: end a job nobody runs (cancel or expire a queued one, fail one out of attempts),
 -- if it is still as the caller saw it: compare-and-set on status, attempt and the log's end.
--- ARGV: status, attempt, last_seq, maxlen, retention, then one (seq, json) pair, then record
--- (field, value) pairs.
+-- KEYS: job, events, channel, deadlines.
+-- ARGV: status, attempt, last_seq, maxlen, retention, job id, then one (seq, json) pair, then
+-- record (field, value) pairs.
 -- -> 1 settled | 0 the job changed meanwhile (the caller looks again)
 local h = redis.call('HMGET', KEYS[1], 'status', 'attempt')
 if h[1] ~= ARGV[1] or (h[2] or '0') ~= ARGV[2] then return 0 end
 if last_seq(KEYS[2]) ~= tonumber(ARGV[3]) then return 0 end
-append(KEYS[2], KEYS[3], ARGV[4], 6, 7)
+append(KEYS[2], KEYS[3], ARGV[4], 7, 8)
 redis.call('HDEL', KEYS[1], 'worker')
-set_fields(KEYS[1], 8)
-retain(KEYS[1], KEYS[2], ARGV[5])
+set_fields(KEYS[1], 9)
+retain(KEYS[1], KEYS[2], ARGV[5], ARGV[6])
 return 1

@@ -1,5 +1,5 @@
--- STATE: what SETTLE compares against.
--- -> {status, attempt, last_seq} | {'missing'}
-local h = redis.call('HMGET', KEYS[1], 'status', 'attempt')
+-- STATE: what SETTLE compares against, and who runs the job.
+-- -> {status, attempt, last_seq, worker} | {'missing'}
+local h = redis.call('HMGET', KEYS[1], 'status', 'attempt', 'worker')
 if not h[1] then return {'missing'} end
-return {h[1], tonumber(h[2] or '0'), last_seq(KEYS[2])}
+return {h[1], tonumber(h[2] or '0'), last_seq(KEYS[2]), h[3] or ''}

@@ -1,0 +1,56 @@
+"""Deadlines hold whether or not a worker is up: gateways sweep the deadlines index too, one
+at a time (a lock in Redis that lapses by itself), ending queued jobs and those of dead
+workers `expired` (shared/deadlines.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared.deadlines import expire_due
+from shared.keys import Keys
+from shared.settings import GatewaySettings
+from shared.transitions import ScriptRunner
+
+log = logging.getLogger(__name__)
+SWEEP_LIMIT = 1000
+"""Overdue jobs looked at per sweep."""
+
+
+class DeadlineSweep:
+    def __init__(
+        self, settings: GatewaySettings, redis: aioredis.Redis, scripts: ScriptRunner, keys: Keys
+    ) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.scripts = scripts
+        self.keys = keys
+        self._token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    async def run(self) -> None:
+        interval = self.settings.deadline_sweep_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if await self._turn(interval):
+                    await self.sweep()
+            except (RedisError, OSError) as exc:
+                log.warning("deadline sweep failed", extra={"error": str(exc)})
+
+    async def _turn(self, interval: float) -> bool:
+        """Whether this process sweeps this round: the lock lasts one interval."""
+        lock = self.keys.lock("deadline-sweep")
+        return bool(await self.redis.set(lock, self._token, nx=True, px=int(interval * 1000)))
+
+    async def sweep(self, job_ids: list[str] | None = None) -> list[str]:
+        expired = await expire_due(
+            self.redis, self.scripts, self.keys, self.settings, SWEEP_LIMIT, job_ids
+        )
+        for job_id in expired:
+            log.info("job expired", extra={"job_id": job_id})
+        return expired
