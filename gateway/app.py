@@ -61,14 +61,17 @@ def create_app(
         app.state.genq = state
         runtime.tune_gc()
         receiver = asyncio.create_task(router.run(), name="pubsub-router")
+        repair = asyncio.create_task(state.admission.repair_loop(), name="admission-repair")
         try:
             yield
         finally:
             state.draining = True
+            repair.cancel()
             await router.close()
             receiver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await receiver
+            for task in (repair, receiver):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             if redis is None:
                 await client.aclose()
 

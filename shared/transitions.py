@@ -3,7 +3,9 @@
 Each method builds a `Call` (keys, arguments, and how to read the reply) from named
 arguments; `ScriptRunner` runs calls, one or a pipeline of many, by EVALSHA. Every script
 touches only the keys of one job (one Cluster slot), except SUBMIT (the job's keys, its queue,
-the deadlines index, the idempotency key: the seam for Cluster).
+the deadlines index, the idempotency key, the admission counters) and the two that end a job,
+EMIT and SETTLE (the job's keys and the admission counters, see shared/quotas.py): the seam
+for Cluster.
 
 Who may write a job (fencing): the gateway while it is `queued` and nobody runs it (SUBMIT,
 SETTLE of a cancel), the worker the record names at the record's `attempt` while it is
@@ -21,12 +23,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from redis.exceptions import NoScriptError
 
 from shared.keys import Keys
 from shared.records import JobRecord, QueueEntry
+
+if TYPE_CHECKING:
+    from shared.quotas import Admission
 
 R = TypeVar("R")
 Arg = str | int | float
@@ -137,6 +142,18 @@ class ClaimedBefore:
 
 
 @dataclass(frozen=True)
+class Limited:
+    """Admitting the job would take a scope past a limit: nothing was written."""
+
+    scope: int
+    """Index into the admission's quotas."""
+    what: str
+    """'jobs' or 'tokens'."""
+    count: int
+    """What the scope holds now."""
+
+
+@dataclass(frozen=True)
 class JobState:
     status: str
     """The job's status, or 'missing'."""
@@ -147,7 +164,7 @@ class JobState:
 StartReply = Started | Exhausted | NotStartable
 EmitReply = Written | Fenced | LostTail
 CancelReply = CancelRunning | CancelQueued | CancelEnded
-SubmitReply = Queued | ClaimedBefore
+SubmitReply = Queued | ClaimedBefore | Limited
 
 
 def _start_reply(r: list[Any]) -> StartReply:
@@ -182,7 +199,11 @@ def _state_reply(r: list[Any]) -> JobState:
 
 
 def _submit_reply(r: list[Any]) -> SubmitReply:
-    return Queued() if r[0] == "queued" else ClaimedBefore(str(r[1]))
+    if r[0] == "queued":
+        return Queued()
+    if r[0] == "limited":
+        return Limited(int(r[1]) - 1, str(r[2]), int(r[3]))
+    return ClaimedBefore(str(r[1]))
 
 
 def _flat(pairs: dict[str, str]) -> list[Arg]:
@@ -206,6 +227,12 @@ class Transitions:
         k = self.keys
         return [k.job(job_id), k.events(job_id), k.channel(job_id)]
 
+    def _ending_keys(self, job_id: str) -> list[str]:
+        """A job's keys and the admission counters its end takes it off."""
+        k = self.keys
+        admission = [k.admission_counts(), k.admission_jobs(), k.admission_checks()]
+        return self._job_keys(job_id) + admission
+
     def submit(
         self,
         record: JobRecord,
@@ -215,6 +242,7 @@ class Transitions:
         idempotency_key: str | None,
         idempotency_claim: str,
         idempotency_ttl_s: int,
+        admission: Admission,
     ) -> Call[SubmitReply]:
         spec = record.spec
         entry_fields = entry.to_hash()
@@ -224,7 +252,13 @@ class Transitions:
             k.queue(spec.model, spec.priority),
             k.deadlines(),
             idempotency_key or "",
+            k.admission_counts(),
+            k.admission_jobs(),
+            k.admission_checks(),
         ]
+        scopes: list[Arg] = []
+        for q in admission.quotas:
+            scopes += [q.jobs_field, q.tokens_field, q.max_jobs, q.max_tokens]
         args: list[Arg] = [
             spec.id,
             idempotency_claim,
@@ -232,6 +266,10 @@ class Transitions:
             "" if spec.deadline is None else repr(spec.deadline),
             queued_event,
             len(entry_fields),
+            admission.tokens,
+            repr(admission.check_at),
+            len(admission.quotas),
+            *scopes,
             *_flat(entry_fields),
             *_flat(record.to_hash()),
         ]
@@ -256,7 +294,7 @@ class Transitions:
         args: list[Arg] = [worker, attempt, maxlen, retention_s, len(events)]
         args += _events(events)
         args += _flat(fields or {})
-        return Call(script("emit"), self._job_keys(job_id), args, _emit_reply)
+        return Call(script("emit"), self._ending_keys(job_id), args, _emit_reply)
 
     def settle(
         self,
@@ -273,7 +311,7 @@ class Transitions:
         """End a job nobody runs, if its status, attempt and log end are still these."""
         args: list[Arg] = [status, attempt, last_seq, maxlen, retention_s, *event]
         args += _flat(fields)
-        return Call(script("settle"), self._job_keys(job_id), args, lambda r: bool(int(r)))
+        return Call(script("settle"), self._ending_keys(job_id), args, lambda r: bool(int(r)))
 
     def hand_back(
         self, job_id: str, *, worker: str, attempt: int, counted: bool, error: str = ""

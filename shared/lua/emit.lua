@@ -1,4 +1,5 @@
--- EMIT: the job's owner writes its events and, when the job ends, its record fields.
+-- EMIT: the job's owner writes its events and, when the job ends, its record fields (and
+-- the job stops counting against admission limits: KEYS[4..6], see release in prelude.lua).
 -- ARGV: worker, attempt, maxlen, retention (0 while running), n, then n (seq, json) pairs,
 -- then record (field, value) pairs.
 -- -> {1, cancel}: written (cancel: the reason of a cancel asked for meanwhile, or '')
@@ -10,4 +11,5 @@ local last = append(KEYS[2], KEYS[3], ARGV[3], 6, to)
 if last then return {-1, last} end
 set_fields(KEYS[1], to + 1)
 retain(KEYS[1], KEYS[2], ARGV[4])
+if tonumber(ARGV[4]) > 0 then release(KEYS[4], KEYS[5], KEYS[6], KEYS[1]) end
 return {1, redis.call('HGET', KEYS[1], 'cancel') or ''}

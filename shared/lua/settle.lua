@@ -1,5 +1,6 @@
 -- SETTLE: end a job nobody runs (cancel or expire a queued one, fail one out of attempts),
 -- if it is still as the caller saw it: compare-and-set on status, attempt and the log's end.
+-- The job stops counting against admission limits (KEYS[4..6], see release in prelude.lua).
 -- ARGV: status, attempt, last_seq, maxlen, retention, then one (seq, json) pair, then record
 -- (field, value) pairs.
 -- -> 1 settled | 0 the job changed meanwhile (the caller looks again)
@@ -10,4 +11,5 @@ append(KEYS[2], KEYS[3], ARGV[4], 6, 7)
 redis.call('HDEL', KEYS[1], 'worker')
 set_fields(KEYS[1], 8)
 retain(KEYS[1], KEYS[2], ARGV[5])
+release(KEYS[4], KEYS[5], KEYS[6], KEYS[1])
 return 1
