@@ -198,7 +198,7 @@ class AdmissionControl:
                 info = await self.redis.info("memory")
             except ResponseError as exc:  # a Redis that does not say (fakeredis): no limit known
                 if not self._memory_unknown_logged:
-                    log.warning("Redis reports no memory; not checked", extra={"error": str(exc)})
+                    log.info("Redis reports no memory use; not checked", extra={"error": str(exc)})
                     self._memory_unknown_logged = True
                 info = {}
             state = MemoryState(

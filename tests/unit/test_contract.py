@@ -67,6 +67,7 @@ def test_a_job_record_round_trips_through_its_hash() -> None:
         error=ErrorInfo(code="c", message="m"),
         metadata={"nested": {"a": [1, 2]}},
         fingerprint="f" * 64,
+        owner="0" * 32,
     )
     stored = record.to_hash()
     assert all(isinstance(v, str) for v in stored.values())
@@ -102,8 +103,9 @@ def test_a_malformed_queue_entry_is_an_error_naming_why(
 
 
 def test_every_other_value_round_trips() -> None:
-    entry = QueueEntry(job=JOB, tokens=9)
+    entry = QueueEntry(job=JOB, tokens=9, owner="anonymous")
     assert QueueEntry.from_hash(entry.to_hash()) == entry
+    assert QueueEntry.from_hash({"job": JOB, "tokens": "9"}).owner is None  # written before
     beat = Heartbeat(
         worker_id="w",
         model="m",
