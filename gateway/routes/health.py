@@ -64,6 +64,7 @@ async def _memory(state: State) -> dict[str, Any]:
     return {
         "used_fraction": None if fraction is None else round(fraction, 3),
         "limit": limit or None,
+        "policy": mem.policy or None,
         "admitting": writes == "ok" and not (limit and fraction is not None and fraction >= limit),
         "writes": writes,
     }
