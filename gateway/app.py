@@ -69,7 +69,11 @@ def create_app(
         runtime.tune_gc()
         receiver = asyncio.create_task(router.run(), name="pubsub-router")
         sweep = DeadlineSweep(settings, client, scripts, keys)
-        background = [receiver, asyncio.create_task(sweep.run(), name="deadline-sweep")]
+        background = [
+            receiver,
+            asyncio.create_task(sweep.run(), name="deadline-sweep"),
+            asyncio.create_task(state.admission.repair_loop(), name="admission-repair"),
+        ]
         groups = await queues.start(client, keys, settings.queue_models)
         try:
             yield

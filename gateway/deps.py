@@ -1,4 +1,5 @@
-"""Route dependencies: `State` (the process's GatewayState) and API-key auth."""
+"""Route dependencies: `State` (the process's GatewayState), API-key auth yielding the
+caller's identity (`Caller`), and the per-key request rate limit."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
+from gateway.identity import OPEN, Identity
 from gateway.state import GatewayState
 from shared.errors import Unauthorized
+from shared.records import owner_of
 
 
 async def get_state(request: Request) -> GatewayState:
@@ -29,26 +32,48 @@ Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ApiKeyHeader = Annotated[str | None, Depends(_api_key_header)]
 
 
-async def require_key(state: State, bearer: Bearer, api_key: ApiKeyHeader) -> None:
-    """API-key auth when GENQ_API_KEYS (or GENQ_API_KEYS_FILE) is set; open otherwise."""
-    keys = state.settings.accepted_api_keys
+async def require_key(state: State, bearer: Bearer, api_key: ApiKeyHeader) -> Identity:
+    """API-key auth when GENQ_API_KEYS (or GENQ_API_KEYS_FILE, GENQ_ADMIN_KEYS) is set; open
+    otherwise. The caller's identity: the owner their jobs record, and whether an admin."""
+    settings = state.settings
+    keys = settings.accepted_api_keys
     if not keys:
-        return
+        return OPEN
     token = bearer.credentials if bearer is not None else api_key
-    if token is None or not _accepted(token, keys):
+    raw = _raw(token)
+    matched = _matching(raw, keys) if raw is not None else None
+    if raw is None or matched is None:
         raise Unauthorized(
             "missing or invalid API key (Authorization: Bearer <key>, or X-API-Key: <key>)"
         )
+    admin = _matching(raw, settings.admin_api_keys) is not None
+    return Identity(owner_of(raw), admin=admin, keyed=True)
 
 
-def _accepted(token: str, keys: list[str]) -> bool:
-    """Constant-time match on bytes: compare_digest refuses non-ASCII str (a 500, not a 401).
-    A header value is its raw bytes decoded as latin-1 (ASGI), so encoding back gives them."""
+def _raw(token: str | None) -> bytes | None:
+    """A header value is its raw bytes decoded as latin-1 (ASGI), so encoding back gives
+    them; None for no token, or one not from an HTTP header (no key can match it)."""
+    if token is None:
+        return None
     try:
-        raw = token.encode("latin-1")
-    except UnicodeEncodeError:  # not from an HTTP header; no key can match it
-        return False
-    return any(hmac.compare_digest(raw, key.encode()) for key in keys)
+        return token.encode("latin-1")
+    except UnicodeEncodeError:
+        return None
+
+
+def _matching(raw: bytes, keys: list[str]) -> str | None:
+    """The key `raw` is, compared in constant time on bytes (compare_digest refuses
+    non-ASCII str: a 500, not a 401)."""
+    return next((key for key in keys if hmac.compare_digest(raw, key.encode())), None)
+
+
+Caller = Annotated[Identity, Depends(require_key)]
+
+
+async def rate_limited(state: State, caller: Caller) -> None:
+    """The caller's request rate limit (GENQ_RATE_LIMIT_PER_KEY), shared by all gateways."""
+    await state.admission.check_rate(caller)
 
 
 Authorized = Depends(require_key)
+RateLimited = Depends(rate_limited)

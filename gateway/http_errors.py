@@ -7,7 +7,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from shared.errors import GenqError, Unauthorized
 
@@ -20,11 +20,28 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+_RETRY_AFTER_S = 1
+"""Retry-After of a Redis error: a restart or failover is over within seconds."""
+OUT_OF_MEMORY = (
+    "Redis is out of memory: at its maxmemory it refuses writes (maxmemory-policy "
+    "noeviction), so no job can be queued or changed now; retry later"
+)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An OOM reply: redis-py's OutOfMemoryError, or the same reply from inside a script."""
+    return isinstance(exc, OutOfMemoryError) or (
+        isinstance(exc, ResponseError) and str(exc).startswith("OOM ")
+    )
+
+
 def _genq_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GenqError)
-    headers = _CHALLENGE if isinstance(exc, Unauthorized) else None
+    headers = dict(_CHALLENGE) if isinstance(exc, Unauthorized) else {}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(exc.retry_after_s)
     body = error_body(exc.message, exc.type, exc.param, exc.code)
-    return JSONResponse(body, exc.status, headers=headers)
+    return JSONResponse(body, exc.status, headers=headers or None)
 
 
 def _validation_error(_: Request, exc: Exception) -> JSONResponse:
@@ -45,11 +62,15 @@ def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 def _redis_error(_: Request, exc: Exception) -> JSONResponse:
-    log.warning("redis unavailable", extra={"error": str(exc)})
-    body = error_body(
-        "the queue is unavailable; retry shortly", "server_error", None, "unavailable"
-    )
-    return JSONResponse(body, 503, headers={"Retry-After": "1"})
+    if is_out_of_memory(exc):
+        log.warning("redis out of memory", extra={"error": str(exc)})
+        body = error_body(OUT_OF_MEMORY, "server_error", None, "redis_out_of_memory")
+    else:
+        log.warning("redis unavailable", extra={"error": str(exc)})
+        body = error_body(
+            "the queue is unavailable; retry shortly", "server_error", None, "unavailable"
+        )
+    return JSONResponse(body, 503, headers={"Retry-After": str(_RETRY_AFTER_S)})
 
 
 def install(app: FastAPI) -> None:

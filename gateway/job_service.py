@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from gateway.admission import AdmissionControl
+from gateway.identity import Identity
 from gateway.registry import ModelRegistry
 from shared import events
 from shared.deadlines import EXPIRED_CODE, RUNNING_MESSAGE, expire_due
@@ -24,6 +26,7 @@ from shared.transitions import (
     CancelEnded,
     CancelQueued,
     CancelRunning,
+    Limited,
     Queued,
     ScriptRunner,
     Transitions,
@@ -57,6 +60,7 @@ class JobService:
         self.registry = registry
         self.keys = Keys(settings.key_prefix)
         self.transitions = Transitions(self.keys)
+        self.admission = AdmissionControl(settings, redis, scripts, self.keys)
 
     def validate_id(self, job_id: str) -> str:
         if not JOB_ID.fullmatch(job_id):
@@ -118,39 +122,51 @@ class JobService:
         )
 
     async def submit(
-        self, body: JobCreate, idempotency_key: str | None = None, spec: JobSpec | None = None
+        self,
+        body: JobCreate,
+        idempotency_key: str | None = None,
+        spec: JobSpec | None = None,
+        *,
+        caller: Identity,
+        part: int = 0,
+        fingerprint: str | None = None,
     ) -> Submitted:
-        """Queue a job in one atomic step (idempotency key, record, first event, queue entry);
-        with an Idempotency-Key already used, the earlier job (or a 422 for another body)."""
+        """Queue a job for `caller` in one atomic step (idempotency key, admission, record,
+        first event, queue entry); with an Idempotency-Key the caller already used, the
+        earlier job (or a 422 for another body). `part` and `fingerprint`: for a request
+        that makes several jobs under one key (the fingerprint then is the request's)."""
         spec = spec or await self.prepare(body)
-        fingerprint = _fingerprint(body)
+        fingerprint = fingerprint or _fingerprint(body)
         idem = None
         if idempotency_key is not None:
-            if not _IDEMPOTENCY_KEY.fullmatch(idempotency_key):
-                raise BadRequest(
-                    "Idempotency-Key must be 1 to 255 visible ASCII characters",
-                    param="Idempotency-Key",
-                )
-            idem = self.keys.idempotency(idempotency_key)
+            idem = self.keys.idempotency(caller.owner, check_idempotency_key(idempotency_key), part)
         record = JobRecord(
-            spec=spec, status="queued", metadata=body.metadata, fingerprint=fingerprint
+            spec=spec,
+            status="queued",
+            metadata=body.metadata,
+            fingerprint=fingerprint,
+            owner=caller.owner,
         )
         prompt_tokens = len(spec.input_ids)
         queued = QueuedEvent(
             seq=1, id=spec.id, model=spec.model, priority=spec.priority, prompt_tokens=prompt_tokens
         )
+        admission = self.admission.admission(caller, spec)
         call = self.transitions.submit(
             record,
             queued_event=events.encode(queued),
-            entry=QueueEntry(job=spec.id, tokens=prompt_tokens + spec.max_tokens),
+            entry=QueueEntry(job=spec.id, tokens=admission.tokens, owner=caller.owner),
             idempotency_key=idem,
             idempotency_claim=IdempotencyClaim(job=spec.id, fingerprint=fingerprint).encode(),
             idempotency_ttl_s=self.settings.idempotency_ttl_s,
+            admission=admission,
         )
         for _ in range(_SUBMIT_TRIES):
             reply = await self.scripts.run(call)
             if isinstance(reply, Queued):
                 return Submitted(record.view(), replayed=False)
+            if isinstance(reply, Limited):
+                raise self.admission.refusal(caller, spec, reply)
             assert idem is not None
             earlier = await self._earlier(idem, reply.claim, fingerprint)
             if earlier is not None:
@@ -174,8 +190,8 @@ class JobService:
         await self.scripts.run(self.transitions.release_idempotency(idem, claim=claim_text))
         return None
 
-    async def get(self, job_id: str) -> JobView:
-        record = await self._record(job_id)
+    async def get(self, job_id: str, caller: Identity) -> JobView:
+        record = await self._record(job_id, caller)
         if _overdue(record):
             return await self._expired_view(record)
         return record.view()
@@ -187,35 +203,43 @@ class JobService:
         job_id = record.spec.id
         s = self.settings
         await expire_due(self.redis, self.scripts, self.keys, s, 1, [job_id])
-        record = await self._record(job_id)
+        record = JobRecord.from_hash(await self.redis.hgetall(self.keys.job(job_id)))
         view = record.view()
         if _overdue(record):
             view.status = "expired"
             view.error = ErrorInfo(code=EXPIRED_CODE, message=RUNNING_MESSAGE)
         return view
 
-    async def _record(self, job_id: str) -> JobRecord:
+    async def _record(self, job_id: str, caller: Identity) -> JobRecord:
+        """The job's record; 404 for a job the caller may not see, as for one that is not."""
         raw = await self.redis.hgetall(self.keys.job(self.validate_id(job_id)))
-        if not raw:
+        record = JobRecord.from_hash(raw) if raw else None
+        if record is None or not caller.may_see(record):
             raise JobNotFound(f"no job '{job_id}' (unknown, or expired)", param="id")
-        return JobRecord.from_hash(raw)
+        return record
 
-    async def cancel(self, job_id: str, reason: str = "cancelled") -> JobView:
+    async def cancel(self, job_id: str, caller: Identity, reason: str = "cancelled") -> JobView:
         """Cancel a queued job at once, or ask the worker running it to stop."""
-        self.validate_id(job_id)
+        await self._check_visible(job_id, caller)
         for _ in range(_CANCEL_TRIES):
             reply = await self.scripts.run(self.transitions.request_cancel(job_id, reason=reason))
             if isinstance(reply, CancelRunning):
                 msg = ControlMessage(cancel=job_id, attempt=reply.attempt, reason=reason)
                 await self.redis.publish(self.keys.control(reply.worker), msg.encode())
-                return await self.get(job_id)
+                return await self.get(job_id, caller)
             if isinstance(reply, CancelEnded):
                 if reply.status == "missing":
                     raise JobNotFound(f"no job '{job_id}' (unknown, or expired)", param="id")
                 raise Conflict(f"job '{job_id}' already ended: {reply.status}", param="id")
             if await self._cancel_queued(job_id, reply, reason):
-                return await self.get(job_id)
+                return await self.get(job_id, caller)
         raise Conflict(f"job '{job_id}' changed while cancelling it; retry", param="id")
+
+    async def _check_visible(self, job_id: str, caller: Identity) -> None:
+        """404 for another owner's job (its owner alone is read: it never changes)."""
+        owner = await self.redis.hget(self.keys.job(self.validate_id(job_id)), "owner")
+        if not caller.admin and owner is not None and owner != caller.owner:
+            raise JobNotFound(f"no job '{job_id}' (unknown, or expired)", param="id")
 
     async def _cancel_queued(self, job_id: str, seen: CancelQueued, reason: str) -> bool:
         """End a queued job `cancelled`, unless a worker took it meanwhile."""
@@ -254,6 +278,14 @@ def _overdue(record: JobRecord) -> bool:
     deadline = record.spec.deadline
     live = record.status in ("queued", "running")
     return live and deadline is not None and time.time() > deadline
+
+
+def check_idempotency_key(key: str) -> str:
+    if not _IDEMPOTENCY_KEY.fullmatch(key):
+        raise BadRequest(
+            "Idempotency-Key must be 1 to 255 visible ASCII characters", param="Idempotency-Key"
+        )
+    return key
 
 
 def _fingerprint(body: JobCreate) -> str:

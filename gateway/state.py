@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from gateway.admission import AdmissionControl
 from gateway.job_service import JobService
 from gateway.pubsub import PubSubRouter
 from gateway.registry import ModelRegistry
@@ -22,3 +23,7 @@ class GatewayState:
     registry: ModelRegistry
     jobs: JobService
     draining: bool = False
+
+    @property
+    def admission(self) -> AdmissionControl:
+        return self.jobs.admission

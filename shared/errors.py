@@ -9,8 +9,10 @@ GenqError
 │   └── ModelNotFound
 ├── Conflict              409  e.g. cancelling a finished job
 ├── Unprocessable         422  e.g. an idempotency key reused with another body
-├── TooManyRequests       429
-└── Unavailable           503  Redis unreachable, no worker for the model
+├── TooManyRequests       429  a queue limit, a key's quota or request rate
+└── Unavailable           503  Redis unreachable or nearly full, no worker for the model
+
+`retry_after_s` (429, 503) becomes the `Retry-After` header.
 """
 
 from __future__ import annotations
@@ -21,10 +23,18 @@ class GenqError(Exception):
     code = "internal_error"
     type = "server_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.retry_after_s = retry_after_s
         if code is not None:
             self.code = code
 

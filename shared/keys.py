@@ -1,6 +1,7 @@
 """Every Redis key genq uses is built here, and only here.
 
-Keys of one job carry the job id as a Cluster hash tag (`{id}`) so they share a slot.
+Keys of one job carry the job id as a Cluster hash tag (`{id}`) so they share a slot; the
+admission keys (counters of admitted jobs, see shared/quotas.py) share the tag `{admission}`.
 """
 
 from __future__ import annotations
@@ -63,8 +64,40 @@ class Keys:
         """String with TTL: held by the one process doing `name` now (e.g. a sweep)."""
         return f"{self.prefix}lock:{name}"
 
-    def idempotency(self, key: str) -> str:
-        return f"{self.prefix}idem:{key}"
+    def idempotency(self, owner: str, key: str, part: int = 0) -> str:
+        """String: an owner's Idempotency-Key → the job it made. Part i > 0 of a request
+        that makes several jobs (OpenAI's n, prompt lists) is `<key> #i`: a space is not
+        allowed in a client's key, so no other key names it."""
+        suffix = f" #{part}" if part else ""
+        return f"{self.prefix}idem:{owner}:{key}{suffix}"
+
+    def admission_counts(self) -> str:
+        """Hash: jobs and tokens admitted and not ended, per counter field (`scope_fields`)."""
+        return f"{self.prefix}{{admission}}:counts"
+
+    def admission_jobs(self) -> str:
+        """Hash: job record key → what its admission added (tokens, then counter fields)."""
+        return f"{self.prefix}{{admission}}:jobs"
+
+    def admission_checks(self) -> str:
+        """Sorted set: job record key of each admitted job, scored by when to check next
+        that it has not ended unseen (the counters' repair)."""
+        return f"{self.prefix}{{admission}}:checks"
+
+    def rate_limit(self, owner: str) -> str:
+        """Hash with TTL: an owner's request token bucket."""
+        return f"{self.prefix}rate:{owner}"
+
+    def write_probe(self) -> str:
+        """String with TTL: what readiness writes to learn whether Redis takes writes."""
+        return f"{self.prefix}probe"
+
+
+def scope_fields(priority: Priority, model: str, owner: str | None = None) -> tuple[str, str]:
+    """The (jobs, tokens) counter fields of one admission scope: a model's queue of one
+    priority, for all owners (`owner` None) or one. The model goes last: it may hold `|`."""
+    scope = f"{owner or '*'}|{priority}|{model}"
+    return f"jobs|{scope}", f"tokens|{scope}"
 
 
 def event_id(seq: int) -> str:

@@ -10,6 +10,7 @@ fields a state transition sets), validated against the model like a whole record
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import types
@@ -24,6 +25,10 @@ from shared.schemas import ErrorInfo, JobResult, JobSpec, JobStatus, JobView, Ti
 
 JOB_ID = re.compile(r"[0-9a-f]{32}")
 """A job id: 32 lowercase hex digits (uuid4().hex); matched against the whole string."""
+ANONYMOUS = "anonymous"
+"""The owner of every job while the API is open (no API keys configured)."""
+_OWNER_HEX_DIGITS = 32
+"""128 bits of the key's SHA-256: no two keys collide, and the key cannot be recovered."""
 _SCALARS = (str, int, float, bool)
 
 
@@ -113,6 +118,11 @@ class HashModel(BaseModel):
 # ---- the job record -----------------------------------------------------------------------
 
 
+def owner_of(api_key: bytes) -> str:
+    """The owner a job records for the API key that submitted it: a hash, never the key."""
+    return hashlib.sha256(api_key).hexdigest()[:_OWNER_HEX_DIGITS]
+
+
 class JobRecord(HashModel):
     """Hash `job:{id}`. Written at submission (whole), then by the state transitions
     (shared/lua: `status`, `worker`, `attempt`, `handbacks`, `started_at`, `cancel`,
@@ -139,6 +149,9 @@ class JobRecord(HashModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     fingerprint: str | None = None
     """Hash of the submitted body, to tell an idempotent replay from a reused key."""
+    owner: str | None = None
+    """Who submitted it (`owner_of` its API key, or ANONYMOUS); None on records written
+    before owners were recorded."""
 
     def view(self) -> JobView:
         result = self.result
@@ -174,6 +187,9 @@ class QueueEntry(HashModel):
     job: str = Field(pattern=f"^{JOB_ID.pattern}$")  # pydantic's regex: $ is the very end
     tokens: int = Field(default=0, ge=0)
     """Prompt + max new tokens: what the job needs of the engine's cache."""
+    owner: str | None = None
+    """The job's owner (as in its record), for claiming fairly between owners; None on
+    entries written before owners were recorded."""
 
 
 class DeadLetter(HashModel):

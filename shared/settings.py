@@ -18,7 +18,15 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _CONFIG = SettingsConfigDict(env_prefix="GENQ_", extra="ignore")
@@ -46,17 +54,55 @@ def _key_list(v: Any) -> Any:
     return [k.strip() for k in v.split(",") if k.strip()]
 
 
-def _keys_file(path: Path) -> list[str]:
+def _keys_file(path: Path, setting: str = "GENQ_API_KEYS_FILE") -> list[str]:
     """One key per line; blank lines and `#` comment lines skipped."""
     try:
         text = path.expanduser().read_text(encoding="utf-8")
     except OSError as exc:
-        raise ValueError(f"GENQ_API_KEYS_FILE: cannot read {str(path)!r}: {exc.strerror}") from None
+        raise ValueError(f"{setting}: cannot read {str(path)!r}: {exc.strerror}") from None
     keys = [line.strip() for line in text.splitlines()]
     keys = [k for k in keys if k and not k.startswith("#")]
     if not keys:  # an empty file would leave the gateway open: refuse instead
-        raise ValueError(f"GENQ_API_KEYS_FILE: {str(path)!r} holds no key")
+        raise ValueError(f"{setting}: {str(path)!r} holds no key")
     return keys
+
+
+class PriorityLimits(BaseModel):
+    """One limit per priority; 0 = no limit. From the environment: one number for both,
+    `interactive=N,batch=M` (a priority left out keeps its default), or a JSON object."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    interactive: int = Field(default=0, ge=0)
+    batch: int = Field(default=0, ge=0)
+
+    def of(self, priority: Literal["interactive", "batch"]) -> int:
+        return self.interactive if priority == "interactive" else self.batch
+
+
+def _priority_limits(v: Any, info: ValidationInfo) -> Any:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return {"interactive": v, "batch": v}
+    if isinstance(v, str):
+        text = v.strip()
+        if text.isdigit():
+            return {"interactive": int(text), "batch": int(text)}
+        v = json.loads(text) if text.startswith("{") else _limit_pairs(text)
+    if not isinstance(v, dict):
+        return v
+    assert info.field_name is not None
+    default = GatewaySettings.model_fields[info.field_name].default
+    return {**default.model_dump(), **v} if isinstance(default, PriorityLimits) else v
+
+
+def _limit_pairs(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"{part!r} is not priority=limit (e.g. interactive=1000,batch=0)")
+        out[name.strip()] = value.strip()
+    return out
 
 
 class RedisSettings(BaseSettings):
@@ -151,25 +197,106 @@ class GatewaySettings(JobSettings):
     openai_max_queue_depth: int = Field(
         default=0,
         ge=0,
-        description="429 while the model's interactive queue holds this many jobs; 0 = no limit",
+        description="429 while a model holds this many interactive jobs queued or running "
+        "(native and OpenAI API alike; the lower of this and max_queued_jobs wins); 0 = no limit",
+    )
+
+    # Admission: see README "Keys, quotas and limits". Jobs count from their submission to
+    # their end (queued or running); tokens are prompt + max_tokens.
+    admin_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="API keys that may also see and cancel every owner's jobs, "
+        "comma-separated (or a JSON list); accepted like api_keys",
+    )
+    admin_keys_file: Path | None = Field(
+        default=None, description="file of admin keys (one a line), read at start"
+    )
+    max_queued_jobs: Annotated[PriorityLimits, NoDecode] = Field(
+        default=PriorityLimits(interactive=10_000, batch=1_000_000),
+        description="per model and priority, all keys together: jobs queued or running "
+        "(429 past it)",
+    )
+    max_queued_tokens: Annotated[PriorityLimits, NoDecode] = Field(
+        default=PriorityLimits(),
+        description="per model and priority, all keys together: prompt + max_tokens of the "
+        "jobs queued or running",
+    )
+    max_queued_jobs_per_key: Annotated[PriorityLimits, NoDecode] = Field(
+        default=PriorityLimits(interactive=1_000, batch=0),
+        description="per model and priority, per API key (only while API keys are set): jobs "
+        "queued or running",
+    )
+    max_queued_tokens_per_key: Annotated[PriorityLimits, NoDecode] = Field(
+        default=PriorityLimits(),
+        description="per model and priority, per API key (only while API keys are set): "
+        "prompt + max_tokens of the jobs queued or running",
+    )
+    rate_limit_per_key: float = Field(
+        default=0.0,
+        ge=0,
+        description="requests per second each API key may make, sustained, shared by all "
+        "gateways (only while API keys are set); 0 = no limit",
+    )
+    rate_limit_burst: int = Field(
+        default=0,
+        ge=0,
+        description="requests a key may make at once above its rate; 0 = one second's worth",
+    )
+    redis_memory_limit: float = Field(
+        default=0.9,
+        ge=0,
+        le=1,
+        description="refuse new jobs (503) once Redis uses this share of its maxmemory, "
+        "before Redis refuses writes; 0 = no check (nor without a maxmemory)",
+    )
+    redis_memory_check_s: float = Field(
+        default=1.0, gt=0, description="how long a gateway process trusts one memory reading"
+    )
+    retry_after_s: int = Field(
+        default=2, ge=1, description="Retry-After of a 429 or 503 when genq cannot tell better"
+    )
+    quota_recheck_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="an admitted job still counted after this long is checked: one that "
+        "ended unseen (e.g. by an older worker) stops counting",
+    )
+    quota_repair_s: float = Field(
+        default=10.0, gt=0, description="how often a gateway process runs those checks"
     )
 
     _default_template = field_validator("default_chat_template")(_template_text)
-    _split_keys = field_validator("api_keys", mode="before")(_key_list)
+    _split_keys = field_validator("api_keys", "admin_keys", mode="before")(_key_list)
+    _split_limits = field_validator(
+        "max_queued_jobs",
+        "max_queued_tokens",
+        "max_queued_jobs_per_key",
+        "max_queued_tokens_per_key",
+        mode="before",
+    )(_priority_limits)
     _file_keys: list[str] = PrivateAttr(default_factory=list)
     """Kept apart from api_keys: settings passed on to child processes as GENQ_* never carry
     them (each child reads the file itself)."""
+    _admin_file_keys: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _read_keys_file(self) -> GatewaySettings:
         if self.api_keys_file is not None:
             self._file_keys = _keys_file(self.api_keys_file)
+        if self.admin_keys_file is not None:
+            self._admin_file_keys = _keys_file(self.admin_keys_file, "GENQ_ADMIN_KEYS_FILE")
         return self
 
     @property
+    def admin_api_keys(self) -> list[str]:
+        """Keys that may see and cancel every job: GENQ_ADMIN_KEYS and GENQ_ADMIN_KEYS_FILE."""
+        return [*self.admin_keys, *self._admin_file_keys]
+
+    @property
     def accepted_api_keys(self) -> list[str]:
-        """Every key the API accepts: GENQ_API_KEYS and GENQ_API_KEYS_FILE; none = open."""
-        return [*self.api_keys, *self._file_keys]
+        """Every key the API accepts: GENQ_API_KEYS, GENQ_API_KEYS_FILE and the admin keys;
+        none = open."""
+        return [*self.api_keys, *self._file_keys, *self.admin_api_keys]
 
 
 class EngineSettings(BaseSettings):

@@ -3,9 +3,9 @@
 Each method builds a `Call` (keys, arguments, and how to read the reply) from named
 arguments; `ScriptRunner` runs calls, one or a pipeline of many, by EVALSHA. Every script
 touches the keys of one job (one Cluster slot) and, besides them, only: SUBMIT its queue, the
-deadlines index and the idempotency key; EMIT and SETTLE the deadlines index when the job
-ends; TOUCH the queue it checks. Those are the seam for Cluster (per-slot submits, an index
-per slot).
+deadlines index, the idempotency key and the admission counters; EMIT and SETTLE the
+admission counters and the deadlines index when the job ends (shared/quotas.py); TOUCH the
+queue it checks. Those are the seam for Cluster (per-slot submits, indexes per slot).
 
 Who may write a job (fencing): the gateway while it is `queued` and nobody runs it (SUBMIT,
 SETTLE of a cancel), the worker the record names at the record's `attempt` while it is
@@ -23,12 +23,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from redis.exceptions import NoScriptError
 
 from shared.keys import Keys
 from shared.records import JobRecord, QueueEntry
+
+if TYPE_CHECKING:
+    from shared.quotas import Admission
 
 R = TypeVar("R")
 Arg = str | int | float
@@ -139,6 +142,18 @@ class ClaimedBefore:
 
 
 @dataclass(frozen=True)
+class Limited:
+    """Admitting the job would take a scope past a limit: nothing was written."""
+
+    scope: int
+    """Index into the admission's quotas."""
+    what: str
+    """'jobs' or 'tokens'."""
+    count: int
+    """What the scope holds now."""
+
+
+@dataclass(frozen=True)
 class JobState:
     status: str
     """The job's status, or 'missing'."""
@@ -150,7 +165,7 @@ class JobState:
 StartReply = Started | Exhausted | NotStartable
 EmitReply = Written | Fenced | LostTail
 CancelReply = CancelRunning | CancelQueued | CancelEnded
-SubmitReply = Queued | ClaimedBefore
+SubmitReply = Queued | ClaimedBefore | Limited
 
 
 def _start_reply(r: list[Any]) -> StartReply:
@@ -185,7 +200,11 @@ def _state_reply(r: list[Any]) -> JobState:
 
 
 def _submit_reply(r: list[Any]) -> SubmitReply:
-    return Queued() if r[0] == "queued" else ClaimedBefore(str(r[1]))
+    if r[0] == "queued":
+        return Queued()
+    if r[0] == "limited":
+        return Limited(int(r[1]) - 1, str(r[2]), int(r[3]))
+    return ClaimedBefore(str(r[1]))
 
 
 def _flat(pairs: dict[str, str]) -> list[Arg]:
@@ -210,8 +229,11 @@ class Transitions:
         return [k.job(job_id), k.events(job_id), k.channel(job_id)]
 
     def _ending_keys(self, job_id: str) -> list[str]:
-        """A job's keys and the deadlines index it leaves when it ends."""
-        return [*self._job_keys(job_id), self.keys.deadlines()]
+        """A job's keys, and what its end takes it off: the admission counters and the
+        deadlines index."""
+        k = self.keys
+        admission = [k.admission_counts(), k.admission_jobs(), k.admission_checks()]
+        return [*self._job_keys(job_id), *admission, k.deadlines()]
 
     def submit(
         self,
@@ -222,6 +244,7 @@ class Transitions:
         idempotency_key: str | None,
         idempotency_claim: str,
         idempotency_ttl_s: int,
+        admission: Admission,
     ) -> Call[SubmitReply]:
         spec = record.spec
         entry_fields = entry.to_hash()
@@ -231,7 +254,13 @@ class Transitions:
             k.queue(spec.model, spec.priority),
             k.deadlines(),
             idempotency_key or "",
+            k.admission_counts(),
+            k.admission_jobs(),
+            k.admission_checks(),
         ]
+        scopes: list[Arg] = []
+        for q in admission.quotas:
+            scopes += [q.jobs_field, q.tokens_field, q.max_jobs, q.max_tokens]
         args: list[Arg] = [
             spec.id,
             idempotency_claim,
@@ -239,6 +268,10 @@ class Transitions:
             "" if spec.deadline is None else repr(spec.deadline),
             queued_event,
             len(entry_fields),
+            admission.tokens,
+            repr(admission.check_at),
+            len(admission.quotas),
+            *scopes,
             *_flat(entry_fields),
             *_flat(record.to_hash()),
         ]

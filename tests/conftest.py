@@ -17,6 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.app import create_app
+from shared.keys import Keys
 from shared.settings import Settings
 from worker.service import Worker
 from worker.sim import SimEngine
@@ -91,6 +92,27 @@ async def running_stack(
     finally:
         worker.stop()
         await asyncio.wait_for(task, 10)
+        await _drop_keys(redis, settings.key_prefix)
+
+
+@contextlib.asynccontextmanager
+async def gateway_only(
+    settings: Settings, redis: aioredis.Redis
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The gateway app with the sim model's card, as a worker writes it, but no worker: jobs
+    stay queued. The client sends no API key of its own."""
+    engine = SimEngine()
+    keys = Keys(settings.key_prefix)
+    card = {"card": engine.card.model_dump_json(), "tokenizer": engine.tokenizer_json}
+    await redis.hset(keys.model_card(engine.card.name), mapping=card)  # type: ignore[misc,arg-type]
+    await redis.sadd(keys.models(), engine.card.name)  # type: ignore[misc]
+    app = create_app(settings, redis=redis, raw_pubsub=False)
+    try:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://genq") as client:
+                yield client
+    finally:
         await _drop_keys(redis, settings.key_prefix)
 
 

@@ -113,7 +113,7 @@ class Claimer:
         except RecordError as exc:
             await drop_malformed(self.st, queue, entry_id, str(exc))
             return None
-        return Claim(entry_id, queue, entry.job, entry.tokens)
+        return Claim(entry_id, queue, entry.job, entry.tokens, entry.owner)
 
     async def _start_waiting(self) -> None:
         """START every waiting claim the engine has room for, in one pipeline."""

@@ -27,7 +27,7 @@ async def ensure_groups(st: WorkerState) -> None:
 async def requeue(st: WorkerState, claim: Claim) -> None:
     """A fresh queue entry for the job, and ours acknowledged, in one transaction."""
     pipe = st.redis.pipeline(transaction=True)
-    entry = QueueEntry(job=claim.job_id, tokens=claim.need_tokens)
+    entry = QueueEntry(job=claim.job_id, tokens=claim.need_tokens, owner=claim.owner)
     pipe.xadd(claim.queue, entry.to_hash())  # type: ignore[arg-type]
     pipe.xack(claim.queue, CONSUMER_GROUP, claim.entry_id)
     pipe.xdel(claim.queue, claim.entry_id)

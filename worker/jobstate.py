@@ -23,6 +23,8 @@ class Claim:
     queue: str
     job_id: str
     need_tokens: int
+    owner: str | None = None
+    """Who submitted the job (a hash of their key), carried into a re-queued entry."""
 
 
 @dataclass(slots=True)

@@ -222,7 +222,7 @@ class Upkeep:
             except RecordError as exc:
                 await drop_malformed(st, queue, entry_id, str(exc))
                 continue
-            claim = Claim(entry_id, queue, entry.job, entry.tokens)
+            claim = Claim(entry_id, queue, entry.job, entry.tokens, entry.owner)
             log.info("reclaimed job", extra={"job_id": claim.job_id, "worker_id": st.id})
             st.waiting.append(claim)
         st.room.set()

@@ -8,13 +8,20 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Header, Request, Response
 
-from gateway.deps import Authorized, State
+from gateway.deps import Authorized, Caller, RateLimited, State
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.serving import OpenAIServing
 
-router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Authorized])
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Authorized, RateLimited])
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        description="the same key and body again: the same jobs, from their start",
+    ),
+]
 
 
 def get_serving(state: State) -> OpenAIServing:
@@ -26,13 +33,21 @@ Serving = Annotated[OpenAIServing, Depends(get_serving)]
 
 @router.post("/completions", response_model=None)
 async def create_completion(
-    body: CompletionRequest, request: Request, serving: Serving
+    body: CompletionRequest,
+    request: Request,
+    serving: Serving,
+    caller: Caller,
+    idempotency_key: IdempotencyKey = None,
 ) -> Response:
-    return await serving.completions(body, request)
+    return await serving.completions(body, request, caller, idempotency_key)
 
 
 @router.post("/chat/completions", response_model=None)
 async def create_chat_completion(
-    body: ChatCompletionRequest, request: Request, serving: Serving
+    body: ChatCompletionRequest,
+    request: Request,
+    serving: Serving,
+    caller: Caller,
+    idempotency_key: IdempotencyKey = None,
 ) -> Response:
-    return await serving.chat(body, request)
+    return await serving.chat(body, request, caller, idempotency_key)

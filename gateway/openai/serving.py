@@ -4,23 +4,32 @@ Every choice of every prompt is one interactive-priority job, queued through Job
 native one (so it shows at /v1/jobs/{id}: the response id is `chatcmpl-<id of job 0>`, and the
 `X-Job-Ids` header lists all of them). Phases of a request:
 
-  admit    the model is known (404), some live worker serves it (503), its queue has room (429)
+  admit    the model is known (404), some live worker serves it (503), Redis has room (503),
+           its queue and the key's quota have room (429)
   prepare  build each job (chat: render the template) and validate it; nothing is written yet
   start    subscribe each job's channel, then queue it
   output   follow every job's events: SSE chunks, or one response when all have ended
 
 A client that goes away, streaming or not, cancels its unfinished jobs (queued or running) when
 `openai_cancel_on_disconnect` is on.
+
+Idempotency-Key: job i of the request is submitted under the key's part i, with the request's
+own fingerprint, so a request sent again with the key (or twenty at once) makes each job once
+and follows the same jobs from their start: the same completion, the same stream. Such a
+request is never cancelled by genq (not on disconnect, not when a later job of it is refused):
+its key says the client will come back for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -29,6 +38,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
+from gateway.identity import Identity
+from gateway.job_service import check_idempotency_key
 from gateway.openai.merge import Batch, disconnected, merged, stop_tasks
 from gateway.openai.output import (
     ChatFormat,
@@ -54,7 +65,6 @@ from shared.errors import (
     BadRequest,
     Conflict,
     GenqError,
-    TooManyRequests,
     Unavailable,
     Unprocessable,
 )
@@ -69,6 +79,22 @@ DONE_FRAME = b"data: [DONE]\n\n"
 _OUTPUT_EVENTS = frozenset({"token", "done", "error", "cancelled"})
 
 Prompt = str | list[int]
+Jobs = list[tuple[JobCreate, JobSpec]]
+
+
+@dataclass(frozen=True, slots=True)
+class Sender:
+    """Who sent the request, and its Idempotency-Key (with the request's fingerprint)."""
+
+    identity: Identity
+    idempotency_key: str | None = None
+    fingerprint: str | None = None
+
+    @classmethod
+    def of(cls, identity: Identity, key: str | None, kind: str, req: SamplingParams) -> Sender:
+        if key is None:
+            return cls(identity)
+        return cls(identity, check_idempotency_key(key), _fingerprint(kind, req))
 
 
 class OpenAIServing:
@@ -78,31 +104,45 @@ class OpenAIServing:
 
     # ---- endpoints ------------------------------------------------------------------------
 
-    async def completions(self, req: CompletionRequest, request: Request) -> Response:
+    async def completions(
+        self,
+        req: CompletionRequest,
+        request: Request,
+        identity: Identity,
+        idempotency_key: str | None = None,
+    ) -> Response:
+        sender = Sender.of(identity, idempotency_key, "cmpl", req)
         _refuse_unsupported(req)
         prompts = _completion_prompts(req)
-        await self._admit(req.model, len(prompts) * req.n)
+        await self._admit(req.model, len(prompts) * req.n, sender)
         run, jobs = await self._prepare(
             "cmpl", req, prompts, req.max_tokens, req.logprobs, "prompt"
         )
-        return await self._respond(
-            req, request, run, jobs, CompletionFormat(req.logprobs is not None)
-        )
+        fmt = CompletionFormat(req.logprobs is not None)
+        return await self._respond(req, request, sender, run, jobs, fmt)
 
-    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+    async def chat(
+        self,
+        req: ChatCompletionRequest,
+        request: Request,
+        identity: Identity,
+        idempotency_key: str | None = None,
+    ) -> Response:
+        sender = Sender.of(identity, idempotency_key, "chatcmpl", req)
         _refuse_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-        loaded = await self._admit(req.model, req.n)
+        loaded = await self._admit(req.model, req.n, sender)
         prompt = self._render(loaded, req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         limit = req.completion_limit
         run, jobs = await self._prepare("chatcmpl", req, [prompt], limit, logprobs, "messages")
-        return await self._respond(req, request, run, jobs, ChatFormat(bool(req.logprobs)))
+        fmt = ChatFormat(bool(req.logprobs))
+        return await self._respond(req, request, sender, run, jobs, fmt)
 
     # ---- admit and prepare ----------------------------------------------------------------
 
-    async def _admit(self, model: str, jobs: int) -> LoadedCard:
+    async def _admit(self, model: str, jobs: int, sender: Sender) -> LoadedCard:
         s, state = self.settings, self.state
         if state.draining:
             raise Unavailable("this gateway is shutting down; retry on another")
@@ -120,14 +160,11 @@ class OpenAIServing:
                 param="model",
                 code="model_unavailable",
             )
-        if s.openai_max_queue_depth:
-            depth = await state.redis.xlen(state.keys.queue(loaded.card.name, "interactive"))
-            if depth >= s.openai_max_queue_depth:
-                raise TooManyRequests(
-                    f"model '{model}' has {depth} interactive jobs queued or running, the limit "
-                    f"(GENQ_OPENAI_MAX_QUEUE_DEPTH) is {s.openai_max_queue_depth}; retry later",
-                    code="queue_full",
-                )
+        if sender.idempotency_key is None:
+            name = loaded.card.name
+            await state.admission.precheck(sender.identity, name, "interactive", jobs)
+        else:  # a replay is answered whatever the limits say now: SUBMIT checks them after
+            await state.admission.check_memory()
         return loaded
 
     def _render(self, loaded: LoadedCard, req: ChatCompletionRequest) -> str:
@@ -160,11 +197,11 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_param: str,
-    ) -> tuple[RequestState, list[tuple[JobCreate, JobSpec]]]:
+    ) -> tuple[RequestState, Jobs]:
         """Validate and tokenize every prompt once; one job per (prompt, choice)."""
         request_id = uuid.uuid4().hex
         run = RequestState(f"{kind}-{request_id}", int(time.time()), req.model, [], [])
-        jobs: list[tuple[JobCreate, JobSpec]] = []
+        jobs: Jobs = []
         for p, prompt in enumerate(prompts):
             body = _job_body(req, prompt, max_tokens, logprobs, prompt_param)
             spec = await self.state.jobs.prepare(body)
@@ -194,14 +231,15 @@ class OpenAIServing:
         self,
         req: SamplingParams,
         request: Request,
+        sender: Sender,
         run: RequestState,
-        jobs: list[tuple[JobCreate, JobSpec]],
+        jobs: Jobs,
         fmt: OutputFormat,
     ) -> Response:
-        followers = await self._start(jobs)
+        followers = await self._start(sender, run, jobs)
         headers = {"X-Job-Ids": ",".join(c.job_id for c in run.choices)}
         if req.stream:
-            stream = self._sse(run, followers, fmt, req.include_usage)
+            stream = self._sse(sender, run, followers, fmt, req.include_usage)
             response = EventStreamResponse(stream, run.choices[0].job_id)
             response.headers.update(headers)
             return response
@@ -212,31 +250,64 @@ class OpenAIServing:
         finally:
             with anyio.CancelScope(shield=True):
                 await stop_tasks([collect, gone])
-                await self._close(run, followers)
+                await self._close(sender, run, followers)
         if not collect.cancelled():
             collect.result()  # raises what collecting raised
             return JSONResponse(fmt.response(run).model_dump(mode="json"), headers=headers)
         log.info("client disconnected", extra={"job_id": run.choices[0].job_id})
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
-    async def _start(self, jobs: list[tuple[JobCreate, JobSpec]]) -> list[EventFollower]:
-        """Subscribe each job's channel, then queue the job; undo it all if one fails."""
-        state = self.state
+    async def _start(self, sender: Sender, run: RequestState, jobs: Jobs) -> list[EventFollower]:
+        """Subscribe each job's channel, then queue the job; undo it all if one fails (but
+        a request with an Idempotency-Key keeps its jobs: a retry with the key takes them)."""
         followers: list[EventFollower] = []
         try:
-            for body, spec in jobs:
-                sub = await state.router.subscribe(state.keys.channel(spec.id))
-                follower = EventFollower(state.redis, state.keys, state.settings, sub, spec.id)
-                followers.append(follower)
-                await state.jobs.submit(body, None, spec)
+            for index, (body, spec) in enumerate(jobs):
+                followers.append(await self._submit(sender, run, index, body, spec))
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for f in followers:
                     await f.sub.close()
-                    with contextlib.suppress(GenqError, RedisError, OSError):
-                        await state.jobs.cancel(f.job_id, "request failed")
+                if sender.idempotency_key is None:
+                    for f in followers:
+                        with contextlib.suppress(GenqError, RedisError, OSError):
+                            await self.state.jobs.cancel(
+                                f.job_id, sender.identity, "request failed"
+                            )
             raise
         return followers
+
+    async def _submit(
+        self, sender: Sender, run: RequestState, index: int, body: JobCreate, spec: JobSpec
+    ) -> EventFollower:
+        """Queue job `index` of the request, subscribed first; the job an earlier request
+        with the same Idempotency-Key made instead, if any (then the request is that one's:
+        its id and creation time)."""
+        state = self.state
+        if index > 0:  # the request's id is job 0's, known now
+            body = body.model_copy(update={"metadata": {**body.metadata, "request": run.id}})
+        sub = await state.router.subscribe(state.keys.channel(spec.id))
+        try:
+            submitted = await state.jobs.submit(
+                body,
+                sender.idempotency_key,
+                spec,
+                caller=sender.identity,
+                part=index,
+                fingerprint=sender.fingerprint,
+            )
+            job = submitted.job
+            if submitted.replayed:  # its events from the start: the log replays them
+                await sub.close()
+                sub = await state.router.subscribe(state.keys.channel(job.id))
+        except BaseException:
+            await sub.close()
+            raise
+        run.choices[index].job_id = job.id
+        if index == 0:
+            run.id = f"{run.id.partition('-')[0]}-{job.id}"
+            run.created = int(job.created_at)
+        return EventFollower(state.redis, state.keys, state.settings, sub, job.id)
 
     async def _collect(self, run: RequestState, followers: list[EventFollower]) -> None:
         """Follow every job to its end; raise the first failure as an error."""
@@ -253,6 +324,7 @@ class OpenAIServing:
 
     async def _sse(
         self,
+        sender: Sender,
         run: RequestState,
         followers: list[EventFollower],
         fmt: OutputFormat,
@@ -292,18 +364,21 @@ class OpenAIServing:
             yield DONE_FRAME
         finally:
             with anyio.CancelScope(shield=True):
-                await self._close(run, followers)
+                await self._close(sender, run, followers)
 
-    async def _close(self, run: RequestState, followers: list[EventFollower]) -> None:
-        """Unsubscribe; cancel the jobs nobody will read (the client left, or another failed)."""
+    async def _close(
+        self, sender: Sender, run: RequestState, followers: list[EventFollower]
+    ) -> None:
+        """Unsubscribe; cancel the jobs nobody will read (the client left, or another failed),
+        unless the request has an Idempotency-Key (a retry with it comes back for them)."""
         for f in followers:
             await f.sub.close()
-        if not self.settings.openai_cancel_on_disconnect:
+        if not self.settings.openai_cancel_on_disconnect or sender.idempotency_key is not None:
             return
         for c in run.choices:
             if not c.ended:
                 with contextlib.suppress(GenqError, RedisError, OSError):
-                    await self.state.jobs.cancel(c.job_id, "client disconnected")
+                    await self.state.jobs.cancel(c.job_id, sender.identity, "client disconnected")
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -390,6 +465,14 @@ def _job_body(
         loc = [str(x) for x in e.get("loc", ())]
         param = prompt_param if loc and loc[0] in ("prompt", "input_ids") else ".".join(loc)
         raise Unprocessable(f"{param}: {e.get('msg', 'invalid')}", param=param) from None
+
+
+def _fingerprint(kind: str, req: SamplingParams) -> str:
+    """What makes two requests the same: every field genq reads (not ignored extras), but
+    not how the output is delivered (`stream`, `stream_options`)."""
+    fields = set(type(req).model_fields) - {"stream", "stream_options"}
+    canonical = req.model_dump_json(include=fields)
+    return hashlib.sha256(f"{kind}:{canonical}".encode()).hexdigest()
 
 
 def _metadata(kind: str, request_id: str, index: int, user: str | None) -> dict[str, Any]:

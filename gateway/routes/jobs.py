@@ -11,13 +11,15 @@ from fastapi import APIRouter, Header, Query
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
-from gateway.deps import Authorized, State
+from gateway.deps import Authorized, Caller, RateLimited, State
+from gateway.identity import Identity
+from gateway.job_service import check_idempotency_key
 from gateway.state import GatewayState
 from gateway.streaming import EventFollower, EventStreamResponse, sse_stream
 from shared.errors import BadRequest, GenqError, Unavailable
 from shared.schemas import JobCreate, JobView
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Authorized])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Authorized, RateLimited])
 
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key")]
 LastEventId = Annotated[str | None, Header(alias="Last-Event-ID")]
@@ -25,13 +27,18 @@ LastEventId = Annotated[str | None, Header(alias="Last-Event-ID")]
 
 @router.post("", status_code=202, response_model=JobView)
 async def create_job(
-    body: JobCreate, state: State, idempotency_key: IdempotencyKey = None
+    body: JobCreate, state: State, caller: Caller, idempotency_key: IdempotencyKey = None
 ) -> JSONResponse | EventStreamResponse:
     """Queue a job. With `"stream": true` the answer is the job's SSE stream."""
     if state.draining:
         raise Unavailable("this gateway is shutting down; retry on another")
+    if idempotency_key is None:  # a replay is answered whatever the limits say now
+        await state.admission.precheck(caller, body.model, body.priority, 1)
+    else:
+        check_idempotency_key(idempotency_key)
+        await state.admission.check_memory()
     if not body.stream:
-        submitted = await state.jobs.submit(body, idempotency_key)
+        submitted = await state.jobs.submit(body, idempotency_key, caller=caller)
         headers = {"Idempotent-Replayed": "true"} if submitted.replayed else {}
         return JSONResponse(
             submitted.job.model_dump(mode="json"),
@@ -41,7 +48,7 @@ async def create_job(
     spec = await state.jobs.prepare(body)  # reject bad input before subscribing
     sub = await state.router.subscribe(state.keys.channel(spec.id))
     try:
-        submitted = await state.jobs.submit(body, idempotency_key, spec)
+        submitted = await state.jobs.submit(body, idempotency_key, spec, caller=caller)
     except BaseException:
         await sub.close()
         raise
@@ -50,24 +57,25 @@ async def create_job(
         await sub.close()
         sub = await state.router.subscribe(state.keys.channel(job_id))
     follower = EventFollower(state.redis, state.keys, state.settings, sub, job_id)
-    stream = stream_job(state, follower, cancel_on_disconnect=body.cancel_on_disconnect)
+    stream = stream_job(state, follower, caller, cancel_on_disconnect=body.cancel_on_disconnect)
     return EventStreamResponse(stream, job_id)
 
 
 @router.get("/{job_id}", response_model=JobView)
-async def get_job(job_id: str, state: State) -> JobView:
-    return await state.jobs.get(job_id)
+async def get_job(job_id: str, state: State, caller: Caller) -> JobView:
+    return await state.jobs.get(job_id, caller)
 
 
 @router.get("/{job_id}/events")
 async def job_events(
     job_id: str,
     state: State,
+    caller: Caller,
     last_event_id: LastEventId = None,
     after: Annotated[int | None, Query(ge=0, description="resume after this seq")] = None,
 ) -> EventStreamResponse:
     """The job's events: its log replayed, then live. Resume with `Last-Event-ID`."""
-    await state.jobs.get(job_id)  # 404 before any stream starts
+    await state.jobs.get(job_id, caller)  # 404 before any stream starts
     after_seq = after or 0
     if last_event_id:
         try:
@@ -78,16 +86,17 @@ async def job_events(
             ) from None
     sub = await state.router.subscribe(state.keys.channel(job_id))
     follower = EventFollower(state.redis, state.keys, state.settings, sub, job_id, after_seq)
-    return EventStreamResponse(stream_job(state, follower, cancel_on_disconnect=False), job_id)
+    stream = stream_job(state, follower, caller, cancel_on_disconnect=False)
+    return EventStreamResponse(stream, job_id)
 
 
 @router.delete("/{job_id}", response_model=JobView)
-async def cancel_job(job_id: str, state: State) -> JobView:
-    return await state.jobs.cancel(job_id)
+async def cancel_job(job_id: str, state: State, caller: Caller) -> JobView:
+    return await state.jobs.cancel(job_id, caller)
 
 
 async def stream_job(
-    state: GatewayState, follower: EventFollower, *, cancel_on_disconnect: bool
+    state: GatewayState, follower: EventFollower, caller: Identity, *, cancel_on_disconnect: bool
 ) -> AsyncIterator[bytes]:
     """SSE bytes of one job; on a disconnect before the end, optionally cancel the job."""
     try:
@@ -98,4 +107,4 @@ async def stream_job(
             await follower.sub.close()
             if cancel_on_disconnect and not follower.finished:
                 with contextlib.suppress(GenqError, RedisError, OSError):
-                    await state.jobs.cancel(follower.job_id, "client disconnected")
+                    await state.jobs.cancel(follower.job_id, caller, "client disconnected")

@@ -1,5 +1,7 @@
--- EMIT: the job's owner writes its events and, when the job ends, its record fields.
--- KEYS: job, events, channel, deadlines.
+-- EMIT: the job's owner writes its events and, when the job ends, its record fields; the
+-- job then stops counting against admission limits (KEYS[4..6], see release in prelude.lua)
+-- and leaves the deadlines index (KEYS[7]).
+-- KEYS: job, events, channel, admission counts, jobs and checks, deadlines.
 -- ARGV: worker, attempt, maxlen, retention (0 while running), job id, n, then n (seq, json)
 -- pairs, then record (field, value) pairs.
 -- -> {1, cancel}: written (cancel: the reason of a cancel asked for meanwhile, or '')
@@ -11,4 +13,5 @@ local last = append(KEYS[2], KEYS[3], ARGV[3], 7, to)
 if last then return {-1, last} end
 set_fields(KEYS[1], to + 1)
 retain(KEYS[1], KEYS[2], ARGV[4], ARGV[5])
+if tonumber(ARGV[4]) > 0 then release(KEYS[4], KEYS[5], KEYS[6], KEYS[1]) end
 return {1, redis.call('HGET', KEYS[1], 'cancel') or ''}

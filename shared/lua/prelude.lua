@@ -44,11 +44,68 @@ local function set_fields(job, from)
 end
 
 -- A job that ended keeps its record and log for `retention` seconds (0: it goes on) and
--- leaves the deadlines index (KEYS[4], if given; another slot: part of the Cluster seam).
+-- leaves the deadlines index (KEYS[7], if given; another slot: part of the Cluster seam).
 local function retain(job, events, retention, job_id)
   if tonumber(retention) > 0 then
     redis.call('EXPIRE', job, retention)
     redis.call('EXPIRE', events, retention)
-    if KEYS[4] then redis.call('ZREM', KEYS[4], job_id) end
+    if KEYS[7] then redis.call('ZREM', KEYS[7], job_id) end
   end
+end
+
+-- Admission (shared/quotas.py): jobs and tokens admitted and not yet ended, per counter
+-- field, in the hash `counts`; `jobs` maps each admitted job's record key to what its
+-- admission added (its tokens, then its counter fields, one a line), so its end takes
+-- exactly that off again, once; `checks` scores it by when the repair looks at it next.
+-- ARGV[from..to] are scopes of four: jobs field, tokens field, max jobs, max tokens.
+
+-- The first scope a job of `tokens` would take past a limit: {'limited', i, what, count}.
+local function over_limit(counts, tokens, from, to)
+  for i = from, to, 4 do
+    local max_jobs, max_tokens = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+    if max_jobs > 0 or max_tokens > 0 then
+      local h = redis.call('HMGET', counts, ARGV[i], ARGV[i + 1])
+      local n, used = tonumber(h[1] or '0'), tonumber(h[2] or '0')
+      local scope = (i - from) / 4 + 1
+      if max_jobs > 0 and n + 1 > max_jobs then return {'limited', scope, 'jobs', n} end
+      if max_tokens > 0 and used + tokens > max_tokens then
+        return {'limited', scope, 'tokens', used}
+      end
+    end
+  end
+  return nil
+end
+
+-- Count the job `job` (a record key) in every scope of ARGV[from..to].
+local function admit(counts, jobs, checks, job, tokens, check_at, from, to)
+  local added = {tokens}
+  for i = from, to, 4 do
+    redis.call('HINCRBY', counts, ARGV[i], 1)
+    redis.call('HINCRBY', counts, ARGV[i + 1], tokens)
+    added[#added + 1] = ARGV[i]
+    added[#added + 1] = ARGV[i + 1]
+  end
+  redis.call('HSET', jobs, job, table.concat(added, '\n'))
+  redis.call('ZADD', checks, check_at, job)
+end
+
+-- A job that ended stops counting (once: a job admitted before admission was counted, or
+-- released already, is not in `jobs`). A counter back at zero goes.
+local function release(counts, jobs, checks, job)
+  local added = redis.call('HGET', jobs, job)
+  if not added then return 0 end
+  local tokens, odd = nil, true
+  for part in string.gmatch(added, '[^\n]+') do
+    if tokens == nil then
+      tokens = tonumber(part)
+    else
+      if redis.call('HINCRBY', counts, part, odd and -1 or -tokens) <= 0 then
+        redis.call('HDEL', counts, part)
+      end
+      odd = not odd
+    end
+  end
+  redis.call('HDEL', jobs, job)
+  redis.call('ZREM', checks, job)
+  return 1
 end

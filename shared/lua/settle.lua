@@ -1,6 +1,8 @@
 -- SETTLE: end a job nobody runs (cancel or expire a queued one, fail one out of attempts),
 -- if it is still as the caller saw it: compare-and-set on status, attempt and the log's end.
--- KEYS: job, events, channel, deadlines.
+-- The job stops counting against admission limits (KEYS[4..6], see release in prelude.lua)
+-- and leaves the deadlines index (KEYS[7]).
+-- KEYS: job, events, channel, admission counts, jobs and checks, deadlines.
 -- ARGV: status, attempt, last_seq, maxlen, retention, job id, then one (seq, json) pair, then
 -- record (field, value) pairs.
 -- -> 1 settled | 0 the job changed meanwhile (the caller looks again)
@@ -11,4 +13,5 @@ append(KEYS[2], KEYS[3], ARGV[4], 7, 8)
 redis.call('HDEL', KEYS[1], 'worker')
 set_fields(KEYS[1], 9)
 retain(KEYS[1], KEYS[2], ARGV[5], ARGV[6])
+release(KEYS[4], KEYS[5], KEYS[6], KEYS[1])
 return 1

@@ -35,7 +35,8 @@ from worker.sim import SimEngine
 
 API_KEY = "sk-genq-test"
 CHAT, LLAMA, BARE, SLOW, GONE = "sim", "sim-llama3", "sim-bare", "sim-slow", "sim-gone"
-QUEUE_LIMIT = 3
+QUEUE_LIMIT = 4
+"""GENQ_OPENAI_MAX_QUEUE_DEPTH: room for the largest request of the tests (4 jobs)."""
 SLOW_STEP_MS = 50.0
 SLOW_BATCH = 1
 START_TIMEOUT_S = 15.0

@@ -153,6 +153,7 @@ def test_a_full_queue_is_429(client: openai.OpenAI, slow: Slow) -> None:
         with pytest.raises(openai.RateLimitError) as err:
             client.chat.completions.create(model=SLOW, messages=USER)
         assert err.value.status_code == 429 and err.value.code == "queue_full"
+        assert int(err.value.response.headers["retry-after"]) >= 1
     finally:
         for job_id in reversed(jobs):
             slow.cancel(job_id)

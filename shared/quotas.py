@@ -1,0 +1,86 @@
+"""Admission counters, shared by every gateway: what SUBMIT checks its limits against.
+
+A job counts, in each of its scopes (its model's queue of its priority: all owners
+together, and its owner alone), from SUBMIT (which checks the limits and counts it in the
+same atomic step) to its end (EMIT of the end, or SETTLE, takes it off in their own step):
+queued or running, not queued alone, so a key cannot exceed its share by having workers
+take jobs off the queue faster than its limit. Counted per job are one job and its tokens
+(prompt + max_tokens).
+
+Drift: every count and uncount is atomic with the state change it follows, so a process
+that dies mid-way leaves none. What remains is a job that ends unseen (by a worker older
+than the counters, or a record deleted by hand): each admitted job is checked again every
+`quota_recheck_s` (`due` then `release`), and one that ended, or is gone, stops counting.
+
+Cluster seam: the admission keys share the hash tag `{admission}`, not the job's; SUBMIT,
+EMIT and SETTLE touch both. Under Cluster the uncount becomes a second call after the end
+(safe: `release` is idempotent, and the repair catches a call lost in between).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.keys import Keys
+from shared.transitions import Call, script
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """One scope of a job's admission: its counter fields and limits (0 = none)."""
+
+    jobs_field: str
+    tokens_field: str
+    max_jobs: int = 0
+    max_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What SUBMIT counts a job as, where, and when the repair first looks at it."""
+
+    tokens: int
+    check_at: float
+    quotas: tuple[Quota, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True, slots=True)
+class RateReply:
+    allowed: bool
+    retry_after_ms: int
+
+
+class QuotaCalls:
+    """Builds the calls of the admission scripts (besides SUBMIT, EMIT, SETTLE)."""
+
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+
+    def counter_keys(self) -> list[str]:
+        k = self.keys
+        return [k.admission_counts(), k.admission_jobs(), k.admission_checks()]
+
+    def rate_limit(self, owner: str, *, rate: float, burst: int) -> Call[RateReply]:
+        return Call(
+            script("rate_limit"),
+            [self.keys.rate_limit(owner)],
+            [repr(rate), burst],
+            lambda r: RateReply(bool(int(r[0])), int(r[1])),
+        )
+
+    def due(self, *, now: float, next_check: float, limit: int) -> Call[list[str]]:
+        args: list[str | int | float] = [repr(now), repr(next_check), limit]
+        return Call(
+            script("admission_due"),
+            [self.keys.admission_checks()],
+            args,
+            lambda r: [str(x) for x in r],
+        )
+
+    def release(self, job_key: str) -> Call[bool]:
+        return Call(
+            script("admission_release"),
+            self.counter_keys(),
+            [job_key],
+            lambda r: bool(int(r)),
+        )
