@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 
 from gateway.admission import AdmissionControl
 from gateway.app import create_app
-from shared.deadlines import expire_queued
+from shared.deadlines import expire_due
 from shared.keys import Keys, scope_fields
 from shared.records import owner_of
 from shared.settings import PriorityLimits, Settings
@@ -179,7 +179,7 @@ async def test_a_job_in_the_queue_past_its_deadline_stops_counting(
         assert await _counts(redis, settings)
         keys, runner = Keys(settings.key_prefix), ScriptRunner(redis)
         async with asyncio.timeout(WAIT_S):
-            while job_id not in await expire_queued(redis, runner, keys, settings, 10):
+            while job_id not in await expire_due(redis, runner, keys, settings, 10):
                 await asyncio.sleep(POLL_S)
         assert await _counts(redis, settings) == {}
 
