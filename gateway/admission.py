@@ -93,7 +93,15 @@ class AdmissionControl:
                     param="max_tokens",
                 )
         quotas = tuple(Quota(*sc.fields, sc.jobs.value, sc.tokens.value) for sc in scopes)
-        return Admission(tokens, time.time() + self.settings.quota_recheck_s, quotas)
+        own = next(sc for sc in scopes if sc.own)
+        return Admission(
+            tokens,
+            time.time() + self.settings.quota_recheck_s,
+            quotas,
+            fair_field=own.fields[0],
+            # with the API open everyone is one owner: no one to be fair to
+            fair_share=self.settings.fair_share_jobs if caller.keyed else 0,
+        )
 
     def _scopes(self, caller: Identity, priority: Priority, model: str) -> list[_Scope]:
         """The model's queue of this priority for everyone, then for the caller (counted

@@ -46,11 +46,12 @@ class QueueGroups:
         return sorted(set(self._configured) | announced)
 
     async def ensure(self, models: list[str]) -> None:
-        """Create the group of each model's queues (both priorities) where it is missing."""
+        """Create the group of each model's streams (both priorities, queue and overflow)
+        where it is missing."""
         if not models:
             return
         pipe = self._redis.pipeline(transaction=False)
-        queues = [self._keys.queue(m, p) for m in models for p in PRIORITIES]
+        queues = [lane for m in models for p in PRIORITIES for lane in self._keys.lanes(m, p)]
         for queue in queues:
             pipe.xgroup_create(queue, CONSUMER_GROUP, id="0", mkstream=True)
         for queue, reply in zip(queues, await pipe.execute(raise_on_error=False), strict=True):

@@ -22,6 +22,15 @@ class Keys:
         """Stream of job ids waiting for a worker of `model`, one per priority."""
         return f"{self.prefix}queue:{model}:{priority}"
 
+    def overflow(self, model: str, priority: Priority) -> str:
+        """Stream beside `queue`: the jobs of an owner past its fair share in flight wait here
+        (workers take from it when the queue is empty, and every `overflow_share`-th claim)."""
+        return f"{self.prefix}queue:{model}:{priority}:overflow"
+
+    def lanes(self, model: str, priority: Priority) -> tuple[str, str]:
+        """The two streams of a model's priority: (queue, overflow)."""
+        return self.queue(model, priority), self.overflow(model, priority)
+
     def job(self, job_id: str) -> str:
         """Hash: the job record."""
         return f"{self.prefix}job:{{{job_id}}}"

@@ -42,6 +42,10 @@ class Admission:
     tokens: int
     check_at: float
     quotas: tuple[Quota, ...] = field(default_factory=tuple)
+    fair_field: str = ""
+    """The owner's jobs counter: past `fair_share` jobs in flight, the job waits in the
+    overflow stream (0: every job in the queue)."""
+    fair_share: int = 0
 
 
 @dataclass(frozen=True, slots=True)

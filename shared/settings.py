@@ -170,6 +170,12 @@ class GatewaySettings(JobSettings):
         default=2.0, gt=0, description="a stream silent this long re-reads the event log"
     )
     card_cache_s: float = Field(default=2.0, ge=0)
+    fair_share_jobs: int = Field(
+        default=16,
+        ge=0,
+        description="jobs one owner (API key) may have in flight for a model and priority "
+        "before its next ones wait in the overflow stream behind other owners' (0 = off)",
+    )
     deadline_sweep_s: float = Field(
         default=1.0,
         gt=0,
@@ -380,6 +386,12 @@ class WorkerSettings(JobSettings, EngineSettings):
     )
     batch_share: int = Field(
         default=4, ge=1, description="when both queues have work, every Nth claim takes a batch job"
+    )
+    overflow_share: int = Field(
+        default=4,
+        ge=1,
+        description="when a priority's queue and its overflow (owners past their fair share) "
+        "both have work, every Nth claim of it takes from the overflow",
     )
     metrics_port: int | None = Field(
         default=None,

@@ -257,6 +257,7 @@ class Transitions:
             k.admission_counts(),
             k.admission_jobs(),
             k.admission_checks(),
+            k.overflow(spec.model, spec.priority),
         ]
         scopes: list[Arg] = []
         for q in admission.quotas:
@@ -271,6 +272,8 @@ class Transitions:
             admission.tokens,
             repr(admission.check_at),
             len(admission.quotas),
+            admission.fair_field,
+            admission.fair_share,
             *scopes,
             *_flat(entry_fields),
             *_flat(record.to_hash()),

@@ -40,6 +40,7 @@ class Claimer:
     def __init__(self, st: WorkerState) -> None:
         self.st = st
         self._claims_since_batch = 0
+        self._since_overflow: dict[Priority, int] = {p: 0 for p in PRIORITIES}
 
     async def loop(self) -> None:
         st = self.st
@@ -73,22 +74,44 @@ class Claimer:
                 await asyncio.sleep(LOOP_RESTART_S)
 
     async def _claim(self, free: int) -> list[Claim]:
-        """Take up to `free` entries, interactive first; block briefly when both are empty."""
-        queues = self.st.queues
-        batch_turn = self._claims_since_batch >= self.st.settings.batch_share
+        """Take up to `free` entries, interactive first; block briefly when all are empty.
+
+        Each priority has two lanes: its queue, and its overflow (owners past their fair
+        share in flight). The queue goes first, except every `overflow_share`-th claim of a
+        priority whose overflow has work, so a large owner's backlog still progresses."""
+        st = self.st
+        batch_turn = self._claims_since_batch >= st.settings.batch_share
         order: tuple[Priority, ...] = ("batch", "interactive") if batch_turn else PRIORITIES
         claims: list[Claim] = []
         for priority in order:
-            want = 1 if priority == "batch" and batch_turn else free - len(claims)
-            if want > 0:
-                claims += await self._read({queues[priority]: ">"}, want, block=None)
+            budget = 1 if priority == "batch" and batch_turn else free - len(claims)
+            for lane, cap in self._lanes(priority):
+                want = min(budget, free - len(claims), cap or free)
+                if want > 0:
+                    got = await self._read({lane: ">"}, want, block=None)
+                    claims += got
+                    budget -= len(got)
         if not claims:
-            streams = {k: ">" for k in queues.values()}
-            claims = await self._read(streams, 1, block=self.st.settings.claim_block_ms)
+            streams = {k: ">" for k in st.streams()}
+            claims = await self._read(streams, 1, block=st.settings.claim_block_ms)
         for c in claims:
-            is_batch = c.queue == queues["batch"]
-            self._claims_since_batch = 0 if is_batch else self._claims_since_batch + 1
+            self._count(c)
         return claims
+
+    def _lanes(self, priority: Priority) -> list[tuple[str, int | None]]:
+        """(stream, most to take from it) in the order to read them."""
+        queue, overflow = self.st.queues[priority], self.st.overflow[priority]
+        if self._since_overflow[priority] >= self.st.settings.overflow_share:
+            return [(overflow, 1), (queue, None), (overflow, None)]
+        return [(queue, None), (overflow, None)]
+
+    def _count(self, claim: Claim) -> None:
+        st = self.st
+        is_batch = claim.queue in (st.queues["batch"], st.overflow["batch"])
+        self._claims_since_batch = 0 if is_batch else self._claims_since_batch + 1
+        priority: Priority = "batch" if is_batch else "interactive"
+        from_overflow = claim.queue == st.overflow[priority]
+        self._since_overflow[priority] = 0 if from_overflow else self._since_overflow[priority] + 1
 
     async def _read(self, streams: dict[str, str], count: int, block: int | None) -> list[Claim]:
         reply = await self.st.redis.xreadgroup(

@@ -83,6 +83,7 @@ class Worker:
             scripts=ScriptRunner(client),
             transitions=Transitions(keys),
             queues={p: keys.queue(model, p) for p in PRIORITIES},
+            overflow={p: keys.overflow(model, p) for p in PRIORITIES},
             lease=LeaseClock(settings.lease_s),
         )
         self._claims = Claimer(self.st)
@@ -189,7 +190,7 @@ class Worker:
         pipe.delete(st.keys.worker(st.id))
         pipe.zrem(st.keys.workers(), st.id)
         await pipe.execute()
-        for key in st.queues.values():
+        for key in st.streams():
             await st.scripts.run(
                 st.transitions.delete_idle_consumer(key, group=CONSUMER_GROUP, consumer=st.id)
             )

@@ -33,6 +33,8 @@ class WorkerState:
     scripts: ScriptRunner
     transitions: Transitions
     queues: dict[Priority, str]
+    overflow: dict[Priority, str]
+    """Per priority, beside its queue: jobs of owners past their fair share in flight."""
     lease: LeaseClock
     running: dict[str, RunningJob] = field(default_factory=dict)
     waiting: list[Claim] = field(default_factory=list)
@@ -87,6 +89,10 @@ class WorkerState:
             self.early_cancels[job_id] = now
             return
         self.stop(run, Stop("cancelled", reason))
+
+    def streams(self) -> list[str]:
+        """Every stream this worker claims from (queues and overflows)."""
+        return [*self.queues.values(), *self.overflow.values()]
 
     def free_slots(self) -> int:
         return self.engine.max_batch - len(self.running) - len(self.waiting)

@@ -149,7 +149,7 @@ class Upkeep:
             if st.stopping.is_set() or not st.lease.reclaim_allowed():
                 continue
             try:
-                for queue in st.queues.values():
+                for queue in st.streams():
                     await self._reclaim(queue)
                     await self._forget_dead(queue)
             except (RedisError, OSError) as exc:

@@ -313,14 +313,15 @@ def test_keda_watches_the_queues_genq_writes() -> None:
     keys = Keys(env["GENQ_KEY_PREFIX"])
     model = env["GENQ_MODEL_NAME"]
     triggers = [t["metadata"] for t in so["spec"]["triggers"]]
-    for p in PRIORITIES:
-        on_queue = [t for t in triggers if t["stream"] == keys.queue(model, p)]
+    streams = [lane for p in PRIORITIES for lane in keys.lanes(model, p)]
+    for stream in streams:
+        on_queue = [t for t in triggers if t["stream"] == stream]
         assert {t["consumerGroup"] for t in on_queue} == {CONSUMER_GROUP}
         lag = [t for t in on_queue if "lagCount" in t]
         pending = [t for t in on_queue if "pendingEntriesCount" in t]
-        assert len(lag) == 1 and "activationLagCount" in lag[0], f"{p}: no lag trigger"
-        assert len(pending) == 1, f"{p}: no pending trigger: busy workers would be scaled away"
-    assert {t["stream"] for t in triggers} == {keys.queue(model, p) for p in PRIORITIES}
+        assert len(lag) == 1 and "activationLagCount" in lag[0], f"{stream}: no lag trigger"
+        assert len(pending) == 1, f"{stream}: no pending trigger: busy workers scaled away"
+    assert {t["stream"] for t in triggers} == set(streams)
 
 
 def test_keda_reaches_redis_by_its_full_service_name() -> None:

@@ -30,6 +30,7 @@ def _state(engine: SimEngine) -> WorkerState:
         scripts=None,  # type: ignore[arg-type]
         transitions=None,  # type: ignore[arg-type]
         queues={},
+        overflow={},
         lease=LeaseClock(settings.lease_s),
     )
 
