@@ -187,7 +187,8 @@ class Flusher:
                 log.warning("lost ownership; dropping job", extra={"job_id": run.id})
                 st.drop(run.id)
             elif run.end is not None:
-                st.forget(run.id)
+                run.remember(events, st.settings.log_repair_window_s)
+                st.finish(run)
                 ended.append(run.claim)
             else:
                 run.remember(events, st.settings.log_repair_window_s)

@@ -42,6 +42,10 @@ class WorkerState:
     dirty: set[str] = field(default_factory=set)
     urgent: set[str] = field(default_factory=set)
     """Dirty jobs whose events should not wait for the flush interval."""
+    finished: dict[str, tuple[float, RunningJob]] = field(default_factory=dict)
+    """Jobs whose end this worker wrote within the repair window (job id → (monotonic time,
+    job)): if Redis loses those writes (a restart without its last second), the worker
+    writes them again from memory instead of the job running again."""
     early_cancels: dict[str, float] = field(default_factory=dict)
     """Cancels that arrived before the job's START reply (job id → when)."""
     flush_wanted: asyncio.Event = field(default_factory=asyncio.Event)
@@ -54,6 +58,19 @@ class WorkerState:
     def forget(self, job_id: str) -> RunningJob | None:
         """A job whose end is written (or that never reached the engine) leaves this worker."""
         return self.running.pop(job_id, None)
+
+    def finish(self, run: RunningJob) -> None:
+        """Its end is written: it leaves the running jobs, kept a while for repairs."""
+        self.running.pop(run.id, None)
+        now = time.monotonic()
+        window = self.settings.log_repair_window_s
+        if window > 0:
+            self.finished[run.id] = (now, run)
+        while self.finished:
+            oldest = next(iter(self.finished))
+            if now - self.finished[oldest][0] <= window:
+                break
+            del self.finished[oldest]
 
     def drop(self, job_id: str) -> RunningJob | None:
         """A job leaves this worker unfinished (fenced, handed back, drained): stopped in the

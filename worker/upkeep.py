@@ -11,7 +11,7 @@ import socket
 import time
 from typing import Any, cast
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from shared import __version__
 from shared.deadlines import expire_due
@@ -21,6 +21,7 @@ from worker.engine import Stop
 from worker.entries import drop_malformed
 from worker.jobstate import Claim
 from worker.lease import reclaimable
+from worker.repair import repair_finished
 from worker.state import WorkerState
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class Upkeep:
         self.started_at = time.time()
         self._tokens_at_beat = (time.monotonic(), 0)
         self.tokens_per_s = 0.0
+        self._redis_run_id: str | None = None
 
     async def heartbeat_loop(self) -> None:
         st = self.st
@@ -80,6 +82,22 @@ class Upkeep:
         st.lease.beat_ok()
         if not card_exists:  # Redis lost it (restarted without its data): gateways need it
             await self.publish_card()
+        await self._after_restart()
+
+    async def _after_restart(self) -> None:
+        """A Redis that restarted (a new run id) may have lost its last writes: the ends of
+        the jobs this worker finished just before are written again from memory."""
+        try:
+            run_id = str((await self.st.redis.info("server")).get("run_id", ""))
+        except ResponseError:  # a Redis without INFO (fakeredis): never restarts under us
+            return
+        known, self._redis_run_id = self._redis_run_id, run_id
+        if known is None or known == run_id:
+            return
+        log.warning("Redis restarted; checking the jobs this worker just finished")
+        repaired = await repair_finished(self.st)
+        if repaired:
+            log.warning("rewrote lost job ends", extra={"jobs": len(repaired)})
 
     async def _touch_held(self) -> None:
         """Reset the idle time of the entries this worker holds (a dead worker's go idle and
@@ -223,6 +241,8 @@ class Upkeep:
                 await drop_malformed(st, queue, entry_id, str(exc))
                 continue
             claim = Claim(entry_id, queue, entry.job, entry.tokens, entry.owner)
+            if claim.job_id in st.finished and await repair_finished(st, [claim.job_id]):
+                continue  # it had ended here: its lost end is written again, not re-run
             log.info("reclaimed job", extra={"job_id": claim.job_id, "worker_id": st.id})
             st.waiting.append(claim)
         st.room.set()
