@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -197,17 +198,24 @@ def _held_ports(n: int) -> Iterator[int]:
     raise RuntimeError("no run of free ports")
 
 
-def test_sigterm_drains_every_child() -> None:
+def test_sigterm_drains_every_child(tmp_path: Path) -> None:
+    """Each child says when its SIGTERM handler is in (a file): the drain must find them all
+    ready, or a child still starting would die of the signal instead of draining."""
     code = (
-        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0));"
-        "print('up', flush=True); time.sleep(60)"
+        "import os, pathlib, signal, sys, time;"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0));"
+        "pathlib.Path(os.environ['READY_DIR'], str(os.getpid())).touch(); time.sleep(60)"
     )
     cmd = [sys.executable, "-c", code]
-    la = Launcher(Settings(shutdown_grace_s=5), ["0", "1"], 2, command=cmd)
+    os.environ["READY_DIR"] = str(tmp_path)
+    try:
+        la = Launcher(Settings(shutdown_grace_s=5), ["0", "1"], 2, command=cmd)
+    finally:
+        del os.environ["READY_DIR"]
     result: list[int] = []
     t = threading.Thread(target=lambda: result.append(la.run_supervised()))
     t.start()
-    time.sleep(0.5)
+    wait_for(lambda: len(list(tmp_path.iterdir())) == 4, timeout=30, what="4 children ready")
     la._stop(signal.SIGTERM)
     t.join(10)
     assert result == [0]
