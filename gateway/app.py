@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from gateway import http_errors
 from gateway.job_service import JobService
 from gateway.openai import routes as openai_routes
+from gateway.presence import Presence
 from gateway.pubsub import PubSubRouter
 from gateway.pubsub_wire import PubSubBackend, RawPubSub, RedisPyPubSub
 from gateway.registry import ModelRegistry
@@ -49,26 +50,31 @@ def create_app(
             backend = RawPubSub(settings.redis_url, settings.redis_socket_timeout_s, name)
         else:
             backend = RedisPyPubSub(client)
-        router = PubSubRouter(backend)
+        router = PubSubRouter(backend, buffer_bytes=settings.stream_buffer_bytes)
+        jobs = JobService(settings, client, ScriptRunner(client), registry)
         state = GatewayState(
             settings=settings,
             redis=client,
             keys=keys,
             router=router,
             registry=registry,
-            jobs=JobService(settings, client, ScriptRunner(client), registry),
+            jobs=jobs,
+            presence=Presence(settings, client, keys, jobs),
         )
         app.state.genq = state
         runtime.tune_gc()
         receiver = asyncio.create_task(router.run(), name="pubsub-router")
+        presence = asyncio.create_task(state.presence.run(), name="gateway-presence")
         try:
             yield
         finally:
             state.draining = True
             await router.close()
-            receiver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await receiver
+            for task in (receiver, presence):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await state.presence.close()
             if redis is None:
                 await client.aclose()
 

@@ -14,8 +14,8 @@ import redis.asyncio as aioredis
 from gateway.registry import ModelRegistry
 from shared import events
 from shared.errors import BadRequest, Conflict, JobNotFound, PromptTooLong, Unprocessable
-from shared.events import CancelledEvent, QueuedEvent
-from shared.keys import Keys
+from shared.events import EVENT_FIELD, CancelledEvent, QueuedEvent, TokenEvent
+from shared.keys import Keys, seq_of
 from shared.records import JOB_ID, ControlMessage, IdempotencyClaim, JobRecord, QueueEntry
 from shared.schemas import JobCreate, JobSpec, JobView
 from shared.settings import GatewaySettings
@@ -174,7 +174,35 @@ class JobService:
         return None
 
     async def get(self, job_id: str) -> JobView:
-        return (await self._record(job_id)).view()
+        """The job as its record holds it; a job that has run but has no result (running, or
+        back in the queue) shows the text so far, read from its event log."""
+        record = await self._record(job_id)
+        view = record.view()
+        if record.result is None and record.attempt > 0:
+            view.text, view.text_truncated = await self._text_so_far(job_id)
+        return view
+
+    async def _text_so_far(self, job_id: str) -> tuple[str, bool]:
+        """The token texts of the job's log, a page at a time, up to `partial_text_max_chars`;
+        and whether that is less than all of it (the cap, or a log that lost its start)."""
+        page, cap = self.settings.event_page_entries, self.settings.partial_text_max_chars
+        key = self.keys.events(job_id)
+        parts: list[str] = []
+        chars, start, expected, lost = 0, "-", 1, False
+        while True:
+            entries = await self.redis.xrange(key, start, "+", count=page)
+            for entry_id, fields in entries:
+                seq = seq_of(entry_id)
+                lost, expected = lost or seq != expected, seq + 1
+                ev = events.decode(fields[EVENT_FIELD])
+                if isinstance(ev, TokenEvent):
+                    parts.append(ev.text)
+                    chars += len(ev.text)
+                    if chars > cap:
+                        return "".join(parts)[:cap], True
+            if len(entries) < page:
+                return "".join(parts), lost
+            start = f"({entries[-1][0]}"
 
     async def _record(self, job_id: str) -> JobRecord:
         raw = await self.redis.hgetall(self.keys.job(self.validate_id(job_id)))

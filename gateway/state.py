@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gateway.job_service import JobService
+from gateway.presence import Presence
 from gateway.pubsub import PubSubRouter
 from gateway.registry import ModelRegistry
 from shared.keys import Keys
@@ -21,4 +22,5 @@ class GatewayState:
     router: PubSubRouter
     registry: ModelRegistry
     jobs: JobService
+    presence: Presence
     draining: bool = False

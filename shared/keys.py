@@ -62,6 +62,28 @@ class Keys:
     def idempotency(self, key: str) -> str:
         return f"{self.prefix}idem:{key}"
 
+    def gateways(self) -> str:
+        """Sorted set: gateway process ids scored by their last heartbeat (unix seconds)."""
+        return f"{self.prefix}gateways"
+
+    def gateway_jobs(self, gateway_id: str) -> str:
+        """Set: jobs a gateway process streams with cancel-on-disconnect (cancelled if it
+        dies and nobody resumes them)."""
+        return f"{self.prefix}gwjobs:{gateway_id}"
+
+    def gateway_sweep(self) -> str:
+        """String with TTL: the gateway process that sweeps dead gateways' jobs this round."""
+        return f"{self.prefix}gwsweep"
+
+    def resumed(self, job_id: str) -> str:
+        """String with TTL: a client resumed the job through its events route; a dead
+        gateway's sweep leaves it running."""
+        return f"{self.prefix}resumed:{{{job_id}}}"
+
+
+MAX_SEQ = 2**64 - 1
+"""The largest seq an event can have: a stream entry id's sequence part is 64 bits."""
+
 
 def event_id(seq: int) -> str:
     """Stream entry id of event `seq` in a job's log: explicit ids make a replayed write fail."""

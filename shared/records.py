@@ -157,6 +157,7 @@ class JobRecord(HashModel):
             usage=self.usage,
             timings=self.timings,
             error=self.error,
+            cancel_requested=self.status == "running" and self.cancel is not None,
             metadata=self.metadata,
         )
 

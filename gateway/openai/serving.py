@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import anyio
@@ -202,7 +202,9 @@ class OpenAIServing:
         headers = {"X-Job-Ids": ",".join(c.job_id for c in run.choices)}
         if req.stream:
             stream = self._sse(run, followers, fmt, req.include_usage)
-            response = EventStreamResponse(stream, run.choices[0].job_id)
+            response = EventStreamResponse(
+                stream, run.choices[0].job_id, stall_timeout_s=self.settings.stream_stall_timeout_s
+            )
             response.headers.update(headers)
             return response
         collect = asyncio.create_task(self._collect(run, followers))
@@ -220,10 +222,12 @@ class OpenAIServing:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     async def _start(self, jobs: list[tuple[JobCreate, JobSpec]]) -> list[EventFollower]:
-        """Subscribe each job's channel, then queue the job; undo it all if one fails."""
+        """Subscribe each job's channel, then queue the job; undo it all if one fails. Jobs
+        that a disconnect cancels die with this gateway too (registered before they exist)."""
         state = self.state
         followers: list[EventFollower] = []
         try:
+            await state.presence.register(self._mortal(spec.id for _, spec in jobs))
             for body, spec in jobs:
                 sub = await state.router.subscribe(state.keys.channel(spec.id))
                 follower = EventFollower(state.redis, state.keys, state.settings, sub, spec.id)
@@ -235,8 +239,14 @@ class OpenAIServing:
                     await f.sub.close()
                     with contextlib.suppress(GenqError, RedisError, OSError):
                         await state.jobs.cancel(f.job_id, "request failed")
+                with contextlib.suppress(RedisError, OSError):
+                    await state.presence.unregister(self._mortal(spec.id for _, spec in jobs))
             raise
         return followers
+
+    def _mortal(self, job_ids: Iterable[str]) -> list[str]:
+        """The jobs a disconnect cancels (all, or none: `openai_cancel_on_disconnect`)."""
+        return list(job_ids) if self.settings.openai_cancel_on_disconnect else []
 
     async def _collect(self, run: RequestState, followers: list[EventFollower]) -> None:
         """Follow every job to its end; raise the first failure as an error."""
@@ -267,11 +277,12 @@ class OpenAIServing:
                     continue
                 choice, out = run.choices[index], []
                 for ev in _output_events(batch):
-                    choice.apply(ev)
-                    if isinstance(ev, TokenEvent):
+                    if isinstance(ev, TokenEvent):  # sent on, not kept: memory stays bounded
                         chunk = fmt.token_chunk(run, choice, ev)
                         out += [_frame(chunk)] if chunk is not None else []
-                    elif choice.finish_reason is not None:
+                        continue
+                    choice.apply(ev)
+                    if choice.finish_reason is not None:
                         out.append(_frame(fmt.final_chunk(run, choice)))
                 if out:
                     yield b"".join(out)
@@ -304,6 +315,8 @@ class OpenAIServing:
             if not c.ended:
                 with contextlib.suppress(GenqError, RedisError, OSError):
                     await self.state.jobs.cancel(c.job_id, "client disconnected")
+        with contextlib.suppress(RedisError, OSError):
+            await self.state.presence.unregister(c.job_id for c in run.choices)
 
 
 # ---- helpers ------------------------------------------------------------------------------
