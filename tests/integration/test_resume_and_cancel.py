@@ -41,7 +41,7 @@ async def _until_tokens(stack: Stack, job_id: str, n: int) -> None:
             await asyncio.sleep(0.01)
 
 
-async def _events(stack: Stack, job_id: str, **request: Any) -> tuple[int, list]:
+async def _events(stack: Stack, job_id: str, **request: Any) -> tuple[int, Any]:
     async with asyncio.timeout(STREAM_END_S):
         r = await stack.client.get(f"/v1/jobs/{job_id}/events", **request)
     return r.status_code, parse_sse(r.text) if r.status_code == 200 else r.json()
