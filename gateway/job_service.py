@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from gateway.registry import ModelRegistry
 from shared import events
 from shared.errors import BadRequest, Conflict, JobNotFound, PromptTooLong, Unprocessable
-from shared.events import EVENT_FIELD, CancelledEvent, QueuedEvent, TokenEvent
+from shared.events import EVENT_FIELD, CancelledEvent, EventError, QueuedEvent, TokenEvent
 from shared.keys import Keys, seq_of
 from shared.records import JOB_ID, ControlMessage, IdempotencyClaim, JobRecord, QueueEntry
 from shared.schemas import JobCreate, JobSpec, JobView
@@ -173,12 +173,12 @@ class JobService:
         await self.scripts.run(self.transitions.release_idempotency(idem, claim=claim_text))
         return None
 
-    async def get(self, job_id: str) -> JobView:
+    async def get(self, job_id: str, *, text_so_far: bool = True) -> JobView:
         """The job as its record holds it; a job that has run but has no result (running, or
-        back in the queue) shows the text so far, read from its event log."""
+        back in the queue) shows the text so far, read from its event log (`text_so_far`)."""
         record = await self._record(job_id)
         view = record.view()
-        if record.result is None and record.attempt > 0:
+        if text_so_far and record.result is None and record.attempt > 0:
             view.text, view.text_truncated = await self._text_so_far(job_id)
         return view
 
@@ -194,7 +194,10 @@ class JobService:
             for entry_id, fields in entries:
                 seq = seq_of(entry_id)
                 lost, expected = lost or seq != expected, seq + 1
-                ev = events.decode(fields[EVENT_FIELD])
+                try:
+                    ev = events.decode(fields[EVENT_FIELD])
+                except (EventError, KeyError):  # a damaged entry: the rest still reads
+                    continue
                 if isinstance(ev, TokenEvent):
                     parts.append(ev.text)
                     chars += len(ev.text)
@@ -218,7 +221,7 @@ class JobService:
             if isinstance(reply, CancelRunning):
                 msg = ControlMessage(cancel=job_id, attempt=reply.attempt, reason=reason)
                 await self.redis.publish(self.keys.control(reply.worker), msg.encode())
-                return await self.get(job_id)
+                return await self.get(job_id, text_so_far=False)  # it is about to end
             if isinstance(reply, CancelEnded):
                 if reply.status == "missing":
                     raise JobNotFound(f"no job '{job_id}' (unknown, or expired)", param="id")

@@ -79,7 +79,7 @@ async def job_events(
     Resume with `Last-Event-ID` (or `?after=`): only what follows that seq is sent, and a
     resume at or past a finished job's last event ends at once. Resuming here keeps the job
     running if the gateway that streamed it with cancel-on-disconnect dies."""
-    await state.jobs.get(job_id)  # 404 before any stream starts
+    await state.jobs.get(job_id, text_so_far=False)  # 404 before any stream starts
     after_seq = max(
         _seq(after, "after") if after is not None else 0,
         _seq(last_event_id, "Last-Event-ID") if last_event_id else 0,
