@@ -79,14 +79,19 @@ class Presence:
     # ---- heartbeat and sweep --------------------------------------------------------------
 
     async def run(self) -> None:
-        """Beat and sweep every `gateway_heartbeat_s` until cancelled; Redis errors wait."""
+        """Beat and sweep every `gateway_heartbeat_s` until cancelled. Nothing ends the loop:
+        a gateway that stopped beating would have its own streams' jobs cancelled."""
         while True:
             try:
                 await self.beat()
-                await self.sweep()
             except (RedisError, OSError) as exc:
                 self._beating_since = None
                 log.warning("gateway heartbeat failed", extra={"error": str(exc)})
+            else:
+                try:
+                    await self.sweep()
+                except Exception:  # the next round tries again
+                    log.exception("sweeping the jobs of gone gateways failed")
             await asyncio.sleep(self.settings.gateway_heartbeat_s)
 
     async def beat(self) -> None:
