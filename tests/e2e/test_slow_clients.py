@@ -293,6 +293,8 @@ def test_a_client_that_reads_nothing_is_disconnected_after_the_stall_timeout(
     cluster.worker("--step-ms", str(STEADY_STEP_MS))
     native = SilentClient(gateway, "/v1/jobs", _native(1, max_tokens=LONGEST), opened)
     chat = SilentClient(gateway, "/v1/chat/completions", _openai(1, max_tokens=LONGEST), opened)
+    wait_for(lambda: _statuses(db, _job_ids(db)) == ["running"] * 2, DISCONNECT_S, what="running")
+    assert _connected(gateway, native) and _connected(gateway, chat)
     for client in (native, chat):
         wait_for(lambda c=client: not _connected(gateway, c), DISCONNECT_S, what="disconnected")
     ids = _job_ids(db)
