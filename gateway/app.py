@@ -14,6 +14,7 @@ from gateway import http_errors, queues
 from gateway.deadline_sweep import DeadlineSweep
 from gateway.job_service import JobService
 from gateway.openai import routes as openai_routes
+from gateway.presence import Presence
 from gateway.pubsub import PubSubRouter
 from gateway.pubsub_wire import Endpoint, PubSubBackend, RawPubSub, RedisPyPubSub
 from gateway.registry import ModelRegistry
@@ -55,15 +56,17 @@ def create_app(
             backend = RawPubSub(endpoint, f"genq-gateway-pubsub-{os.getpid()}")
         else:
             backend = RedisPyPubSub(client)
-        router = PubSubRouter(backend)
+        router = PubSubRouter(backend, buffer_bytes=settings.stream_buffer_bytes)
         scripts = ScriptRunner(client)
+        jobs = JobService(settings, client, scripts, registry)
         state = GatewayState(
             settings=settings,
             redis=client,
             keys=keys,
             router=router,
             registry=registry,
-            jobs=JobService(settings, client, scripts, registry),
+            jobs=jobs,
+            presence=Presence(settings, client, keys, jobs),
         )
         app.state.genq = state
         runtime.tune_gc()
@@ -73,6 +76,7 @@ def create_app(
             receiver,
             asyncio.create_task(sweep.run(), name="deadline-sweep"),
             asyncio.create_task(state.admission.repair_loop(), name="admission-repair"),
+            asyncio.create_task(state.presence.run(), name="gateway-presence"),
         ]
         groups = await queues.start(client, keys, settings.queue_models)
         try:
@@ -85,6 +89,7 @@ def create_app(
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*background)
+            await state.presence.close()
             if redis is None:
                 await client.aclose()
 

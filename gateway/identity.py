@@ -24,3 +24,6 @@ class Identity:
 
 OPEN = Identity(ANONYMOUS)
 """Every caller while no API key is configured."""
+
+GENQ = Identity("genq", admin=True)
+"""genq itself, acting on any owner's job (a sweep cancelling a dead gateway's streams)."""

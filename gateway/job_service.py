@@ -15,12 +15,12 @@ from gateway.admission import AdmissionControl
 from gateway.identity import Identity
 from gateway.registry import ModelRegistry
 from shared import events
-from shared.deadlines import EXPIRED_CODE, RUNNING_MESSAGE, expire_due
+from shared.deadlines import expire_due
 from shared.errors import BadRequest, Conflict, JobNotFound, PromptTooLong, Unprocessable
-from shared.events import CancelledEvent, QueuedEvent
-from shared.keys import Keys
+from shared.events import EVENT_FIELD, CancelledEvent, EventError, QueuedEvent, TokenEvent
+from shared.keys import Keys, seq_of
 from shared.records import JOB_ID, ControlMessage, IdempotencyClaim, JobRecord, QueueEntry
-from shared.schemas import ErrorInfo, JobCreate, JobSpec, JobView
+from shared.schemas import JobCreate, JobSpec, JobView
 from shared.settings import GatewaySettings
 from shared.transitions import (
     CancelEnded,
@@ -190,25 +190,57 @@ class JobService:
         await self.scripts.run(self.transitions.release_idempotency(idem, claim=claim_text))
         return None
 
-    async def get(self, job_id: str, caller: Identity) -> JobView:
+    async def get(self, job_id: str, caller: Identity, *, text_so_far: bool = True) -> JobView:
+        """The job as its record holds it; a job that has run but has no result (running, or
+        back in the queue) shows the text so far, read from its event log (`text_so_far`); a
+        job past its deadline reads `expired` at once."""
         record = await self._record(job_id, caller)
         if _overdue(record):
-            return await self._expired_view(record)
-        return record.view()
-
-    async def _expired_view(self, record: JobRecord) -> JobView:
-        """A job past its deadline is `expired` as soon as anyone looks: ended now if nobody
-        else will end it (queued, or its worker gone), else shown so until its worker, which
-        stops it within a heartbeat, writes the end."""
-        job_id = record.spec.id
-        s = self.settings
-        await expire_due(self.redis, self.scripts, self.keys, s, 1, [job_id])
-        record = JobRecord.from_hash(await self.redis.hgetall(self.keys.job(job_id)))
+            record = await self._expire(record)
         view = record.view()
-        if _overdue(record):
-            view.status = "expired"
-            view.error = ErrorInfo(code=EXPIRED_CODE, message=RUNNING_MESSAGE)
+        if text_so_far and record.result is None and record.attempt > 0:
+            view.text, view.text_truncated = await self._text_so_far(job_id)
         return view
+
+    async def _text_so_far(self, job_id: str) -> tuple[str, bool]:
+        """The token texts of the job's log, a page at a time, up to `partial_text_max_chars`;
+        and whether that is less than all of it (the cap, or a log that lost its start)."""
+        page, cap = self.settings.event_page_entries, self.settings.partial_text_max_chars
+        key = self.keys.events(job_id)
+        parts: list[str] = []
+        chars, start, expected, lost = 0, "-", 1, False
+        while True:
+            entries = await self.redis.xrange(key, start, "+", count=page)
+            for entry_id, fields in entries:
+                seq = seq_of(entry_id)
+                lost, expected = lost or seq != expected, seq + 1
+                try:
+                    ev = events.decode(fields[EVENT_FIELD])
+                except (EventError, KeyError):  # a damaged entry: the rest still reads
+                    continue
+                if isinstance(ev, TokenEvent):
+                    parts.append(ev.text)
+                    chars += len(ev.text)
+                    if chars > cap:
+                        return "".join(parts)[:cap], True
+            if len(entries) < page:
+                return "".join(parts), lost
+            start = f"({entries[-1][0]}"
+
+    async def _expire(self, record: JobRecord) -> JobRecord:
+        """A job past its deadline ends `expired` as soon as anyone looks: here and now if
+        nobody else will end it (queued, or its worker gone); else its worker is told to
+        stop it now (it writes the end at its next step) rather than at its next heartbeat."""
+        job_id = record.spec.id
+        await expire_due(self.redis, self.scripts, self.keys, self.settings, 1, [job_id])
+        raw = await self.redis.hgetall(self.keys.job(job_id))
+        if not raw:
+            return record
+        record = JobRecord.from_hash(raw)
+        if record.status == "running" and record.worker:
+            msg = ControlMessage(cancel=job_id, attempt=record.attempt, expire=True)
+            await self.redis.publish(self.keys.control(record.worker), msg.encode())
+        return record
 
     async def _record(self, job_id: str, caller: Identity) -> JobRecord:
         """The job's record; 404 for a job the caller may not see, as for one that is not."""
@@ -226,7 +258,7 @@ class JobService:
             if isinstance(reply, CancelRunning):
                 msg = ControlMessage(cancel=job_id, attempt=reply.attempt, reason=reason)
                 await self.redis.publish(self.keys.control(reply.worker), msg.encode())
-                return await self.get(job_id, caller)
+                return await self.get(job_id, caller, text_so_far=False)  # it is about to end
             if isinstance(reply, CancelEnded):
                 if reply.status == "missing":
                     raise JobNotFound(f"no job '{job_id}' (unknown, or expired)", param="id")

@@ -4,6 +4,12 @@ Streams subscribe a channel and get a `Subscription`: a buffer that the single r
 fills and wakes. A stream drains everything buffered at once, so a burst becomes one write.
 Live messages are only a fast path: streams detect gaps by `seq` and fill them from the
 event log, so a message lost in a reconnect costs latency, never data.
+
+A buffer is bounded in bytes: a stream whose client stopped reading stops taking, and past
+the bound its subscription drops what it holds and stays empty until the stream takes again
+("behind"), so the stream, woken without news, reads what it missed from the log — page by
+page, as fast as its client reads — and the gateway's memory per stream stays bounded
+whatever the job's output.
 """
 
 from __future__ import annotations
@@ -18,20 +24,42 @@ from gateway.pubsub_wire import PubSubBackend
 
 log = logging.getLogger(__name__)
 
+ITEM_OVERHEAD_BYTES = 64
+"""What a buffered message costs beyond its characters (its str header, its deque slot)."""
+
 
 class Subscription:
-    __slots__ = ("_router", "buffer", "channel", "wake")
+    __slots__ = ("_router", "behind", "buffer", "channel", "max_bytes", "nbytes", "wake")
 
-    def __init__(self, router: PubSubRouter, channel: str) -> None:
+    def __init__(self, router: PubSubRouter, channel: str, max_bytes: int) -> None:
         self._router = router
         self.channel = channel
+        self.max_bytes = max_bytes
         self.buffer: collections.deque[str] = collections.deque()
+        self.nbytes = 0
+        self.behind = False
+        """The buffer overflowed since the last `take`: messages were dropped."""
         self.wake = asyncio.Event()
 
+    def push(self, data: str) -> None:
+        if not self.behind:
+            size = len(data) + ITEM_OVERHEAD_BYTES
+            if self.nbytes + size > self.max_bytes:
+                self.buffer.clear()
+                self.nbytes = 0
+                self.behind = True
+            else:
+                self.buffer.append(data)
+                self.nbytes += size
+        self.wake.set()
+
     def take(self) -> list[str]:
+        """Everything buffered (nothing if it fell behind: the log has it), and a fresh start."""
         self.wake.clear()
         items = list(self.buffer)
         self.buffer.clear()
+        self.nbytes = 0
+        self.behind = False
         return items
 
     async def close(self) -> None:
@@ -47,8 +75,9 @@ class PubSubRouter:
     batch that carries its channel.
     """
 
-    def __init__(self, backend: PubSubBackend) -> None:
+    def __init__(self, backend: PubSubBackend, *, buffer_bytes: int) -> None:
         self._backend = backend
+        self._buffer_bytes = buffer_bytes
         self._subs: dict[str, set[Subscription]] = {}
         self._to_subscribe: set[str] = set()
         self._to_unsubscribe: set[str] = set()
@@ -60,7 +89,7 @@ class PubSubRouter:
         return len(self._subs)
 
     async def subscribe(self, channel: str) -> Subscription:
-        sub = Subscription(self, channel)
+        sub = Subscription(self, channel, self._buffer_bytes)
         subs = self._subs.get(channel)
         if subs is not None:
             subs.add(sub)
@@ -121,8 +150,7 @@ class PubSubRouter:
 
     def _dispatch(self, channel: str, data: str) -> None:
         for sub in self._subs.get(channel, ()):
-            sub.buffer.append(data)
-            sub.wake.set()
+            sub.push(data)
 
     def _wake_all(self) -> None:
         """After a reconnect: live messages may be lost, so every stream re-reads its log."""

@@ -15,6 +15,7 @@ import uvicorn
 from uvicorn.supervisors import Multiprocess
 
 from gateway.app import create_app
+from gateway.http_protocol import HTTP_PROTOCOL
 from shared import logs
 from shared.settings import GatewaySettings
 
@@ -65,6 +66,7 @@ def run_gateway(settings: GatewaySettings, sock: socket.socket, processes: int) 
         workers=processes,
         log_config=logs.log_config(settings),  # uvicorn applies it in each process it spawns
         access_log=False,  # one line per request and per stream costs more than it tells
+        http=HTTP_PROTOCOL,  # streams can drop a client that stopped reading
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
         backlog=LISTEN_BACKLOG,
     )

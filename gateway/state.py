@@ -8,6 +8,7 @@ import redis.asyncio as aioredis
 
 from gateway.admission import AdmissionControl
 from gateway.job_service import JobService
+from gateway.presence import Presence
 from gateway.pubsub import PubSubRouter
 from gateway.registry import ModelRegistry
 from shared.keys import Keys
@@ -22,6 +23,7 @@ class GatewayState:
     router: PubSubRouter
     registry: ModelRegistry
     jobs: JobService
+    presence: Presence
     draining: bool = False
 
     @property

@@ -2,12 +2,18 @@
 
 Frames: `id: <seq>`, `event: <type>`, `data: <event JSON>`; the JSON passes through as the
 worker wrote it. Everything buffered when the stream wakes goes out as one write.
+
+Memory per stream is bounded whatever the job's output: the live buffer is bounded in bytes
+(`gateway.pubsub`), the log is read a page at a time (`event_page_entries`) and only as fast
+as the client takes it, and a client none of whose writes completes for
+`stream_stall_timeout_s` is disconnected.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -17,11 +23,14 @@ from redis.exceptions import RedisError
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from gateway.http_protocol import ABORT_EXTENSION
 from gateway.pubsub import Subscription
 from shared import events
-from shared.events import EVENT_FIELD, FINAL_EVENT_TYPES
+from shared.events import EVENT_FIELD, FINAL_EVENT_TYPES, EventError
 from shared.keys import Keys, event_id, seq_of
 from shared.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
 
 KEEPALIVE = b": keepalive\n\n"
 
@@ -45,11 +54,18 @@ class EventFollower:
         self.job_id = job_id
         self.last = after_seq
         self.finished = False
+        self.log_ahead = False
+        """The last log read was a full page: the log may hold more at once."""
 
     async def read_log(self) -> list[tuple[int, str, str]]:
-        """Events after `last` from the job's log."""
-        entries = await self.redis.xrange(self.keys.events(self.job_id), f"({event_id(self.last)}")
-        return self._accept([_from_log(i, f[EVENT_FIELD]) for i, f in entries])
+        """One page of the events after `last` from the job's log."""
+        page = self.settings.event_page_entries
+        entries = await self.redis.xrange(
+            self.keys.events(self.job_id), f"({event_id(self.last)}", "+", count=page
+        )
+        accepted = self._accept([_from_log(i, f[EVENT_FIELD]) for i, f in entries])
+        self.log_ahead = len(entries) == page and len(accepted) == page
+        return accepted
 
     def _accept(self, items: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
         """The run of items that continues `last` without a hole."""
@@ -69,44 +85,66 @@ class EventFollower:
         backlog = await self._refill()  # Redis away: the loop below keeps re-reading
         if backlog:
             yield backlog
+        elif not self.log_ahead and not await self._open():
+            return  # resumed at or past the end of a job that has ended
         idle_since = time.monotonic()
         while not self.finished:
-            if not self.sub.buffer:
-                try:
-                    async with asyncio.timeout(self.settings.stream_idle_poll_s):
-                        await self.sub.wake.wait()
-                except TimeoutError:
-                    pass
-            taken = self.sub.take()
-            live = [e for e in map(_parse, taken) if e[0] > self.last]
-            if live and live[0][0] == self.last + 1:
-                batch = self._accept(live)
-                if self.last < live[-1][0] and not self.finished:
-                    batch += await self._refill()  # a hole inside the burst
-            elif live or not taken:  # a hole, or woken without news: the log has the truth
-                batch = await self._refill()
-            else:
-                batch = []
+            batch = await self._next()
             if batch:
                 idle_since = time.monotonic()
                 yield batch
             elif time.monotonic() - idle_since >= self.settings.sse_keepalive_s:
                 idle_since = time.monotonic()
                 yield None
-            if not batch and not self.finished and not await self._job_exists():
+            if not batch and not self.finished and not await self._open():
                 return
+
+    async def _next(self) -> list[tuple[int, str, str]]:
+        """The next events: from the log while it is ahead, else live, filling holes."""
+        if self.log_ahead:  # catching up (a resume, or a client that fell behind)
+            return await self._refill()
+        if not self.sub.buffer:
+            try:
+                async with asyncio.timeout(self.settings.stream_idle_poll_s):
+                    await self.sub.wake.wait()
+            except TimeoutError:
+                pass
+        taken = self.sub.take()
+        live = [e for e in map(_parse, taken) if e[0] > self.last]
+        if live and live[0][0] == self.last + 1:
+            batch = self._accept(live)
+            if self.last < live[-1][0] and not self.finished:
+                batch += await self._refill()  # a hole inside the burst
+            return batch
+        if live or not taken:  # a hole, fell behind, or woken without news: the log has it
+            return await self._refill()
+        return []
 
     async def _refill(self) -> list[tuple[int, str, str]]:
         try:
             return await self.read_log()
         except (RedisError, OSError):
+            self.log_ahead = False  # wait for news (or the idle poll) before trying again
             return []
 
-    async def _job_exists(self) -> bool:
+    async def _open(self) -> bool:
+        """False once nothing more can come: the job's log is gone (expired), or it ended at
+        or before `last` (a client resuming past the end: it gets nothing more, so it ends)."""
         try:
-            return bool(await self.redis.exists(self.keys.events(self.job_id)))
+            tail = await self.redis.xrevrange(self.keys.events(self.job_id), "+", "-", count=1)
         except (RedisError, OSError):
             return True  # Redis is away: keep waiting for it
+        if not tail:
+            return False
+        entry_id, fields = tail[0]
+        try:
+            etype = events.peek(fields[EVENT_FIELD])[1]
+        except (EventError, KeyError):
+            return True
+        if etype in FINAL_EVENT_TYPES and seq_of(entry_id) <= self.last:
+            self.finished = True
+            return False
+        return True
 
 
 def sse_frame(seq: int, etype: str, data: str) -> str:
@@ -131,28 +169,66 @@ def _parse(data: str) -> tuple[int, str, str]:
 
 
 class EventStreamResponse(StreamingResponse):
-    """SSE response that notices a client's disconnect at once, even on an idle stream.
+    """SSE response that notices a client's disconnect at once, even on an idle stream, and
+    lets go of a client that stopped reading.
 
     Starlette only races the body against `http.disconnect` for older ASGI spec versions; a
     stream that must cancel its job within a second cannot wait for its next write to fail.
+    A write blocks while the client's socket is full: one that cannot complete within
+    `stall_timeout_s` ends the stream (its body's cleanup runs, as on a disconnect) and drops
+    the connection.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], job_id: str | None = None) -> None:
+    def __init__(
+        self, content: AsyncIterator[bytes], job_id: str | None = None, *, stall_timeout_s: float
+    ) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         if job_id:
             headers["X-Job-Id"] = job_id
         super().__init__(content, headers=headers)
+        self.job_id = job_id
+        self.stall_timeout_s = stall_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stalled = False
         async with anyio.create_task_group() as tg:
 
             async def body() -> None:
+                nonlocal stalled
                 with contextlib.suppress(OSError):
-                    await self.stream_response(send)
+                    stalled = not await self._stream(send)
                 tg.cancel_scope.cancel()
 
             tg.start_soon(body)
             await self.listen_for_disconnect(receive)
             tg.cancel_scope.cancel()
+        if stalled:
+            log.warning(
+                "client stopped reading its stream; disconnecting it",
+                extra={"job_id": self.job_id, "stall_timeout_s": self.stall_timeout_s},
+            )
+            abort = scope.get("extensions", {}).get(ABORT_EXTENSION, {}).get("abort")
+            if abort is not None:  # else the server closes it once the client reads
+                abort()
+
+    async def _stream(self, send: Send) -> bool:
+        """Starlette's `stream_response`, each write bounded in time: False if one stalled."""
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        try:
+            async for chunk in self.body_iterator:
+                data = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
+                try:
+                    with anyio.fail_after(self.stall_timeout_s):
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+                except TimeoutError:
+                    return False
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return True
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:  # its cleanup now, not when it is collected
+                with anyio.CancelScope(shield=True):
+                    await aclose()

@@ -33,6 +33,7 @@ import redis.asyncio as aioredis
 import uvicorn
 
 from gateway.app import create_app
+from gateway.http_protocol import HTTP_PROTOCOL
 from gateway.server import listen, run_gateway, url_of
 from genq import launcher
 from genq.embedded_redis import private_redis
@@ -116,6 +117,7 @@ async def _serve_single(
         app,
         log_config=logs.log_config(settings),
         access_log=False,  # one line per request and per stream costs more than it tells
+        http=HTTP_PROTOCOL,  # streams can drop a client that stopped reading
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
     )
     server = uvicorn.Server(config)

@@ -101,12 +101,34 @@ class Keys:
         """String with TTL: what readiness writes to learn whether Redis takes writes."""
         return f"{self.prefix}probe"
 
+    def gateways(self) -> str:
+        """Sorted set: gateway process ids scored by their last heartbeat (unix seconds)."""
+        return f"{self.prefix}gateways"
+
+    def gateway_jobs(self, gateway_id: str) -> str:
+        """Set: jobs a gateway process streams with cancel-on-disconnect (cancelled if it
+        dies and nobody resumes them)."""
+        return f"{self.prefix}gwjobs:{gateway_id}"
+
+    def gateway_sweep(self) -> str:
+        """String with TTL: the gateway process that sweeps dead gateways' jobs this round."""
+        return f"{self.prefix}gwsweep"
+
+    def resumed(self, job_id: str) -> str:
+        """String with TTL: a client resumed the job through its events route; a dead
+        gateway's sweep leaves it running."""
+        return f"{self.prefix}resumed:{{{job_id}}}"
+
 
 def scope_fields(priority: Priority, model: str, owner: str | None = None) -> tuple[str, str]:
     """The (jobs, tokens) counter fields of one admission scope: a model's queue of one
     priority, for all owners (`owner` None) or one. The model goes last: it may hold `|`."""
     scope = f"{owner or '*'}|{priority}|{model}"
     return f"jobs|{scope}", f"tokens|{scope}"
+
+
+MAX_SEQ = 2**64 - 1
+"""The largest seq an event can have: a stream entry id's sequence part is 64 bits."""
 
 
 def event_id(seq: int) -> str:

@@ -170,6 +170,7 @@ class JobRecord(HashModel):
             usage=self.usage,
             timings=self.timings,
             error=self.error,
+            cancel_requested=self.status == "running" and self.cancel is not None,
             metadata=self.metadata,
         )
 
@@ -235,6 +236,8 @@ class ControlMessage(BaseModel):
     attempt: int | None = None
     """The attempt to stop; None: whichever this worker runs."""
     reason: str = "cancelled"
+    expire: bool = False
+    """Stop it as past its deadline (it ends `expired`), not as cancelled."""
 
     def encode(self) -> str:
         return self.model_dump_json()

@@ -108,9 +108,12 @@ class ErrorInfo(BaseModel):
 
 
 class JobResult(BaseModel):
+    """What a job generated: all of it (succeeded), or what it had when it was cancelled or
+    expired (`finish_reason` None: it did not finish; the job's status says why)."""
+
     text: str
     token_ids: list[int]
-    finish_reason: FinishReason
+    finish_reason: FinishReason | None = None
 
 
 class JobView(BaseModel):
@@ -125,11 +128,26 @@ class JobView(BaseModel):
     created_at: float
     started_at: float | None = None
     finished_at: float | None = None
-    text: str | None = None
-    finish_reason: FinishReason | None = None
+    text: str | None = Field(
+        default=None,
+        description="the text generated: all of it once succeeded; what there was when it "
+        "was cancelled or expired; so far, while it runs",
+    )
+    text_truncated: bool = Field(
+        default=False,
+        description="true when `text` is not the whole text so far (a running job's text "
+        "is read from its event log, up to a limit)",
+    )
+    finish_reason: FinishReason | None = Field(
+        default=None, description="why generation stopped; set once the job succeeded"
+    )
     usage: Usage | None = None
     timings: Timings | None = None
     error: ErrorInfo | None = None
+    cancel_requested: bool = Field(
+        default=False,
+        description="a cancel was asked for and the worker running the job has not yet stopped it",
+    )
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -189,6 +189,54 @@ class GatewaySettings(JobSettings):
         "scaling workers from zero reads the group, and a missing one is an error to it",
     )
 
+    # streams: what one stream may hold, and when a client that stopped reading is let go
+    stream_buffer_bytes: int = Field(
+        default=262_144,
+        ge=4096,
+        description="live events one stream holds for a client that has not read them yet; "
+        "past it the stream drops them and reads them from the job's event log as the "
+        "client catches up, so a slow client costs Redis reads, not gateway memory",
+    )
+    stream_stall_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="a stream none of whose writes completes this long (its client stopped "
+        "reading) is disconnected, as nginx's send_timeout",
+    )
+    event_page_entries: int = Field(
+        default=256,
+        ge=1,
+        description="entries read from a job's event log at once (stream refills, the text "
+        "so far of a running job)",
+    )
+    partial_text_max_chars: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="GET of a job without a result (running): the most characters of its "
+        "text so far read from its event log; past it `text_truncated` is true",
+    )
+    cancel_wait_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="DELETE of a running job waits this long for its worker to stop it, "
+        "then answers `running` with `cancel_requested: true`",
+    )
+
+    # gateway presence: jobs streamed with cancel-on-disconnect die with their gateway
+    gateway_heartbeat_s: float = Field(
+        default=1.0, gt=0, description="how often a gateway process says it is alive"
+    )
+    gateway_lease_s: float = Field(
+        default=5.0, gt=0, description="a gateway process silent this long is gone"
+    )
+    orphan_grace_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="a job streamed with cancel-on-disconnect by a gateway that is gone is "
+        "cancelled this long after the gateway's lease ran out, unless its client resumed "
+        "it through /v1/jobs/{id}/events",
+    )
+
     # OpenAI-compatible API
     default_chat_template: str | None = Field(
         default=None,
@@ -291,6 +339,12 @@ class GatewaySettings(JobSettings):
             self._file_keys = _keys_file(self.api_keys_file)
         if self.admin_keys_file is not None:
             self._admin_file_keys = _keys_file(self.admin_keys_file, "GENQ_ADMIN_KEYS_FILE")
+        return self
+
+    @model_validator(mode="after")
+    def _lease_outlasts_beats(self) -> GatewaySettings:
+        if self.gateway_lease_s <= self.gateway_heartbeat_s:
+            raise ValueError("gateway_lease_s must be longer than gateway_heartbeat_s")
         return self
 
     @property

@@ -10,6 +10,7 @@ import logging
 from redis.exceptions import RedisError
 
 from shared.records import CANCEL_FIELD, ControlMessage, RecordError
+from worker.engine import Stop
 from worker.state import WorkerState
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,10 @@ class Control:
         run = self.st.running.get(msg.cancel)
         if msg.attempt is not None and run is not None and run.attempt != msg.attempt:
             return  # meant for an attempt this worker no longer runs
+        if msg.expire:
+            if run is not None:
+                self.st.stop(run, Stop("expired"))
+            return
         self.st.cancel(msg.cancel, msg.reason)
 
     async def _recheck_cancels(self) -> None:

@@ -123,19 +123,7 @@ class RunningJob:
         """End with 'stop' or 'length': the done event and the result go out at the next flush."""
         self._fold_tokens()
         now = time.time()
-        completion = len(self.resumed_ids) + len(self.token_ids)
-        usage = Usage(
-            prompt_tokens=self.prompt_tokens or len(self.spec.input_ids),
-            completion_tokens=completion,
-            total_tokens=(self.prompt_tokens or len(self.spec.input_ids)) + completion,
-            cached_tokens=self.cached_tokens,
-        )
-        first = self.first_token_wall
-        timings = Timings(
-            queue_s=round(self.started_wall - self.spec.created_at, 6),
-            ttft_s=round(first - self.spec.created_at, 6) if first else None,
-            generation_s=round(now - first, 6) if first else None,
-        )
+        usage, timings = self._usage(), self._timings(now)
         self.seq += 1
         done = DoneEvent(
             seq=self.seq,
@@ -145,26 +133,60 @@ class RunningJob:
             timings=timings,
         )
         self._push(done)
-        result = JobResult(
-            text="".join(self.text_parts),
-            token_ids=self.token_ids,
-            finish_reason=done.finish_reason,
-        )
         self.end = JobRecord.fields(
-            status="succeeded", finished_at=now, result=result, usage=usage, timings=timings
+            status="succeeded",
+            finished_at=now,
+            result=self._result(reason),
+            usage=usage,
+            timings=timings,
         )
 
     def fail(self, status: str, code: str, message: str) -> None:
-        """End with an `error` event (status 'failed' or 'expired')."""
+        """End with an `error` event (status 'failed' or 'expired'), keeping what it generated."""
         self._fold_tokens()
         self.seq += 1
         self._push(ErrorEvent(seq=self.seq, attempt=self.attempt, code=code, message=message))
         error = ErrorInfo(code=code, message=message)
-        self.end = JobRecord.fields(status=status, finished_at=time.time(), error=error)
+        self.end = JobRecord.fields(status=status, error=error, **self._partial_fields())
 
     def cancelled(self, reason: str) -> None:
+        """End with a `cancelled` event, keeping what it generated."""
         self._fold_tokens()
         self.seq += 1
         ev = CancelledEvent(seq=self.seq, attempt=self.attempt, reason=reason)
         self._push(ev)
-        self.end = JobRecord.fields(status="cancelled", finished_at=time.time())
+        self.end = JobRecord.fields(status="cancelled", **self._partial_fields())
+
+    def _partial_fields(self) -> dict[str, Any]:
+        """The record fields of a job stopped before it finished: its text so far (no finish
+        reason), usage and timings."""
+        now = time.time()
+        return {
+            "finished_at": now,
+            "result": self._result(None),
+            "usage": self._usage(),
+            "timings": self._timings(now),
+        }
+
+    def _result(self, reason: FinishReason | None) -> JobResult:
+        return JobResult(
+            text="".join(self.text_parts), token_ids=self.token_ids, finish_reason=reason
+        )
+
+    def _usage(self) -> Usage:
+        prompt = self.prompt_tokens or len(self.spec.input_ids)
+        completion = len(self.resumed_ids) + len(self.token_ids)
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            cached_tokens=self.cached_tokens,
+        )
+
+    def _timings(self, now: float) -> Timings:
+        first = self.first_token_wall
+        return Timings(
+            queue_s=round(self.started_wall - self.spec.created_at, 6),
+            ttft_s=round(first - self.spec.created_at, 6) if first else None,
+            generation_s=round(now - first, 6) if first else None,
+        )

@@ -19,17 +19,24 @@ CANCEL_RETRY_S = 0.05
 async def merged(
     followers: list[EventFollower],
 ) -> AsyncIterator[tuple[int, Batch | None]]:
-    """Every follower's batches as they come, tagged with its index; None = keepalive."""
-    queue: asyncio.Queue[tuple[int, Batch | BaseException | None, bool]] = asyncio.Queue()
+    """Every follower's batches as they come, tagged with its index; None = keepalive.
+
+    The queue holds at most one batch per follower: while the consumer (a client) does not
+    take, the followers stop reading, and their subscriptions fall behind instead of the
+    gateway buffering the jobs' output.
+    """
+    queue: asyncio.Queue[tuple[int, Batch | BaseException | None, bool]] = asyncio.Queue(
+        maxsize=len(followers)
+    )
 
     async def pump(index: int, follower: EventFollower) -> None:
         try:
             async for batch in follower.batches():
-                queue.put_nowait((index, batch, False))
+                await queue.put((index, batch, False))
         except Exception as exc:
-            queue.put_nowait((index, exc, True))
+            await queue.put((index, exc, True))
         else:
-            queue.put_nowait((index, None, True))
+            await queue.put((index, None, True))
 
     tasks = [asyncio.create_task(pump(i, f)) for i, f in enumerate(followers)]
     live = len(tasks)

@@ -28,7 +28,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,7 +240,9 @@ class OpenAIServing:
         headers = {"X-Job-Ids": ",".join(c.job_id for c in run.choices)}
         if req.stream:
             stream = self._sse(sender, run, followers, fmt, req.include_usage)
-            response = EventStreamResponse(stream, run.choices[0].job_id)
+            response = EventStreamResponse(
+                stream, run.choices[0].job_id, stall_timeout_s=self.settings.stream_stall_timeout_s
+            )
             response.headers.update(headers)
             return response
         collect = asyncio.create_task(self._collect(run, followers))
@@ -259,15 +261,20 @@ class OpenAIServing:
 
     async def _start(self, sender: Sender, run: RequestState, jobs: Jobs) -> list[EventFollower]:
         """Subscribe each job's channel, then queue the job; undo it all if one fails (but
-        a request with an Idempotency-Key keeps its jobs: a retry with the key takes them)."""
+        a request with an Idempotency-Key keeps its jobs: a retry with the key takes them).
+        Jobs a disconnect cancels die with this gateway too (registered before they exist)."""
         followers: list[EventFollower] = []
+        mortal = self._mortal(sender, (spec.id for _, spec in jobs))
         try:
+            await self.state.presence.register(mortal)
             for index, (body, spec) in enumerate(jobs):
                 followers.append(await self._submit(sender, run, index, body, spec))
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for f in followers:
                     await f.sub.close()
+                with contextlib.suppress(RedisError, OSError):
+                    await self.state.presence.unregister(mortal)
                 if sender.idempotency_key is None:
                     for f in followers:
                         with contextlib.suppress(GenqError, RedisError, OSError):
@@ -276,6 +283,13 @@ class OpenAIServing:
                             )
             raise
         return followers
+
+    def _mortal(self, sender: Sender, job_ids: Iterable[str]) -> list[str]:
+        """The jobs a disconnect cancels: all, unless `openai_cancel_on_disconnect` is off or
+        the request has an Idempotency-Key (a retry with it comes back for them)."""
+        if not self.settings.openai_cancel_on_disconnect or sender.idempotency_key is not None:
+            return []
+        return list(job_ids)
 
     async def _submit(
         self, sender: Sender, run: RequestState, index: int, body: JobCreate, spec: JobSpec
@@ -339,11 +353,12 @@ class OpenAIServing:
                     continue
                 choice, out = run.choices[index], []
                 for ev in _output_events(batch):
-                    choice.apply(ev)
-                    if isinstance(ev, TokenEvent):
+                    if isinstance(ev, TokenEvent):  # sent on, not kept: memory stays bounded
                         chunk = fmt.token_chunk(run, choice, ev)
                         out += [_frame(chunk)] if chunk is not None else []
-                    elif choice.finish_reason is not None:
+                        continue
+                    choice.apply(ev)
+                    if choice.finish_reason is not None:
                         out.append(_frame(fmt.final_chunk(run, choice)))
                 if out:
                     yield b"".join(out)
@@ -373,12 +388,13 @@ class OpenAIServing:
         unless the request has an Idempotency-Key (a retry with it comes back for them)."""
         for f in followers:
             await f.sub.close()
-        if not self.settings.openai_cancel_on_disconnect or sender.idempotency_key is not None:
-            return
+        mortal = self._mortal(sender, (c.job_id for c in run.choices))
         for c in run.choices:
-            if not c.ended:
+            if not c.ended and c.job_id in mortal:
                 with contextlib.suppress(GenqError, RedisError, OSError):
                     await self.state.jobs.cancel(c.job_id, sender.identity, "client disconnected")
+        with contextlib.suppress(RedisError, OSError):
+            await self.state.presence.unregister(mortal)
 
 
 # ---- helpers ------------------------------------------------------------------------------

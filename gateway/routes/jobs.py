@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -14,15 +16,20 @@ from redis.exceptions import RedisError
 from gateway.deps import Authorized, Caller, RateLimited, State
 from gateway.identity import Identity
 from gateway.job_service import check_idempotency_key
+from gateway.pubsub import Subscription
 from gateway.state import GatewayState
 from gateway.streaming import EventFollower, EventStreamResponse, sse_stream
+from shared import events
 from shared.errors import BadRequest, GenqError, Unavailable
+from shared.events import FINAL_EVENT_TYPES, EventError
+from shared.keys import MAX_SEQ
 from shared.schemas import JobCreate, JobView
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Authorized, RateLimited])
 
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key")]
 LastEventId = Annotated[str | None, Header(alias="Last-Event-ID")]
+_SEQ = re.compile(r"[0-9]{1,20}")
 
 
 @router.post("", status_code=202, response_model=JobView)
@@ -58,7 +65,7 @@ async def create_job(
         sub = await state.router.subscribe(state.keys.channel(job_id))
     follower = EventFollower(state.redis, state.keys, state.settings, sub, job_id)
     stream = stream_job(state, follower, caller, cancel_on_disconnect=body.cancel_on_disconnect)
-    return EventStreamResponse(stream, job_id)
+    return _response(state, stream, job_id)
 
 
 @router.get("/{job_id}", response_model=JobView)
@@ -72,39 +79,91 @@ async def job_events(
     state: State,
     caller: Caller,
     last_event_id: LastEventId = None,
-    after: Annotated[int | None, Query(ge=0, description="resume after this seq")] = None,
+    after: Annotated[
+        str | None, Query(description="resume after this seq (a non-negative integer)")
+    ] = None,
 ) -> EventStreamResponse:
-    """The job's events: its log replayed, then live. Resume with `Last-Event-ID`."""
-    await state.jobs.get(job_id, caller)  # 404 before any stream starts
-    after_seq = after or 0
-    if last_event_id:
-        try:
-            after_seq = max(after_seq, int(last_event_id))
-        except ValueError:
-            raise BadRequest(
-                "Last-Event-ID must be the integer seq of an event", param="Last-Event-ID"
-            ) from None
+    """The job's events: its log replayed, then live; it ends after the job's last event.
+    Resume with `Last-Event-ID` (or `?after=`): only what follows that seq is sent, and a
+    resume at or past a finished job's last event ends at once. Resuming here keeps the job
+    running if the gateway that streamed it with cancel-on-disconnect dies."""
+    await state.jobs.get(job_id, caller, text_so_far=False)  # 404 before any stream starts
+    after_seq = max(
+        _seq(after, "after") if after is not None else 0,
+        _seq(last_event_id, "Last-Event-ID") if last_event_id else 0,
+    )
+    await state.presence.mark_resumed(job_id)
     sub = await state.router.subscribe(state.keys.channel(job_id))
     follower = EventFollower(state.redis, state.keys, state.settings, sub, job_id, after_seq)
     stream = stream_job(state, follower, caller, cancel_on_disconnect=False)
-    return EventStreamResponse(stream, job_id)
+    return _response(state, stream, job_id)
 
 
 @router.delete("/{job_id}", response_model=JobView)
 async def cancel_job(job_id: str, state: State, caller: Caller) -> JobView:
-    return await state.jobs.cancel(job_id, caller)
+    """Cancel a queued job (at once) or a running one: the answer is the job after the
+    request. A running job's worker gets up to `GENQ_CANCEL_WAIT_S` to stop it; if it has
+    not, the answer is `running` with `cancel_requested: true` (it ends `cancelled` soon)."""
+    sub = await state.router.subscribe(state.keys.channel(state.jobs.validate_id(job_id)))
+    try:
+        view = await state.jobs.cancel(job_id, caller)
+        if view.status == "running":
+            await _until_final(sub, state.settings.cancel_wait_s)
+            view = await state.jobs.get(job_id, caller)
+    finally:
+        await sub.close()
+    return view
+
+
+async def _until_final(sub: Subscription, wait_s: float) -> None:
+    """Until the job's final event goes by on its channel, or `wait_s` passes."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(wait_s):
+            while True:
+                await sub.wake.wait()
+                if sub.behind or any(_is_final(data) for data in sub.take()):
+                    return
+
+
+def _is_final(data: str) -> bool:
+    try:
+        return events.peek(data)[1] in FINAL_EVENT_TYPES
+    except EventError:
+        return False
+
+
+def _seq(value: str, param: str) -> int:
+    """An event seq as a client sends it back: plain decimal digits, within a stream id's
+    range (int() alone would take `1_0`, ` 1`, `+1`)."""
+    if not _SEQ.fullmatch(value) or int(value) > MAX_SEQ:
+        raise BadRequest(
+            f"{param} must be the seq of an event: an integer from 0 to {MAX_SEQ}", param=param
+        )
+    return int(value)
+
+
+def _response(
+    state: GatewayState, stream: AsyncIterator[bytes], job_id: str
+) -> EventStreamResponse:
+    return EventStreamResponse(
+        stream, job_id, stall_timeout_s=state.settings.stream_stall_timeout_s
+    )
 
 
 async def stream_job(
     state: GatewayState, follower: EventFollower, caller: Identity, *, cancel_on_disconnect: bool
 ) -> AsyncIterator[bytes]:
-    """SSE bytes of one job; on a disconnect before the end, optionally cancel the job."""
+    """SSE bytes of one job; on a disconnect before the end, optionally cancel the job (and
+    while it streams, the job dies with this gateway: `gateway.presence`)."""
+    job_ids = [follower.job_id] if cancel_on_disconnect else []
     try:
+        await state.presence.register(job_ids)
         async for chunk in sse_stream(follower):
             yield chunk
     finally:
         with anyio.CancelScope(shield=True):
             await follower.sub.close()
-            if cancel_on_disconnect and not follower.finished:
-                with contextlib.suppress(GenqError, RedisError, OSError):
+            with contextlib.suppress(GenqError, RedisError, OSError):
+                if cancel_on_disconnect and not follower.finished:
                     await state.jobs.cancel(follower.job_id, caller, "client disconnected")
+                await state.presence.unregister(job_ids)

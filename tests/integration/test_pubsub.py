@@ -22,7 +22,7 @@ async def router(request: pytest.FixtureRequest, redis: aioredis.Redis):  # type
         if request.param == "raw"
         else RedisPyPubSub(redis)
     )
-    r = PubSubRouter(backend)
+    r = PubSubRouter(backend, buffer_bytes=1 << 20)
     task = asyncio.create_task(r.run())
     yield r
     await r.close()
