@@ -21,26 +21,48 @@ from pydantic import (
     model_validator,
 )
 
+from shared.keys import Priority
 from shared.schemas import (
     MAX_LOGPROBS,
+    MAX_MODEL_NAME_CHARS,
     MAX_SEED,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOKENS_CAP,
+    MinP,
+    RepetitionPenalty,
+    StopTokenIds,
+    TimeoutS,
+    TokenId,
+    TopK,
+    check_unicode,
 )
 
 log = logging.getLogger(__name__)
 
-MAX_NAME_CHARS = 256
+MAX_NAME_CHARS = MAX_MODEL_NAME_CHARS
+MAX_CHAT_MESSAGES = 10_000
+"""Most messages in one chat request: pydantic checks the count before it builds them all,
+so a 200,000-message body costs a few milliseconds of the event loop, not a second."""
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
+PromptField = (
+    Text
+    | Annotated[list[Text], Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
+"""One prompt or several, as text or token ids; none of them empty."""
 
 
 class OpenAIRequest(BaseModel):
     """Base of request bodies: unknown fields are accepted, ignored and logged (debug)."""
 
-    model_config = ConfigDict(extra="allow")
+    # strict: JSON's types as the API document writes them (`"top_p": true` is refused)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="after")
     def _log_ignored(self) -> OpenAIRequest:
@@ -54,7 +76,10 @@ class StreamOptions(OpenAIRequest):
 
 
 class SamplingParams(OpenAIRequest):
-    """The fields both endpoints share."""
+    """The fields both endpoints share: OpenAI's, then the native API's samplers and genq's
+    own (`priority`, `timeout_s`), with the native API's limits."""
+
+    _unicode = model_validator(mode="before")(check_unicode)
 
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
@@ -69,6 +94,12 @@ class SamplingParams(OpenAIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop_token_ids: StopTokenIds | None = None
+    priority: Priority = "interactive"
+    timeout_s: TimeoutS | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -84,7 +115,7 @@ class SamplingParams(OpenAIRequest):
 class CompletionRequest(SamplingParams):
     """Body of `POST /v1/completions`: one prompt or several, as text or token ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: PromptField
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
@@ -99,7 +130,7 @@ class ContentPart(OpenAIRequest):
 class ChatMessage(BaseModel):
     """One message; fields beyond these (`tool_calls`, …) pass through to the template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     content: str | list[ContentPart] | None = None
@@ -109,7 +140,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingParams):
     """Body of `POST /v1/chat/completions`."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

@@ -1,8 +1,9 @@
 """OpenAI requests as genq jobs.
 
-Every choice of every prompt is one interactive-priority job, queued through JobService like a
-native one (so it shows at /v1/jobs/{id}: the response id is `chatcmpl-<id of job 0>`, and the
-`X-Job-Ids` header lists all of them). Phases of a request:
+Every choice of every prompt is one job (interactive priority unless the request names
+`priority`), queued through JobService like a native one (so it shows at /v1/jobs/{id}: the
+response id is `chatcmpl-<id of job 0>`, and the `X-Job-Ids` header lists all of them).
+Phases of a request:
 
   admit    the model is known (404), some live worker serves it (503), its queue has room (429)
   prepare  build each job (chat: render the template) and validate it; nothing is written yet
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -94,7 +96,7 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         loaded = await self._admit(req.model, req.n)
-        prompt = self._render(loaded, req)
+        prompt = await self._render(loaded, req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         limit = req.completion_limit
         run, jobs = await self._prepare("chatcmpl", req, [prompt], limit, logprobs, "messages")
@@ -130,7 +132,9 @@ class OpenAIServing:
                 )
         return loaded
 
-    def _render(self, loaded: LoadedCard, req: ChatCompletionRequest) -> str:
+    async def _render(self, loaded: LoadedCard, req: ChatCompletionRequest) -> str:
+        """The chat as prompt text: its size checked first, then rendered off the event loop
+        (a template over thousands of messages is seconds of pure Python)."""
         card = loaded.card
         template = card.chat_template or self.settings.default_chat_template
         if template is None:
@@ -141,12 +145,22 @@ class OpenAIServing:
                 code="chat_template_missing",
             )
         messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
-        text = render_chat(
-            template,
-            messages,
-            add_generation_prompt=req.add_generation_prompt,
-            bos_token=card.bos_token,
-            eos_token=card.eos_token,
+        chars = sum(len(m.get("content") or "") for m in messages)
+        if chars > self.settings.max_prompt_chars:
+            raise BadRequest(
+                f"the messages' content is {chars} characters; the limit "
+                f"(GENQ_MAX_PROMPT_CHARS) is {self.settings.max_prompt_chars}",
+                param="messages",
+            )
+        text = await self.state.jobs.off_loop(
+            functools.partial(
+                render_chat,
+                template,
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                bos_token=card.bos_token,
+                eos_token=card.eos_token,
+            )
         )
         if card.add_bos and card.bos_token and text.startswith(card.bos_token):
             text = text[len(card.bos_token) :]  # JobService adds the BOS token itself
@@ -364,6 +378,21 @@ def _message_dict(index: int, m: ChatMessage) -> dict[str, Any]:
     return out
 
 
+_PASSED_ON = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop_token_ids",
+    "timeout_s",
+)
+"""Fields of an OpenAI request that become the job's as they are, when given."""
+
+
 def _job_body(
     req: SamplingParams,
     prompt: Prompt,
@@ -374,12 +403,12 @@ def _job_body(
     fields: dict[str, Any] = {
         "model": req.model,
         "max_tokens": max_tokens,
-        "priority": "interactive",
+        "priority": req.priority,
         "stop": req.stop_list,
         "logprobs": logprobs,
     }
     fields["prompt" if isinstance(prompt, str) else "input_ids"] = prompt
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed"):
+    for name in _PASSED_ON:
         value = getattr(req, name)
         if value is not None:
             fields[name] = value

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from gateway.deps import Authorized, State
-from shared.errors import NotFound
+from shared.errors import NotFound, shown
 from shared.records import Heartbeat
 
 router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Authorized])
@@ -51,6 +51,6 @@ async def get_model(model: str, state: State) -> dict[str, Any]:
     beats = (await _served(state)).get(model)
     if not beats:
         raise NotFound(
-            f"no live worker serves model '{model}'", param="model", code="model_not_found"
+            f"no live worker serves model {shown(model)}", param="model", code="model_not_found"
         )
     return await _entry(state, model, beats)
