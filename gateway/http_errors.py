@@ -82,6 +82,45 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+_MEANING = {
+    400: "Invalid input: the message names the field and the limit",
+    401: "Missing or invalid API key",
+    404: "No such job, model or route",
+    409: "Conflicts with the job's state (e.g. it already ended)",
+    413: "Request body over GENQ_MAX_BODY_BYTES",
+    422: "A field fails validation: the message names it and the limit",
+    429: "Too many requests queued; retry after `Retry-After` seconds",
+    503: "Redis or the model's workers are unavailable, or the gateway is draining",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these error statuses, each with the error body's schema as JSON
+    (written out, not as a `model`: FastAPI would give a model the route's media type, and an
+    SSE route's errors are no event stream)."""
+    schema = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": ErrorDetail.model_json_schema()},
+    }
+    content = {"application/json": {"schema": schema}}
+    return {s: {"description": _MEANING[s], "content": content} for s in statuses}
+
+
+SSE = "text/event-stream"
+
+
+def sse_response(description: str, json_model: type[BaseModel] | None = None) -> dict[str, Any]:
+    """OpenAPI for a 200 that is an SSE stream (or, with `json_model`, JSON when not streamed)."""
+    doc: dict[str, Any] = {
+        "description": description,
+        "content": {SSE: {"schema": {"type": "string", "description": "SSE frames"}}},
+    }
+    if json_model is not None:
+        doc["model"] = json_model
+    return doc
+
+
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

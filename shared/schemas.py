@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from shared.errors import escaped
@@ -34,10 +34,23 @@ MAX_MODEL_NAME_CHARS = 256
 MAX_METADATA_DEPTH = 32
 """Deepest nesting of a job's metadata (its size is GENQ_MAX_METADATA_BYTES)."""
 
+
 # Fields both APIs take, with the native API's limits (the OpenAI routes accept them too, as
 # vLLM and tabbyAPI clients send them in `extra_body`).
-TokenId = Annotated[int, Field(ge=0)]
-TopK = Annotated[int, Field(ge=0, le=MAX_TOP_K, description="0 = off")]
+def _json_integer(v: Any) -> Any:
+    """JSON Schema counts `5.0` an integer (the API document's `integer` takes it): an integral
+    float becomes that int; `true`, `"5"` and `5.5` stay refused (strict)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+JSON_INTEGER = BeforeValidator(_json_integer)
+"""The last item of every request body's `Annotated[int, Field(<limits>), JSON_INTEGER]`: after
+the limits, or the API document would lose them (pydantic writes `ge`, not `minimum`)."""
+TokenId = Annotated[int, Field(ge=0), JSON_INTEGER]
+TopK = Annotated[int, Field(ge=0, le=MAX_TOP_K, description="0 = off"), JSON_INTEGER]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED), JSON_INTEGER]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP), JSON_INTEGER]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), JSON_INTEGER]
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=MAX_REPETITION_PENALTY)]
 StopTokenIds = Annotated[
@@ -120,14 +133,12 @@ class Sampling(BaseModel):
     repetition_penalty: RepetitionPenalty = 1.0
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    seed: Seed | None = None
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
         default_factory=list, max_length=MAX_STOP_STRINGS
     )
     stop_token_ids: StopTokenIds = Field(default_factory=list)
-    logprobs: int | None = Field(
-        default=None, ge=0, le=MAX_LOGPROBS, description="top-N logprobs per token"
-    )
+    logprobs: Logprobs | None = Field(default=None, description="top-N logprobs per token")
 
 
 _ONE_INPUT: dict[str, Any] = {
@@ -149,7 +160,7 @@ class JobCreate(Sampling):
     input_ids: list[TokenId] | None = Field(
         default=None, min_length=1, description="token ids (each within the model's vocabulary)"
     )
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
+    max_tokens: MaxTokens | None = None
     priority: Priority = "interactive"
     metadata: dict[str, Any] = Field(default_factory=dict)
     stream: bool = Field(default=False, description="answer with the job's SSE stream")

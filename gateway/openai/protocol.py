@@ -23,14 +23,15 @@ from pydantic import (
 
 from shared.keys import Priority
 from shared.schemas import (
-    MAX_LOGPROBS,
+    JSON_INTEGER,
     MAX_MODEL_NAME_CHARS,
-    MAX_SEED,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
-    MAX_TOKENS_CAP,
+    Logprobs,
+    MaxTokens,
     MinP,
     RepetitionPenalty,
+    Seed,
     StopTokenIds,
     TimeoutS,
     TokenId,
@@ -58,6 +59,15 @@ PromptField = (
 """One prompt or several, as text or token ids; none of them empty."""
 
 
+_NOT_SUPPORTED = "not supported by genq: absent, or its neutral value (anything else is a 400)"
+_UNSUPPORTED_OBJECT: dict[str, Any] = {"maxProperties": 0}
+_TOP_LOGPROBS_NEED_LOGPROBS: dict[str, Any] = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+}
+"""The API document says what the 400 says: `top_logprobs` needs `logprobs: true`."""
+
+
 class OpenAIRequest(BaseModel):
     """Base of request bodies: unknown fields are accepted, ignored and logged (debug)."""
 
@@ -82,18 +92,20 @@ class SamplingParams(OpenAIRequest):
     _unicode = model_validator(mode="before")(check_unicode)
 
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
+    max_tokens: MaxTokens | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    n: Annotated[int, Field(ge=1), JSON_INTEGER] = 1
     stop: Stop = None
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    seed: Seed | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        default=None, json_schema_extra=_UNSUPPORTED_OBJECT, description=_NOT_SUPPORTED
+    )
     top_k: TopK | None = None
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
@@ -116,10 +128,16 @@ class CompletionRequest(SamplingParams):
     """Body of `POST /v1/completions`: one prompt or several, as text or token ids."""
 
     prompt: PromptField
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    best_of: int | None = Field(default=None, ge=1)
-    suffix: str | None = None
+    logprobs: Logprobs | None = None
+    echo: bool = Field(
+        default=False, json_schema_extra={"const": False}, description=_NOT_SUPPORTED
+    )
+    best_of: Annotated[int, Field(ge=1), JSON_INTEGER] | None = Field(
+        default=None, description="must equal `n`, if given"
+    )
+    suffix: str | None = Field(
+        default=None, json_schema_extra={"maxLength": 0}, description=_NOT_SUPPORTED
+    )
 
 
 class ContentPart(OpenAIRequest):
@@ -140,14 +158,22 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingParams):
     """Body of `POST /v1/chat/completions`."""
 
+    model_config = ConfigDict(json_schema_extra=_TOP_LOGPROBS_NEED_LOGPROBS)
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
     """vLLM's extension: False leaves the reply turn unopened."""
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(
+        default=None, json_schema_extra={"maxItems": 0}, description=_NOT_SUPPORTED
+    )
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra={"properties": {"type": {"const": "text"}}},
+        description='only `{"type": "text"}`',
+    )
 
     @property
     def completion_limit(self) -> int | None:

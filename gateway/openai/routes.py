@@ -11,10 +11,21 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 
 from gateway.deps import Authorized, State
-from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.http_errors import error_responses, sse_response
+from gateway.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+)
 from gateway.openai.serving import OpenAIServing
 
-router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Authorized])
+router = APIRouter(
+    prefix="/v1",
+    tags=["openai"],
+    dependencies=[Authorized],
+    responses=error_responses(400, 401, 404, 409, 413, 422, 429, 503),
+)
 
 
 def get_serving(state: State) -> OpenAIServing:
@@ -24,14 +35,24 @@ def get_serving(state: State) -> OpenAIServing:
 Serving = Annotated[OpenAIServing, Depends(get_serving)]
 
 
-@router.post("/completions", response_model=None)
+@router.post(
+    "/completions",
+    response_model=None,
+    responses={200: sse_response("The completion; with `stream`, SSE chunks", CompletionResponse)},
+)
 async def create_completion(
     body: CompletionRequest, request: Request, serving: Serving
 ) -> Response:
     return await serving.completions(body, request)
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post(
+    "/chat/completions",
+    response_model=None,
+    responses={
+        200: sse_response("The chat completion; with `stream`, SSE chunks", ChatCompletionResponse)
+    },
+)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, serving: Serving
 ) -> Response:

@@ -81,9 +81,9 @@ class OpenAIServing:
     # ---- endpoints ------------------------------------------------------------------------
 
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
-        _refuse_unsupported(req)
         prompts = _completion_prompts(req)
         await self._admit(req.model, len(prompts) * req.n)
+        _refuse_unsupported(req)  # after the model: one genq does not serve is a 404 first
         run, jobs = await self._prepare(
             "cmpl", req, prompts, req.max_tokens, req.logprobs, "prompt"
         )
@@ -92,10 +92,10 @@ class OpenAIServing:
         )
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
-        _refuse_unsupported(req)
+        loaded = await self._admit(req.model, req.n)
+        _refuse_unsupported(req)  # after the model: one genq does not serve is a 404 first
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-        loaded = await self._admit(req.model, req.n)
         prompt = await self._render(loaded, req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         limit = req.completion_limit
@@ -108,13 +108,13 @@ class OpenAIServing:
         s, state = self.settings, self.state
         if state.draining:
             raise Unavailable("this gateway is shutting down; retry on another")
+        loaded = await state.registry.get(model)  # ModelNotFound (404) if never served
         if jobs > s.openai_max_jobs:
             raise BadRequest(
-                f"this request asks for {jobs} completions (n x prompts); the limit is "
-                f"{s.openai_max_jobs}",
+                f"this request asks for {jobs} completions (n x prompts); the limit "
+                f"(GENQ_OPENAI_MAX_JOBS) is {s.openai_max_jobs}",
                 param="n",
             )
-        loaded = await state.registry.get(model)  # ModelNotFound (404) if never served
         beats = await state.registry.live_workers()
         if not any(b.model == loaded.card.name and not b.draining for b in beats):
             raise Unavailable(

@@ -12,18 +12,35 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
 from gateway.deps import Authorized, State
+from gateway.http_errors import error_responses, sse_response
 from gateway.state import GatewayState
 from gateway.streaming import EventFollower, EventStreamResponse, sse_stream
 from shared.errors import BadRequest, GenqError, Unavailable
 from shared.schemas import JobCreate, JobView
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Authorized])
+router = APIRouter(
+    prefix="/v1/jobs",
+    tags=["jobs"],
+    dependencies=[Authorized],
+    responses=error_responses(401, 404, 422, 503),
+)
 
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key")]
 LastEventId = Annotated[str | None, Header(alias="Last-Event-ID")]
 
 
-@router.post("", status_code=202, response_model=JobView)
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobView,
+    responses={
+        200: sse_response(
+            "With `stream`: the job's SSE stream; with a replayed Idempotency-Key: the earlier job",
+            JobView,
+        ),
+        **error_responses(400, 409, 413, 429),
+    },
+)
 async def create_job(
     body: JobCreate, state: State, idempotency_key: IdempotencyKey = None
 ) -> JSONResponse | EventStreamResponse:
@@ -59,7 +76,12 @@ async def get_job(job_id: str, state: State) -> JobView:
     return await state.jobs.get(job_id)
 
 
-@router.get("/{job_id}/events")
+@router.get(
+    "/{job_id}/events",
+    response_class=EventStreamResponse,
+    status_code=200,  # FastAPI reads it from the class otherwise, and this one takes none
+    responses={200: sse_response("The job's events as SSE"), **error_responses(400)},
+)
 async def job_events(
     job_id: str,
     state: State,
@@ -81,7 +103,7 @@ async def job_events(
     return EventStreamResponse(stream_job(state, follower, cancel_on_disconnect=False), job_id)
 
 
-@router.delete("/{job_id}", response_model=JobView)
+@router.delete("/{job_id}", response_model=JobView, responses=error_responses(409))
 async def cancel_job(job_id: str, state: State) -> JobView:
     return await state.jobs.cancel(job_id)
 
