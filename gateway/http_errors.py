@@ -70,16 +70,12 @@ OPENAI_UNSERVED = frozenset(
 
 
 class ErrorDetail(BaseModel):
+    """What `{"error": …}` holds, in every error answer and error stream frame."""
+
     message: str
     type: str
     param: str | None = None
     code: str | None = None
-
-
-class ErrorBody(BaseModel):
-    """Every error answer (422s also carry FastAPI's `detail` list)."""
-
-    error: ErrorDetail
 
 
 _MEANING = {

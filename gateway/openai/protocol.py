@@ -10,17 +10,19 @@ than being silently dropped.
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
     SerializerFunctionWrapHandler,
     model_serializer,
     model_validator,
 )
 
+from gateway.http_errors import ErrorDetail
 from shared.keys import Priority
 from shared.schemas import (
     JSON_INTEGER,
@@ -89,7 +91,10 @@ class SamplingParams(OpenAIRequest):
     """The fields both endpoints share: OpenAI's, then the native API's samplers and genq's
     own (`priority`, `timeout_s`), with the native API's limits."""
 
-    _unicode = model_validator(mode="before")(check_unicode)
+    @model_validator(mode="wrap")
+    @classmethod
+    def _unicode(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        return check_unicode(data, handler)
 
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     max_tokens: MaxTokens | None = None
@@ -278,13 +283,6 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
 
 
 class ErrorResponse(BaseModel):
