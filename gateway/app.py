@@ -9,22 +9,29 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from gateway import http_errors, queues
 from gateway.deadline_sweep import DeadlineSweep
 from gateway.job_service import JobService
+from gateway.middleware import Authenticate, BodyLimit
 from gateway.openai import routes as openai_routes
 from gateway.presence import Presence
 from gateway.pubsub import PubSubRouter
 from gateway.pubsub_wire import Endpoint, PubSubBackend, RawPubSub, RedisPyPubSub
 from gateway.registry import ModelRegistry
-from gateway.routes import health, jobs, models
+from gateway.routes import docs, health, jobs, models
 from gateway.state import GatewayState
 from shared import __version__, runtime
 from shared.keys import Keys
 from shared.redisconn import connect
 from shared.settings import GatewaySettings
 from shared.transitions import ScriptRunner
+
+EXPOSED_HEADERS = ["X-Job-Id", "X-Job-Ids", "Retry-After", "Idempotent-Replayed"]
+"""Response headers a browser's script may read (CORS hides all but a few by default)."""
+CORS_MAX_AGE_S = 600
+"""How long a browser may cache a preflight's answer."""
 
 
 def create_app(
@@ -98,13 +105,32 @@ def create_app(
         version=__version__,
         description="Queue-backed LLM generation: submit jobs, stream their tokens over SSE.",
         lifespan=lifespan,
+        docs_url=None,  # served from the package by routes.docs, not from a CDN
+        redoc_url=None,
     )
     http_errors.install(app)
+    install_middleware(app, settings)
     app.include_router(health.router)
     app.include_router(models.router)
     app.include_router(jobs.router)
     app.include_router(openai_routes.router)
+    docs.install(app)
     return app
+
+
+def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:
+    """Outermost first: CORS (a preflight needs no key), the API key, the body limit."""
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(Authenticate, settings=settings)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["*"],
+            expose_headers=EXPOSED_HEADERS,
+            max_age=CORS_MAX_AGE_S,
+        )
 
 
 def create_app_from_env() -> FastAPI:

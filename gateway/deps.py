@@ -1,5 +1,9 @@
 """Route dependencies: `State` (the process's GatewayState), API-key auth yielding the
-caller's identity (`Caller`), and the per-key request rate limit."""
+caller's identity (`Caller`), and the per-key request rate limit.
+
+The Authenticate middleware (gateway/middleware.py) refuses a bad key before the body is
+read; the dependency declares the security schemes (the Authorize button in /docs), checks
+again for apps mounted without the middleware, and says who the caller is."""
 
 from __future__ import annotations
 
@@ -8,11 +12,13 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 
 from gateway.identity import OPEN, Identity
 from gateway.state import GatewayState
 from shared.errors import Unauthorized
 from shared.records import owner_of
+from shared.settings import GatewaySettings
 
 
 async def get_state(request: Request) -> GatewayState:
@@ -35,19 +41,45 @@ ApiKeyHeader = Annotated[str | None, Depends(_api_key_header)]
 async def require_key(state: State, bearer: Bearer, api_key: ApiKeyHeader) -> Identity:
     """API-key auth when GENQ_API_KEYS (or GENQ_API_KEYS_FILE, GENQ_ADMIN_KEYS) is set; open
     otherwise. The caller's identity: the owner their jobs record, and whether an admin."""
-    settings = state.settings
+    return identify(state.settings, bearer.credentials if bearer is not None else api_key)
+
+
+def identify(settings: GatewaySettings, token: str | None) -> Identity:
+    """Who presents `token`; Unauthorized unless the API is open or it is an accepted key."""
     keys = settings.accepted_api_keys
     if not keys:
         return OPEN
-    token = bearer.credentials if bearer is not None else api_key
     raw = _raw(token)
-    matched = _matching(raw, keys) if raw is not None else None
-    if raw is None or matched is None:
+    if raw is None or _matching(raw, keys) is None:
         raise Unauthorized(
             "missing or invalid API key (Authorization: Bearer <key>, or X-API-Key: <key>)"
         )
     admin = _matching(raw, settings.admin_api_keys) is not None
     return Identity(owner_of(raw), admin=admin, keyed=True)
+
+
+def check_key(settings: GatewaySettings, token: str | None) -> None:
+    """Unauthorized unless the API is open (no key set) or `token` is an accepted key."""
+    identify(settings, token)
+
+
+def presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The key a request presents: `Authorization: Bearer <key>`, else `X-API-Key: <key>`
+    (as HTTPBearer and APIKeyHeader read them)."""
+    scheme, credentials = get_authorization_scheme_param(authorization)
+    if authorization and scheme.lower() == "bearer" and credentials:
+        return credentials
+    return x_api_key or None
+
+
+def key_presented(settings: GatewaySettings, request: Request) -> bool:
+    """True when the request carries an accepted key, or the API is open."""
+    token = presented_key(request.headers.get("authorization"), request.headers.get("x-api-key"))
+    try:
+        check_key(settings, token)
+    except Unauthorized:
+        return False
+    return True
 
 
 def _raw(token: str | None) -> bytes | None:

@@ -7,20 +7,23 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import anyio
 import redis.asyncio as aioredis
 
 from gateway.admission import AdmissionControl
 from gateway.identity import Identity
-from gateway.registry import ModelRegistry
+from gateway.registry import LoadedCard, ModelRegistry
 from shared import events
 from shared.deadlines import expire_due
-from shared.errors import BadRequest, Conflict, JobNotFound, PromptTooLong, Unprocessable
+from shared.errors import BadRequest, Conflict, JobNotFound, PromptTooLong, Unprocessable, shown
 from shared.events import EVENT_FIELD, CancelledEvent, EventError, QueuedEvent, TokenEvent
 from shared.keys import Keys, seq_of
 from shared.records import JOB_ID, ControlMessage, IdempotencyClaim, JobRecord, QueueEntry
-from shared.schemas import JobCreate, JobSpec, JobView
+from shared.schemas import MAX_METADATA_DEPTH, JobCreate, JobSpec, JobView, json_depth
 from shared.settings import GatewaySettings
 from shared.transitions import (
     CancelEnded,
@@ -32,6 +35,9 @@ from shared.transitions import (
     Transitions,
 )
 
+T = TypeVar("T")
+IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"
+"""An Idempotency-Key: 1 to 255 visible ASCII characters (documented in the API)."""
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 _SUBMIT_TRIES = 3
 """An idempotency key whose job expired is freed and claimed again; past this, a 409."""
@@ -55,6 +61,7 @@ class JobService:
         registry: ModelRegistry,
     ) -> None:
         self.settings = settings
+        self._cpu = anyio.CapacityLimiter(settings.prepare_threads)
         self.redis = redis
         self.scripts = scripts
         self.registry = registry
@@ -64,51 +71,23 @@ class JobService:
 
     def validate_id(self, job_id: str) -> str:
         if not JOB_ID.fullmatch(job_id):
-            raise JobNotFound(f"no job '{job_id[:64]}'", param="id")
+            raise JobNotFound(f"no job {shown(job_id)}", param="id")
         return job_id
 
     async def prepare(self, body: JobCreate) -> JobSpec:
-        """Validate against the model's card and tokenize; nothing is written yet."""
+        """Validate against the model's card and tokenize; nothing is written yet. The cheap
+        checks (sizes, counts) come first; tokenizing runs off the event loop."""
+        self._check_metadata(body.metadata)
         loaded = await self.registry.get(body.model)
         card = loaded.card
         if body.prompt is not None:
-            if len(body.prompt) > self.settings.max_prompt_chars:
-                raise BadRequest(
-                    f"prompt is {len(body.prompt)} characters; the limit is "
-                    f"{self.settings.max_prompt_chars}",
-                    param="prompt",
-                )
-            ids = loaded.tokenizer.encode(body.prompt, add_special_tokens=False).ids
-            if card.add_bos and card.bos_token is not None:
-                bos = loaded.tokenizer.token_to_id(card.bos_token)
-                if bos is not None:
-                    ids = [bos, *ids]
-            if not ids:
-                raise BadRequest("prompt is empty after tokenization", param="prompt")
+            ids = await self._tokenize(loaded, body.prompt)
         else:
             assert body.input_ids is not None
             ids = body.input_ids
-            vocab = loaded.tokenizer.get_vocab_size(with_added_tokens=True)
-            bad = next((i for i in ids if i >= vocab), None)
-            if bad is not None:
-                raise BadRequest(
-                    f"input_ids holds {bad}, outside the model's vocabulary of {vocab}",
-                    param="input_ids",
-                )
-        room = card.max_seq_len - len(ids)
-        max_tokens = body.max_tokens or min(self.settings.default_max_tokens, room)
-        if room < 1 or len(ids) + max_tokens > card.max_seq_len:
-            raise PromptTooLong(
-                f"prompt is {len(ids)} tokens and max_tokens is {max_tokens}: "
-                f"{len(ids) + max_tokens} in all, over the model's maximum context length of "
-                f"{card.max_seq_len} tokens",
-                param="max_tokens" if room >= 1 else "prompt",
-            )
-        if len(json.dumps(body.metadata)) > self.settings.max_metadata_bytes:
-            raise BadRequest(
-                f"metadata is over {self.settings.max_metadata_bytes} bytes of JSON",
-                param="metadata",
-            )
+            _check_vocab(loaded, ids, "input_ids")
+        _check_vocab(loaded, body.stop_token_ids, "stop_token_ids")
+        max_tokens = self._max_tokens(body.max_tokens, len(ids), card.max_seq_len)
         now = time.time()
         return JobSpec(
             id=uuid.uuid4().hex,
@@ -120,6 +99,71 @@ class JobService:
             created_at=now,
             deadline=now + body.timeout_s if body.timeout_s else None,
         )
+
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        """`work` (CPU-bound: tokenizing, rendering a chat template) in a worker thread, at
+        most `prepare_threads` at once, so the event loop keeps serving every other request."""
+        return await anyio.to_thread.run_sync(work, limiter=self._cpu)
+
+    async def _tokenize(self, loaded: LoadedCard, prompt: str) -> list[int]:
+        limit = self.settings.max_prompt_chars
+        if len(prompt) > limit:
+            raise BadRequest(
+                f"prompt is {len(prompt)} characters; the limit (GENQ_MAX_PROMPT_CHARS) is {limit}",
+                param="prompt",
+            )
+        tokenizer, card = loaded.tokenizer, loaded.card
+
+        def encode() -> list[int]:
+            # encode_batch lets go of the GIL while it works (encode holds it throughout)
+            return list(tokenizer.encode_batch([prompt], add_special_tokens=False)[0].ids)
+
+        ids = await self.off_loop(encode)
+        if card.add_bos and card.bos_token is not None:
+            bos = tokenizer.token_to_id(card.bos_token)
+            if bos is not None:
+                ids = [bos, *ids]
+        if not ids:
+            raise BadRequest("prompt is empty after tokenization", param="prompt")
+        return ids
+
+    def _max_tokens(self, asked: int | None, prompt_tokens: int, context: int) -> int:
+        """`asked`, or what the context leaves (at most GENQ_DEFAULT_MAX_TOKENS)."""
+        room = context - prompt_tokens
+        if room < 1:
+            raise PromptTooLong(
+                f"prompt is {prompt_tokens} tokens, the model's maximum context length is "
+                f"{context} tokens: no room is left to generate",
+                param="prompt",
+            )
+        if asked is None:
+            return min(self.settings.default_max_tokens, room)
+        if asked > room:
+            raise PromptTooLong(
+                f"prompt is {prompt_tokens} tokens and max_tokens is {asked}: "
+                f"{prompt_tokens + asked} in all, over the model's maximum context length of "
+                f"{context} tokens",
+                param="max_tokens",
+            )
+        return asked
+
+    def _check_metadata(self, metadata: dict[str, Any]) -> None:
+        limit = self.settings.max_metadata_bytes
+        try:
+            size = len(json.dumps(metadata))
+        except RecursionError:
+            size = limit + 1  # only a body nested too deeply to serialise gets here
+        if size > limit:
+            raise BadRequest(
+                f"metadata is over {limit} bytes of JSON (GENQ_MAX_METADATA_BYTES)",
+                param="metadata",
+            )
+        depth = json_depth(metadata)
+        if depth > MAX_METADATA_DEPTH:
+            raise BadRequest(
+                f"metadata nests {depth} levels deep; the limit is {MAX_METADATA_DEPTH}",
+                param="metadata",
+            )
 
     async def submit(
         self,
@@ -318,6 +362,15 @@ def check_idempotency_key(key: str) -> str:
             "Idempotency-Key must be 1 to 255 visible ASCII characters", param="Idempotency-Key"
         )
     return key
+
+
+def _check_vocab(loaded: LoadedCard, ids: list[int], param: str) -> None:
+    vocab = loaded.tokenizer.get_vocab_size(with_added_tokens=True)
+    bad = next((i for i in ids if i >= vocab), None)
+    if bad is not None:
+        raise BadRequest(
+            f"{param} holds {bad}, outside the model's vocabulary of {vocab}", param=param
+        )
 
 
 def _fingerprint(body: JobCreate) -> str:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from tokenizers import Tokenizer
 
-from shared.errors import ModelNotFound
+from shared.errors import ModelNotFound, shown
 from shared.keys import Keys
 from shared.records import Heartbeat, RecordError
 from shared.schemas import ModelCard
@@ -45,7 +45,7 @@ class ModelRegistry:
             if raw is None:
                 known = sorted(await self._redis.smembers(self._keys.models()))
                 raise ModelNotFound(
-                    f"model '{model}' is not served here; known models: {known or 'none'}",
+                    f"model {shown(model)} is not served here; known models: {known or 'none'}",
                     param="model",
                 )
             card = ModelCard.model_validate_json(raw)

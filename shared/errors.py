@@ -7,7 +7,9 @@ GenqError
 ├── NotFound              404
 │   ├── JobNotFound
 │   └── ModelNotFound
+├── MethodNotAllowed      405
 ├── Conflict              409  e.g. cancelling a finished job
+├── PayloadTooLarge       413  a request body over GENQ_MAX_BODY_BYTES
 ├── Unprocessable         422  e.g. an idempotency key reused with another body
 ├── TooManyRequests       429  a queue limit, a key's quota or request rate
 └── Unavailable           503  Redis unreachable or nearly full, no worker for the model
@@ -16,6 +18,21 @@ GenqError
 """
 
 from __future__ import annotations
+
+SHOWN_CHARS = 64
+"""Most characters of a client's value (a model name, an id) an error message echoes."""
+
+
+def escaped(value: str, limit: int = SHOWN_CHARS) -> str:
+    """`value` fit to echo in an error message: control and non-printable characters (and lone
+    surrogates) escaped, cut to `limit` characters with an ellipsis."""
+    text = repr(value[:limit])[1:-1]
+    return text + "…" if len(value) > limit else text
+
+
+def shown(value: str, limit: int = SHOWN_CHARS) -> str:
+    """`value` escaped and cut (see `escaped`), in quotes: `model 'x'`."""
+    return f"'{escaped(value, limit)}'"
 
 
 class GenqError(Exception):
@@ -69,9 +86,21 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
+class MethodNotAllowed(GenqError):
+    status = 405
+    code = "method_not_allowed"
+    type = "invalid_request_error"
+
+
 class Conflict(GenqError):
     status = 409
     code = "conflict"
+    type = "invalid_request_error"
+
+
+class PayloadTooLarge(GenqError):
+    status = 413
+    code = "payload_too_large"
     type = "invalid_request_error"
 
 

@@ -5,65 +5,186 @@ models; nothing is pickled. Events are in `shared.events`, Redis values in `shar
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
+from shared.errors import escaped
 from shared.keys import Priority
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "expired"})
 FinishReason = Literal["stop", "length"]
 
-MAX_SEED = 2**63 - 1
+MAX_SEED = 2**53 - 1
+"""The largest integer JSON carries between implementations exactly (RFC 8259, section 6):
+a browser's or an OpenAPI tool's double holds no larger one."""
 MAX_TOKENS_CAP = 1_000_000
 MAX_STOP_CHARS = 512
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+MAX_TOP_K = 100_000
+MAX_REPETITION_PENALTY = 10.0
+MAX_TIMEOUT_S = 7 * 86_400
 """Limits of the sampler fields, shared by the native and the OpenAI-compatible API."""
+MAX_MODEL_NAME_CHARS = 256
+MAX_METADATA_DEPTH = 32
+"""Deepest nesting of a job's metadata (its size is GENQ_MAX_METADATA_BYTES)."""
+
+
+# Fields both APIs take, with the native API's limits (the OpenAI routes accept them too, as
+# vLLM and tabbyAPI clients send them in `extra_body`).
+def _json_integer(v: Any) -> Any:
+    """JSON Schema counts `5.0` an integer (the API document's `integer` takes it): an integral
+    float becomes that int; `true`, `"5"` and `5.5` stay refused (strict)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+JSON_INTEGER = BeforeValidator(_json_integer)
+"""The last item of every request body's `Annotated[int, Field(<limits>), JSON_INTEGER]`: after
+the limits, or the API document would lose them (pydantic writes `ge`, not `minimum`)."""
+TokenId = Annotated[int, Field(ge=0), JSON_INTEGER]
+TopK = Annotated[int, Field(ge=0, le=MAX_TOP_K, description="0 = off"), JSON_INTEGER]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED), JSON_INTEGER]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP), JSON_INTEGER]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), JSON_INTEGER]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=MAX_REPETITION_PENALTY)]
+StopTokenIds = Annotated[
+    list[TokenId],
+    Field(
+        max_length=MAX_STOP_TOKEN_IDS,
+        description="token ids that end the job (each within the model's vocabulary)",
+    ),
+]
+TimeoutS = Annotated[
+    float, Field(gt=0, le=MAX_TIMEOUT_S, description="deadline from submission; then `expired`")
+]
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def check_unicode(data: Any, handler: ModelWrapValidatorHandler[M]) -> M:
+    """A `mode="wrap"` check of a whole request body: a JSON string may hold a lone surrogate
+    (`"\\ud800"`), which is no character and cannot be encoded; refuse it, naming the field
+    (in the error's ctx `param`). The fields are validated first, so a body they refuse (200,000
+    messages) costs no encode; then one C-speed encode of the body, and a walk only when that
+    fails."""
+    model = handler(data)
+    try:
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        path = _surrogate_path(data)
+        raise PydanticCustomError(
+            "invalid_unicode",
+            "holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not a character",
+            {"param": path},
+        ) from None
+    except (ValueError, TypeError, RecursionError):
+        pass  # not JSON-shaped (a model built in code), or too deep: JSON never holds those
+    return model
+
+
+def _surrogate_path(value: Any, path: str = "") -> str:
+    """Where in `value` a string that does not encode as UTF-8 is (`messages.3.content`)."""
+    stack: list[tuple[str, Any]] = [(path, value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                return where or "body"
+        elif isinstance(v, dict):
+            stack += [(_join(where, k), k) for k in v]
+            stack += [(_join(where, k), x) for k, x in v.items()]
+        elif isinstance(v, list):
+            stack += [(_join(where, str(i)), x) for i, x in enumerate(v)]
+    return path or "body"
+
+
+def _join(where: str, key: object) -> str:
+    name = escaped(str(key))
+    return f"{where}.{name}" if where else name
+
+
+def json_depth(value: Any) -> int:
+    """How deeply `value` nests lists and objects (a scalar: 0)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is not None:
+            deepest = max(deepest, depth + 1)
+            stack += [(c, depth + 1) for c in children]
+    return deepest
 
 
 class Sampling(BaseModel):
     """Sampler settings. Neutral defaults: an engine sets every one of them explicitly."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON's types as the API document writes them (lax pydantic takes `true` for a
+    # number and `"5"` for an integer)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     temperature: float = Field(default=1.0, ge=0.0, le=10.0, description="0 = greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, le=100_000, description="0 = off")
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    seed: Seed | None = None
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
         default_factory=list, max_length=MAX_STOP_STRINGS
     )
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
-        default_factory=list, max_length=MAX_STOP_TOKEN_IDS
-    )
-    logprobs: int | None = Field(
-        default=None, ge=0, le=MAX_LOGPROBS, description="top-N logprobs per token"
-    )
+    stop_token_ids: StopTokenIds = Field(default_factory=list)
+    logprobs: Logprobs | None = Field(default=None, description="top-N logprobs per token")
+
+
+_ONE_INPUT: dict[str, Any] = {
+    "oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}},
+    ]
+}
+"""JSON Schema for "exactly one of prompt and input_ids": the API document says it too."""
 
 
 class JobCreate(Sampling):
-    """Body of `POST /v1/jobs`."""
+    """Body of `POST /v1/jobs`: exactly one of `prompt` and `input_ids`."""
 
-    model: str = Field(min_length=1, max_length=256)
-    prompt: str | None = Field(default=None, description="text; or give input_ids")
-    input_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_ONE_INPUT)
+
+    model: str = Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS)
+    prompt: str | None = Field(default=None, min_length=1, description="text; or give input_ids")
+    input_ids: list[TokenId] | None = Field(
+        default=None, min_length=1, description="token ids (each within the model's vocabulary)"
+    )
+    max_tokens: MaxTokens | None = None
     priority: Priority = "interactive"
     metadata: dict[str, Any] = Field(default_factory=dict)
     stream: bool = Field(default=False, description="answer with the job's SSE stream")
     cancel_on_disconnect: bool = Field(
         default=False, description="with `stream`: a client that disconnects cancels the job"
     )
-    timeout_s: float | None = Field(
-        default=None, gt=0, le=7 * 86_400, description="deadline from submission; then `expired`"
-    )
+    timeout_s: TimeoutS | None = None
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _unicode(cls, data: Any, handler: ModelWrapValidatorHandler[JobCreate]) -> JobCreate:
+        return check_unicode(data, handler)
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:

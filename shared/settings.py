@@ -46,7 +46,8 @@ def _template_text(v: str | None) -> str | None:
 
 
 def _key_list(v: Any) -> Any:
-    """GENQ_API_KEYS as `k1,k2` (blanks around commas dropped) or a JSON list `["k1","k2"]`."""
+    """GENQ_API_KEYS (or GENQ_CORS_ORIGINS) as `k1,k2` (blanks around commas dropped) or a
+    JSON list `["k1","k2"]`."""
     if not isinstance(v, str):
         return v
     if v.lstrip().startswith("["):
@@ -152,7 +153,24 @@ class JobSettings(RedisSettings):
 
 class GatewaySettings(JobSettings):
     idempotency_ttl_s: int = Field(default=86_400, ge=1)
-    max_prompt_chars: int = Field(default=2_000_000, ge=1)
+    max_body_bytes: int = Field(
+        default=16 * 2**20,
+        ge=1024,
+        description="largest request body (bytes); a bigger one is refused with 413 while it "
+        "is read, before it is parsed",
+    )
+    max_prompt_chars: int = Field(
+        default=2_000_000,
+        ge=1,
+        description="longest prompt (characters; for chat, the messages' content together), "
+        "checked before tokenizing",
+    )
+    prepare_threads: int = Field(
+        default=4,
+        ge=1,
+        description="requests tokenized (or chat templates rendered) at once, each in a "
+        "thread off the event loop; more wait their turn",
+    )
     max_metadata_bytes: int = Field(default=16_384, ge=0)
     default_max_tokens: int = Field(default=256, ge=1)
     api_keys: Annotated[list[str], NoDecode] = Field(
@@ -164,6 +182,11 @@ class GatewaySettings(JobSettings):
         default=None,
         description="file of accepted API keys (one a line; blank lines and # comments "
         "skipped), read at start, added to api_keys",
+    )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="origins a browser may call the API from, comma-separated (or a JSON "
+        "list); `*` allows any; none: no CORS headers",
     )
     sse_keepalive_s: float = Field(default=15.0, gt=0)
     stream_idle_poll_s: float = Field(
@@ -320,7 +343,9 @@ class GatewaySettings(JobSettings):
     )
 
     _default_template = field_validator("default_chat_template")(_template_text)
-    _split_keys = field_validator("api_keys", "admin_keys", mode="before")(_key_list)
+    _split_keys = field_validator("api_keys", "admin_keys", "cors_origins", mode="before")(
+        _key_list
+    )
     _split_limits = field_validator(
         "max_queued_jobs",
         "max_queued_tokens",

@@ -10,37 +10,71 @@ than being silently dropped.
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
     SerializerFunctionWrapHandler,
     model_serializer,
     model_validator,
 )
 
+from gateway.http_errors import ErrorDetail
+from shared.keys import Priority
 from shared.schemas import (
-    MAX_LOGPROBS,
-    MAX_SEED,
+    JSON_INTEGER,
+    MAX_MODEL_NAME_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
-    MAX_TOKENS_CAP,
+    Logprobs,
+    MaxTokens,
+    MinP,
+    RepetitionPenalty,
+    Seed,
+    StopTokenIds,
+    TimeoutS,
+    TokenId,
+    TopK,
+    check_unicode,
 )
 
 log = logging.getLogger(__name__)
 
-MAX_NAME_CHARS = 256
+MAX_NAME_CHARS = MAX_MODEL_NAME_CHARS
+MAX_CHAT_MESSAGES = 10_000
+"""Most messages in one chat request: pydantic checks the count before it builds them all,
+so a 200,000-message body costs a few milliseconds of the event loop, not a second."""
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
+PromptField = (
+    Text
+    | Annotated[list[Text], Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
+"""One prompt or several, as text or token ids; none of them empty."""
+
+
+_NOT_SUPPORTED = "not supported by genq: absent, or its neutral value (anything else is a 400)"
+_UNSUPPORTED_OBJECT: dict[str, Any] = {"maxProperties": 0}
+_TOP_LOGPROBS_NEED_LOGPROBS: dict[str, Any] = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+}
+"""The API document says what the 400 says: `top_logprobs` needs `logprobs: true`."""
 
 
 class OpenAIRequest(BaseModel):
     """Base of request bodies: unknown fields are accepted, ignored and logged (debug)."""
 
-    model_config = ConfigDict(extra="allow")
+    # strict: JSON's types as the API document writes them (`"top_p": true` is refused)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="after")
     def _log_ignored(self) -> OpenAIRequest:
@@ -54,21 +88,35 @@ class StreamOptions(OpenAIRequest):
 
 
 class SamplingParams(OpenAIRequest):
-    """The fields both endpoints share."""
+    """The fields both endpoints share: OpenAI's, then the native API's samplers and genq's
+    own (`priority`, `timeout_s`), with the native API's limits."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _unicode(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        return check_unicode(data, handler)
 
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
+    max_tokens: MaxTokens | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    n: Annotated[int, Field(ge=1), JSON_INTEGER] = 1
     stop: Stop = None
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    seed: Seed | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        default=None, json_schema_extra=_UNSUPPORTED_OBJECT, description=_NOT_SUPPORTED
+    )
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop_token_ids: StopTokenIds | None = None
+    priority: Priority = "interactive"
+    timeout_s: TimeoutS | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -84,11 +132,17 @@ class SamplingParams(OpenAIRequest):
 class CompletionRequest(SamplingParams):
     """Body of `POST /v1/completions`: one prompt or several, as text or token ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    best_of: int | None = Field(default=None, ge=1)
-    suffix: str | None = None
+    prompt: PromptField
+    logprobs: Logprobs | None = None
+    echo: bool = Field(
+        default=False, json_schema_extra={"const": False}, description=_NOT_SUPPORTED
+    )
+    best_of: Annotated[int, Field(ge=1), JSON_INTEGER] | None = Field(
+        default=None, description="must equal `n`, if given"
+    )
+    suffix: str | None = Field(
+        default=None, json_schema_extra={"maxLength": 0}, description=_NOT_SUPPORTED
+    )
 
 
 class ContentPart(OpenAIRequest):
@@ -99,7 +153,7 @@ class ContentPart(OpenAIRequest):
 class ChatMessage(BaseModel):
     """One message; fields beyond these (`tool_calls`, …) pass through to the template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     content: str | list[ContentPart] | None = None
@@ -109,14 +163,22 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingParams):
     """Body of `POST /v1/chat/completions`."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
+    model_config = ConfigDict(json_schema_extra=_TOP_LOGPROBS_NEED_LOGPROBS)
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
     """vLLM's extension: False leaves the reply turn unopened."""
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(
+        default=None, json_schema_extra={"maxItems": 0}, description=_NOT_SUPPORTED
+    )
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra={"properties": {"type": {"const": "text"}}},
+        description='only `{"type": "text"}`',
+    )
 
     @property
     def completion_limit(self) -> int | None:
@@ -221,13 +283,6 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
 
 
 class ErrorResponse(BaseModel):

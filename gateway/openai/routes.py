@@ -11,14 +11,27 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Request, Response
 
 from gateway.deps import Authorized, Caller, RateLimited, State
-from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.http_errors import error_responses, sse_response
+from gateway.job_service import IDEMPOTENCY_KEY_PATTERN
+from gateway.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+)
 from gateway.openai.serving import OpenAIServing
 
-router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Authorized, RateLimited])
+router = APIRouter(
+    prefix="/v1",
+    tags=["openai"],
+    dependencies=[Authorized, RateLimited],
+    responses=error_responses(400, 401, 404, 409, 413, 422, 429, 503),
+)
 IdempotencyKey = Annotated[
     str | None,
     Header(
         alias="Idempotency-Key",
+        pattern=IDEMPOTENCY_KEY_PATTERN,
         description="the same key and body again: the same jobs, from their start",
     ),
 ]
@@ -31,7 +44,11 @@ def get_serving(state: State) -> OpenAIServing:
 Serving = Annotated[OpenAIServing, Depends(get_serving)]
 
 
-@router.post("/completions", response_model=None)
+@router.post(
+    "/completions",
+    response_model=None,
+    responses={200: sse_response("The completion; with `stream`, SSE chunks", CompletionResponse)},
+)
 async def create_completion(
     body: CompletionRequest,
     request: Request,
@@ -42,7 +59,13 @@ async def create_completion(
     return await serving.completions(body, request, caller, idempotency_key)
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post(
+    "/chat/completions",
+    response_model=None,
+    responses={
+        200: sse_response("The chat completion; with `stream`, SSE chunks", ChatCompletionResponse)
+    },
+)
 async def create_chat_completion(
     body: ChatCompletionRequest,
     request: Request,

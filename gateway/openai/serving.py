@@ -1,8 +1,9 @@
 """OpenAI requests as genq jobs.
 
-Every choice of every prompt is one interactive-priority job, queued through JobService like a
-native one (so it shows at /v1/jobs/{id}: the response id is `chatcmpl-<id of job 0>`, and the
-`X-Job-Ids` header lists all of them). Phases of a request:
+Every choice of every prompt is one job (interactive priority unless the request names
+`priority`), queued through JobService like a native one (so it shows at /v1/jobs/{id}: the
+response id is `chatcmpl-<id of job 0>`, and the `X-Job-Ids` header lists all of them).
+Phases of a request:
 
   admit    the model is known (404), some live worker serves it (503), Redis has room (503),
            its queue and the key's quota have room (429)
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -69,6 +71,7 @@ from shared.errors import (
     Unprocessable,
 )
 from shared.events import TokenEvent
+from shared.keys import Priority
 from shared.schemas import MAX_SEED, JobCreate, JobSpec
 
 log = logging.getLogger(__name__)
@@ -112,9 +115,9 @@ class OpenAIServing:
         idempotency_key: str | None = None,
     ) -> Response:
         sender = Sender.of(identity, idempotency_key, "cmpl", req)
-        _refuse_unsupported(req)
         prompts = _completion_prompts(req)
-        await self._admit(req.model, len(prompts) * req.n, sender)
+        await self._admit(req.model, len(prompts) * req.n, sender, req.priority)
+        _refuse_unsupported(req)  # after the model: one genq does not serve is a 404 first
         run, jobs = await self._prepare(
             "cmpl", req, prompts, req.max_tokens, req.logprobs, "prompt"
         )
@@ -129,11 +132,11 @@ class OpenAIServing:
         idempotency_key: str | None = None,
     ) -> Response:
         sender = Sender.of(identity, idempotency_key, "chatcmpl", req)
-        _refuse_unsupported(req)
+        loaded = await self._admit(req.model, req.n, sender, req.priority)
+        _refuse_unsupported(req)  # after the model: one genq does not serve is a 404 first
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-        loaded = await self._admit(req.model, req.n, sender)
-        prompt = self._render(loaded, req)
+        prompt = await self._render(loaded, req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         limit = req.completion_limit
         run, jobs = await self._prepare("chatcmpl", req, [prompt], limit, logprobs, "messages")
@@ -142,17 +145,19 @@ class OpenAIServing:
 
     # ---- admit and prepare ----------------------------------------------------------------
 
-    async def _admit(self, model: str, jobs: int, sender: Sender) -> LoadedCard:
+    async def _admit(
+        self, model: str, jobs: int, sender: Sender, priority: Priority = "interactive"
+    ) -> LoadedCard:
         s, state = self.settings, self.state
         if state.draining:
             raise Unavailable("this gateway is shutting down; retry on another")
+        loaded = await state.registry.get(model)  # ModelNotFound (404) if never served
         if jobs > s.openai_max_jobs:
             raise BadRequest(
-                f"this request asks for {jobs} completions (n x prompts); the limit is "
-                f"{s.openai_max_jobs}",
+                f"this request asks for {jobs} completions (n x prompts); the limit "
+                f"(GENQ_OPENAI_MAX_JOBS) is {s.openai_max_jobs}",
                 param="n",
             )
-        loaded = await state.registry.get(model)  # ModelNotFound (404) if never served
         beats = await state.registry.live_workers()
         if not any(b.model == loaded.card.name and not b.draining for b in beats):
             raise Unavailable(
@@ -162,12 +167,14 @@ class OpenAIServing:
             )
         if sender.idempotency_key is None:
             name = loaded.card.name
-            await state.admission.precheck(sender.identity, name, "interactive", jobs)
+            await state.admission.precheck(sender.identity, name, priority, jobs)
         else:  # a replay is answered whatever the limits say now: SUBMIT checks them after
             await state.admission.check_memory()
         return loaded
 
-    def _render(self, loaded: LoadedCard, req: ChatCompletionRequest) -> str:
+    async def _render(self, loaded: LoadedCard, req: ChatCompletionRequest) -> str:
+        """The chat as prompt text: its size checked first, then rendered off the event loop
+        (a template over thousands of messages is seconds of pure Python)."""
         card = loaded.card
         template = card.chat_template or self.settings.default_chat_template
         if template is None:
@@ -178,12 +185,22 @@ class OpenAIServing:
                 code="chat_template_missing",
             )
         messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
-        text = render_chat(
-            template,
-            messages,
-            add_generation_prompt=req.add_generation_prompt,
-            bos_token=card.bos_token,
-            eos_token=card.eos_token,
+        chars = sum(len(m.get("content") or "") for m in messages)
+        if chars > self.settings.max_prompt_chars:
+            raise BadRequest(
+                f"the messages' content is {chars} characters; the limit "
+                f"(GENQ_MAX_PROMPT_CHARS) is {self.settings.max_prompt_chars}",
+                param="messages",
+            )
+        text = await self.state.jobs.off_loop(
+            functools.partial(
+                render_chat,
+                template,
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                bos_token=card.bos_token,
+                eos_token=card.eos_token,
+            )
         )
         if card.add_bos and card.bos_token and text.startswith(card.bos_token):
             text = text[len(card.bos_token) :]  # JobService adds the BOS token itself
@@ -455,6 +472,21 @@ def _message_dict(index: int, m: ChatMessage) -> dict[str, Any]:
     return out
 
 
+_PASSED_ON = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop_token_ids",
+    "timeout_s",
+)
+"""Fields of an OpenAI request that become the job's as they are, when given."""
+
+
 def _job_body(
     req: SamplingParams,
     prompt: Prompt,
@@ -465,12 +497,12 @@ def _job_body(
     fields: dict[str, Any] = {
         "model": req.model,
         "max_tokens": max_tokens,
-        "priority": "interactive",
+        "priority": req.priority,
         "stop": req.stop_list,
         "logprobs": logprobs,
     }
     fields["prompt" if isinstance(prompt, str) else "input_ids"] = prompt
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed"):
+    for name in _PASSED_ON:
         value = getattr(req, name)
         if value is not None:
             fields[name] = value

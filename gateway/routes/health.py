@@ -1,4 +1,4 @@
-"""Liveness and readiness."""
+"""Liveness (`/healthz`, and `/health` as vLLM and TGI clients probe it) and readiness."""
 
 from __future__ import annotations
 
@@ -6,15 +6,28 @@ import os
 import resource
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from redis.exceptions import RedisError, ResponseError
 
-from gateway.deps import State
+from gateway.deps import State, key_presented
 from gateway.http_errors import is_out_of_memory
+from gateway.state import GatewayState
 
 router = APIRouter(tags=["health"])
 _PROBE_TTL_MS = 10_000
+
+
+class Status(BaseModel):
+    status: str
+    models: dict[str, bool] | None = None
+    """Whether a live worker serves each model."""
+    pid: int | None = None
+    streams: int | None = None
+    rss_mb: float | None = None
+    redis_memory: dict[str, Any] | None = None
+    """How full Redis is, whether it takes writes, whether new jobs are admitted."""
 
 
 @router.get("/healthz")
@@ -23,31 +36,56 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
-async def readyz(state: State) -> JSONResponse:
-    """Redis answers and takes writes, and the gateway is not draining. `redis_memory` says
-    how full Redis is and whether new jobs are admitted (a Redis above
-    GENQ_REDIS_MEMORY_LIMIT refuses new jobs with 503 but still serves everything else)."""
+@router.get("/health")
+async def health() -> dict[str, str]:
+    """The process is alive (the path vLLM and TGI serve it on)."""
+    return {"status": "ok"}
+
+
+@router.get(
+    "/readyz",
+    responses={
+        503: {"description": "Draining, Redis unreachable or refusing writes", "model": Status}
+    },
+    response_model=Status,
+)
+async def readyz(state: State, request: Request) -> JSONResponse:
+    """200 while Redis answers and takes writes and the gateway is not draining, with
+    `models` (whether a live worker serves each model) and `redis_memory` (how full Redis is,
+    whether new jobs are admitted: above GENQ_REDIS_MEMORY_LIMIT new jobs get a 503 but
+    everything else is served). With API keys set, only a request with a key also sees the
+    process (pid, open streams, memory) and `redis_memory`."""
     if state.draining:
         return JSONResponse({"status": "draining"}, 503)
     try:
-        await state.redis.ping()
+        models = await _models_served(state)
         memory = await _memory(state)
     except (RedisError, OSError) as exc:
-        return JSONResponse({"status": "redis unreachable", "error": str(exc)}, 503)
+        body: dict[str, Any] = {"status": "redis unreachable"}
+        if key_presented(state.settings, request):
+            body["error"] = str(exc)
+        return JSONResponse(body, 503)
+    keyed = key_presented(state.settings, request)
     if memory["writes"] != "ok":
         oom = memory["writes"] == "refused: out of memory"
         status = "redis out of memory" if oom else "redis refuses writes"
-        return JSONResponse({"status": status, "redis_memory": memory}, 503)
-    return JSONResponse(
-        {
-            "status": "ready",
+        return JSONResponse({"status": status} | ({"redis_memory": memory} if keyed else {}), 503)
+    body = {"status": "ready", "models": models}
+    if keyed:
+        body |= {
             "pid": os.getpid(),
             "streams": state.router.channels,
             "rss_mb": _rss_mb(),
             "redis_memory": memory,
         }
-    )
+    return JSONResponse(body)
+
+
+async def _models_served(state: GatewayState) -> dict[str, bool]:
+    """Every model a worker ever announced: True while some live, undrained worker serves it."""
+    known = await state.redis.smembers(state.keys.models())
+    live = {b.model for b in await state.registry.live_workers() if not b.draining}
+    return {m: m in live for m in sorted(known | live)}
 
 
 async def _memory(state: State) -> dict[str, Any]:

@@ -14,8 +14,9 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
 from gateway.deps import Authorized, Caller, RateLimited, State
+from gateway.http_errors import error_responses, sse_response
 from gateway.identity import Identity
-from gateway.job_service import check_idempotency_key
+from gateway.job_service import IDEMPOTENCY_KEY_PATTERN, check_idempotency_key
 from gateway.pubsub import Subscription
 from gateway.state import GatewayState
 from gateway.streaming import EventFollower, EventStreamResponse, sse_stream
@@ -25,14 +26,37 @@ from shared.events import FINAL_EVENT_TYPES, EventError
 from shared.keys import MAX_SEQ
 from shared.schemas import JobCreate, JobView
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Authorized, RateLimited])
+router = APIRouter(
+    prefix="/v1/jobs",
+    tags=["jobs"],
+    dependencies=[Authorized, RateLimited],
+    responses=error_responses(401, 404, 422, 429, 503),
+)
 
-IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key")]
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        pattern=IDEMPOTENCY_KEY_PATTERN,
+        description="the same key and body again: the same job (200, Idempotent-Replayed)",
+    ),
+]
 LastEventId = Annotated[str | None, Header(alias="Last-Event-ID")]
 _SEQ = re.compile(r"[0-9]{1,20}")
 
 
-@router.post("", status_code=202, response_model=JobView)
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobView,
+    responses={
+        200: sse_response(
+            "With `stream`: the job's SSE stream; with a replayed Idempotency-Key: the earlier job",
+            JobView,
+        ),
+        **error_responses(400, 409, 413, 429),
+    },
+)
 async def create_job(
     body: JobCreate, state: State, caller: Caller, idempotency_key: IdempotencyKey = None
 ) -> JSONResponse | EventStreamResponse:
@@ -73,7 +97,12 @@ async def get_job(job_id: str, state: State, caller: Caller) -> JobView:
     return await state.jobs.get(job_id, caller)
 
 
-@router.get("/{job_id}/events")
+@router.get(
+    "/{job_id}/events",
+    response_class=EventStreamResponse,
+    status_code=200,  # FastAPI reads it from the class otherwise, and this one takes none
+    responses={200: sse_response("The job's events as SSE"), **error_responses(400)},
+)
 async def job_events(
     job_id: str,
     state: State,
@@ -99,7 +128,7 @@ async def job_events(
     return _response(state, stream, job_id)
 
 
-@router.delete("/{job_id}", response_model=JobView)
+@router.delete("/{job_id}", response_model=JobView, responses=error_responses(409))
 async def cancel_job(job_id: str, state: State, caller: Caller) -> JobView:
     """Cancel a queued job (at once) or a running one: the answer is the job after the
     request. A running job's worker gets up to `GENQ_CANCEL_WAIT_S` to stop it; if it has

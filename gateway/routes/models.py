@@ -8,10 +8,16 @@ from typing import Any
 from fastapi import APIRouter
 
 from gateway.deps import Authorized, State
-from shared.errors import NotFound
+from gateway.http_errors import error_responses
+from shared.errors import NotFound, shown
 from shared.records import Heartbeat
 
-router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Authorized])
+router = APIRouter(
+    prefix="/v1/models",
+    tags=["models"],
+    dependencies=[Authorized],
+    responses=error_responses(401, 422, 503),
+)
 
 
 async def _served(state: State) -> dict[str, list[Heartbeat]]:
@@ -46,11 +52,11 @@ async def list_models(state: State) -> dict[str, Any]:
     }
 
 
-@router.get("/{model}")
+@router.get("/{model}", responses=error_responses(404))
 async def get_model(model: str, state: State) -> dict[str, Any]:
     beats = (await _served(state)).get(model)
     if not beats:
         raise NotFound(
-            f"no live worker serves model '{model}'", param="model", code="model_not_found"
+            f"no live worker serves model {shown(model)}", param="model", code="model_not_found"
         )
     return await _entry(state, model, beats)

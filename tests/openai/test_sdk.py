@@ -270,14 +270,15 @@ def test_invalid_field_is_422_naming_it(client: openai.OpenAI) -> None:
     assert err.value.param == "n"
 
 
-def test_malformed_json_is_422_in_openai_shape(server: GenqServer) -> None:
+def test_malformed_json_is_400_in_openai_shape(server: GenqServer) -> None:
     r = httpx.post(
         f"{server.url}/v1/chat/completions",
         content=b"{not json",
         headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
     )
-    assert r.status_code == 422
+    assert r.status_code == 400  # as OpenAI answers a body it cannot parse
     assert r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["param"] == "body"
 
 
 def test_model_without_live_worker_is_503(client: openai.OpenAI) -> None:

@@ -1,0 +1,265 @@
+"""Hostile and odd requests against the gateway app (in-process, real Redis, a sim worker):
+each gets a 4xx in the documented shape `{"error": {message, type, param, code}}` naming the
+field and the limit, never a 5xx; bodies are bounded and keys checked before a body is read."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from urllib.parse import quote
+
+import pytest
+import redis.asyncio as aioredis
+
+from shared.schemas import MAX_METADATA_DEPTH, MAX_SEED
+from shared.settings import Settings
+from tests.conftest import REDIS_URL, Stack, running_stack
+
+JSON = {"content-type": "application/json"}
+BODY_LIMIT = 4096
+CHUNK = b" " * 1024
+CHUNKS = 64
+"""A chunked body of 64 KiB, sent 1 KiB at a time, against a 4 KiB limit."""
+
+
+@pytest.fixture
+async def real_redis() -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def stack(settings: Settings, real_redis: aioredis.Redis) -> AsyncIterator[Stack]:
+    async with running_stack(settings, real_redis) as s:
+        yield s
+
+
+@pytest.fixture
+async def small(settings: Settings, real_redis: aioredis.Redis) -> AsyncIterator[Stack]:
+    """A gateway whose body limit is BODY_LIMIT."""
+    settings.max_body_bytes = BODY_LIMIT
+    async with running_stack(settings, real_redis) as s:
+        yield s
+
+
+def error_of(r: object, status: int) -> dict:
+    """The error object of a response, after checking its status and the documented shape."""
+    assert r.status_code == status, r.text  # type: ignore[attr-defined]
+    body = r.json()  # type: ignore[attr-defined]
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return dict(body["error"])
+
+
+class CountedBody:
+    """A request body sent in chunks, counting how many the server pulled."""
+
+    def __init__(self, head: bytes = b'{"model": "sim", "prompt": "') -> None:
+        self.head = head
+        self.sent = 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield self.head
+        for _ in range(CHUNKS):
+            self.sent += 1
+            yield CHUNK
+        yield b'"}'
+
+
+# ---- item 4: body size and authentication before the body --------------------------------
+
+
+async def test_a_body_over_the_limit_is_413_naming_it(small: Stack) -> None:
+    big = json.dumps({"model": "sim", "prompt": "x" * (2 * BODY_LIMIT)})
+    err = error_of(await small.client.post("/v1/jobs", content=big, headers=JSON), 413)
+    assert str(BODY_LIMIT) in err["message"] and "GENQ_MAX_BODY_BYTES" in err["message"]
+    assert err["param"] == "body" and err["code"] == "payload_too_large"
+
+
+async def test_a_chunked_body_is_cut_off_once_past_the_limit(small: Stack) -> None:
+    body = CountedBody()
+    r = await small.client.post("/v1/jobs", content=body, headers=JSON)  # no Content-Length
+    assert error_of(r, 413)["code"] == "payload_too_large"
+    assert body.sent <= BODY_LIMIT // len(CHUNK) + 1  # the rest was never read
+
+
+async def test_a_missing_key_is_refused_before_the_body_is_read(
+    settings: Settings, real_redis: aioredis.Redis
+) -> None:
+    settings.api_keys = ["k1"]
+    async with running_stack(settings, real_redis) as stack:
+        body = CountedBody()
+        r = await stack.client.post("/v1/jobs", content=body, headers=JSON)
+        assert error_of(r, 401)["code"] == "invalid_api_key"
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert body.sent == 0
+        assert (await stack.client.get("/healthz")).status_code == 200  # probes need no key
+
+
+# ---- item 8: content that used to be a 500 ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"model": "sim", "prompt": "a\\ud800b"}', "prompt"),
+        (b'{"model": "sim", "prompt": "ab", "metadata": {"k": ["\\udc00"]}}', "metadata.k.0"),
+        (b'{"model": "sim", "prompt": "ab", "stop": ["\\udbff"]}', "stop.0"),
+    ],
+)
+async def test_lone_surrogates_are_refused_naming_the_field(
+    stack: Stack, raw: bytes, param: str
+) -> None:
+    err = error_of(await stack.client.post("/v1/jobs", content=raw, headers=JSON), 422)
+    # typed strings: pydantic's own "unable to parse … as a unicode string"; others: genq's
+    assert err["param"] == param and ("surrogate" in err["message"] or "unicode" in err["message"])
+
+
+async def test_lone_surrogates_in_chat_content_are_refused(stack: Stack) -> None:
+    raw = b'{"model": "sim", "messages": [{"role": "user", "content": "\\ud800"}]}'
+    r = await stack.client.post("/v1/chat/completions", content=raw, headers=JSON)
+    assert error_of(r, 422)["param"] == "messages.0.content"
+
+
+@pytest.mark.parametrize("depth", [MAX_METADATA_DEPTH + 1, 256, 600, 980])
+async def test_deeply_nested_metadata_is_a_400(stack: Stack, depth: int) -> None:
+    raw = b'{"model": "sim", "prompt": "x", "metadata": ' + b'{"a": ' * depth + b"1" + b"}" * depth
+    err = error_of(await stack.client.post("/v1/jobs", content=raw + b"}", headers=JSON), 400)
+    if err["param"] == "metadata":
+        assert f"{depth} levels deep; the limit is {MAX_METADATA_DEPTH}" in err["message"]
+    else:  # deeper than this process's JSON parser goes
+        assert err["param"] == "body" and "nested too deeply" in err["message"]
+
+
+# ---- item 9: one error shape everywhere ---------------------------------------------------
+
+
+async def test_unknown_routes_and_wrong_methods_answer_in_the_error_shape(stack: Stack) -> None:
+    assert error_of(await stack.client.get("/nope"), 404)["code"] == "not_found"
+    r = await stack.client.put("/v1/jobs")
+    assert error_of(r, 405)["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
+    r = await stack.client.options(f"/v1/jobs/{'a' * 32}")
+    assert error_of(r, 405)["message"].endswith("allowed: DELETE, GET")
+    assert r.headers["allow"] == "DELETE, GET"  # both routes of the path, not the first's only
+
+
+@pytest.mark.parametrize("api", ["embeddings", "responses", "moderations", "audio/speech"])
+async def test_openai_apis_genq_does_not_serve_are_a_404_saying_so(stack: Stack, api: str) -> None:
+    err = error_of(await stack.client.post(f"/v1/{api}", json={"model": "sim"}), 404)
+    assert err["code"] == "unsupported_endpoint" and api.split("/")[0] in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        (b'{"model": "sim", "prompt": "\xff"}', "UTF-8"),
+        (b'{"model": "sim", "prompt": "x", "seed": ' + b"1" * 5000 + b"}", "4300 digits"),
+        (b'{"model": "sim", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
+        (b'{"model": "sim", "prompt": "x"', "not valid JSON"),
+    ],
+)
+async def test_bodies_that_do_not_parse_are_a_400_on_the_body(
+    stack: Stack, raw: bytes, words: str
+) -> None:
+    err = error_of(await stack.client.post("/v1/jobs", content=raw, headers=JSON), 400)
+    assert err["param"] == "body" and words in err["message"], err
+
+
+async def test_union_errors_name_the_field_a_person_wrote(stack: Stack) -> None:
+    body = {"model": "sim", "prompt": "x", "stop": 5}
+    err = error_of(await stack.client.post("/v1/completions", json=body), 422)
+    assert err["param"] == "stop" and "constrained" not in err["message"]
+    body = {"model": "sim", "prompt": [["a"]]}
+    err = error_of(await stack.client.post("/v1/completions", json=body), 422)
+    assert err["param"].startswith("prompt") and "[" not in err["message"]
+
+
+# ---- item 10: the message without max_tokens ----------------------------------------------
+
+
+async def test_an_over_long_prompt_without_max_tokens_names_only_prompt_and_context(
+    stack: Stack,
+) -> None:
+    body = {"model": "sim", "prompt": "word " * 9000}
+    err = error_of(await stack.client.post("/v1/jobs", json=body), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert "max_tokens" not in err["message"] and "-" not in err["message"]
+    assert "8192" in err["message"]
+
+
+async def test_without_max_tokens_a_long_prompt_gets_what_the_context_leaves(
+    stack: Stack,
+) -> None:
+    stack.settings.default_max_tokens = 100_000
+    job = await stack.submit(prompt="word " * 4000)  # 8002 tokens
+    done = await stack.wait_status(job["id"], "succeeded", timeout=30)
+    assert done["usage"]["total_tokens"] == 8192  # the whole context, and not a 400
+
+
+# ---- item 11: types the document states ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/jobs", {"prompt": "x", "top_p": True}, "top_p"),
+        ("/v1/jobs", {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+        ("/v1/jobs", {"input_ids": [True]}, "input_ids.0"),
+        ("/v1/jobs", {"prompt": ""}, "prompt"),
+        ("/v1/jobs", {"prompt": None, "input_ids": None}, "body"),
+        ("/v1/completions", {"prompt": [[False]]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "temperature": True}, "temperature"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 1}]}, "messages"),
+    ],
+)
+async def test_values_of_the_wrong_json_type_are_refused(
+    stack: Stack, path: str, extra: dict, param: str
+) -> None:
+    err = error_of(await stack.client.post(path, json={"model": "sim", **extra}), 422)
+    assert err["param"].startswith(param), err
+
+
+async def test_integral_numbers_and_the_largest_seed_are_taken(stack: Stack) -> None:
+    job = await stack.submit(prompt="x", max_tokens=3.0, seed=MAX_SEED, top_k=40.0)
+    assert (await stack.wait_status(job["id"], "succeeded"))["usage"]["completion_tokens"] == 3
+    err = error_of(await stack.client.post("/v1/jobs", json=_job(seed=MAX_SEED + 1)), 422)
+    assert err["param"] == "seed" and str(MAX_SEED) in err["message"]
+
+
+def _job(**fields: object) -> dict:
+    return {"model": "sim", "prompt": "x", "max_tokens": 1, **fields}
+
+
+async def test_the_document_says_sse_for_streams_and_lists_error_statuses(stack: Stack) -> None:
+    doc = (await stack.client.get("/openapi.json")).json()
+    events = doc["paths"]["/v1/jobs/{job_id}/events"]["get"]["responses"]
+    assert list(events["200"]["content"]) == ["text/event-stream"]
+    assert list(events["404"]["content"]) == ["application/json"]
+    submit = doc["paths"]["/v1/jobs"]["post"]["responses"]
+    assert {"200", "202", "400", "401", "404", "409", "413", "422", "429", "503"} <= set(submit)
+    assert "text/event-stream" in submit["200"]["content"]
+    job = doc["components"]["schemas"]["JobCreate"]
+    assert seed_maximum(job) == MAX_SEED  # exactly: a double holds it
+    assert [one["required"] for one in job["oneOf"]] == [["prompt"], ["input_ids"]]
+
+
+def seed_maximum(schema: dict) -> int:
+    return int(schema["properties"]["seed"]["anyOf"][0]["maximum"])
+
+
+# ---- item 12: what errors echo, and stop_token_ids -------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["x\x01\x1b[31m" * 2000, "n" * 10_000])
+async def test_echoed_names_are_cut_and_escaped(stack: Stack, name: str) -> None:
+    r = await stack.client.post("/v1/jobs", json={"model": name[:256], "prompt": "x"})
+    err = error_of(r, 404)
+    assert len(err["message"]) < 200 and not any(ord(c) < 32 for c in err["message"])
+    r = await stack.client.get(f"/v1/models/{quote(name)}")
+    err = error_of(r, 404)
+    assert len(err["message"]) < 200 and not any(ord(c) < 32 for c in err["message"])
+
+
+async def test_stop_token_ids_are_bounded_by_the_vocabulary(stack: Stack) -> None:
+    err = error_of(await stack.client.post("/v1/jobs", json=_job(stop_token_ids=[10**9])), 400)
+    assert err["param"] == "stop_token_ids" and "vocabulary" in err["message"]
