@@ -205,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bits", type=float, default=DEFAULT_EXL3_BITS, help="EXL3 bits per weight")
     p.add_argument("--source", help="with --quantize: an fp16 model folder to convert")
+    p.add_argument("--gpus", help="with --quantize: GPUs to convert on, e.g. 0,1 (default: 0)")
     for command in sub.choices.values():
         # after the command too; SUPPRESS keeps a value given before it
         _log_level_flag(command, default=argparse.SUPPRESS)
@@ -268,7 +269,7 @@ def _synth_model(args: argparse.Namespace) -> int:
     if args.quantize is None:
         print(synth_model(args.dir, args.shape, args.seed))
     else:
-        print(quantize_exl3(args.dir, args.bits, args.source, args.shape, args.seed))
+        print(quantize_exl3(args.dir, args.bits, args.source, args.shape, args.seed, args.gpus))
     return 0
 
 

@@ -325,10 +325,12 @@ def quantize_exl3(
     source: str | Path | None = None,
     shape: str = "tiny",
     seed: int = 0,
+    gpus: str | None = None,
 ) -> Path:
     """Write an EXL3 model of `bits` bits per weight into `out_dir`: exllamav3's converter
     (calibration data from its wheel) run on `source`, an fp16 model folder, or on a new synth
-    model of `shape`. Returns the folder."""
+    model of `shape`, on `gpus` (e.g. "0,1": the converter splits each layer's tensors among
+    them; default GPU 0). Returns the folder."""
     require_gpu_extra("genq synth-model --quantize exl3", EXL3_MODULES)
     out = Path(out_dir)
     _check_replaceable(out)
@@ -342,7 +344,7 @@ def quantize_exl3(
             raise SystemExit(f"genq: error: shape {shape} has a dimension EXL3 cannot quantize")
         synth_model(src, shape, seed)
     partial = out.with_name(f".{out.name}.exl3-partial")
-    _convert(src, partial, work / "job", bits)
+    _convert(src, partial, work / "job", bits, gpus)
     _move_into_place(partial, out)
     shutil.rmtree(work, ignore_errors=True)
     return out
@@ -356,10 +358,12 @@ def _check_source(src: Path) -> None:
         raise SystemExit(f"genq: error: {src} is already quantized ({fmt}): give an fp16 one")
 
 
-def _convert(src: Path, partial: Path, job: Path, bits: float) -> None:
+def _convert(src: Path, partial: Path, job: Path, bits: float, gpus: str | None) -> None:
     """Run the converter in a process of its own (its progress on stderr), resuming the job
     in `job` if it was started with the same arguments, else starting over."""
     cmd = [sys.executable, "-m", EXL3_CONVERTER, "-w", str(job)]
+    if gpus:
+        cmd += ["-d", gpus]
     if _resumable(job, src, partial, bits):
         cmd.append("-r")
     else:

@@ -75,11 +75,12 @@ def test_every_shape_is_quantizable() -> None:
 def test_conversion_writes_an_exl3_folder_and_cleans_up(
     converter: Path, source: Path, tmp_path: Path
 ) -> None:
-    out = quantize_exl3(tmp_path / "m8b-exl3", 4.0, source)
+    out = quantize_exl3(tmp_path / "m8b-exl3", 4.0, source, gpus="0,1")
     assert folder_format(out) == "exl3"
     assert json.loads((out / "config.json").read_text())[SYNTHETIC_MARK] == "random"
     [args] = calls(converter)
     assert args[args.index("-i") + 1] == str(source) and args[args.index("-b") + 1] == "4.0"
+    assert args[args.index("-d") + 1] == "0,1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calls.jsonl", "m8b", "m8b-exl3", "mods"]
 
 
