@@ -106,9 +106,10 @@ def load_backend(settings: Settings) -> Any:
     return load_exl2(settings)
 
 
-def run_bare(backend: Any, card: Any, jobs: list[Job], streams: int, probe: bool = False) -> dict:
+def run_bare(
+    backend: Any, gen: Any, card: Any, jobs: list[Job], streams: int, probe: bool = False
+) -> dict:
     """The generator alone: enqueue `streams` jobs, start the next as each ends."""
-    gen = backend.make_generator()
     todo = list(reversed(jobs))
     traces: dict[int, TokenTimes] = {}
     sampling = Sampling()
@@ -187,8 +188,9 @@ def run_bare_levels(
 ) -> list[dict]:
     """Load the engine's backend once; the bare loop at each level; free the GPU after."""
     backend, card, _ = load_backend(settings)
+    gen = backend.make_generator()
     try:
-        return [run_bare(backend, card, jobs_for(n), n, probe) for n in levels]
+        return [run_bare(backend, gen, card, jobs_for(n), n, probe) for n in levels]
     finally:
         backend.close()
         import torch
@@ -409,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_sampling=not a.cpu_sampling,
     )
     setup_logging(settings)  # the processes it starts are `genq` commands: they set up their own
-    common = {"engine": a.engine, "sampling": _sampling_label(a)}
+    common = {"engine": SIM if a.model == SIM else a.engine, "sampling": _sampling_label(a)}
     worker_args = ["--max-batch", str(max_batch), "--cache-tokens", str(cache), *a.worker_arg]
     results: list[dict] = []
 
