@@ -7,13 +7,12 @@ classes as arguments, so CPU tests hand them stand-ins.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -188,37 +187,25 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
     cache = _make_cache(ex, model, settings.cache_mode, shape)
     model.load(**checked_kwargs(type(model).load_gen, _load_args(settings, shape)))
     tokenizer = ex.Tokenizer.from_config(config)
-    pieces = tokenizer.get_id_to_piece_list(False)
-    as_ids = functools.partial(torch.tensor, dtype=torch.long)
-    make_job = job_factory(ex.Job, ex.ComboSampler, lambda ids: as_ids([ids]))
+
+    def as_ids(ids: list[int]) -> Any:
+        return torch.tensor([ids], dtype=torch.long)
+
+    make_job = job_factory(ex.Job, ex.ComboSampler, as_ids)
     build = generator_builder(ex.Generator, generator_kwargs(model, cache, tokenizer, shape))
-    started = time.monotonic()
-    failed = model.warmup(cache=cache, max_chunk_size=shape.chunk, max_batch_size=shape.max_batch)
-    if failed:
-        log.warning("exllamav3 warm-up passes failed", extra={"passes": failed})
-    warmed = [build()]  # the model's own warm-up writes the cache: generators come after it
-    warm_up(warmed[0], make_job, shape, int(tokenizer.actual_vocab_size))
+    warmed = [_warm(model, cache, build, make_job, shape, int(tokenizer.actual_vocab_size))]
     tokenizer_json = (model_dir / "tokenizer.json").read_text()
     eos = eos_ids(model_dir, config.eos_token_id_list)
     card = build_card(
         settings, model_dir, tokenizer_json, shape.max_seq_len, shape.max_batch, eos, "exllamav3"
     )
-    log.info(
-        "exllamav3 model loaded",
-        extra={
-            "model": card.name,
-            "cache_tokens": shape.cache_tokens,
-            "cache_mode": settings.cache_mode,
-            "max_batch": shape.max_batch,
-            "chunk": shape.chunk,
-            "shared_chunk": shape.shared_chunk,
-            "prefill_cooldown": shape.prefill_cooldown,
-            "warmup_s": round(time.monotonic() - started, 1),
-        },
-    )
+    extra = {"model": card.name, "cache_mode": settings.cache_mode, **asdict(shape)}
+    log.info("exllamav3 model loaded", extra=extra)
 
     def make_generator() -> Any:
         return warmed.pop() if warmed else build()
+
+    pieces = tokenizer.get_id_to_piece_list(False)
 
     def piece(token_id: int) -> str:
         return pieces[token_id] if 0 <= token_id < len(pieces) else ""
@@ -251,6 +238,26 @@ def _load_args(settings: EngineSettings, shape: Shape) -> dict[str, Any]:
 
 
 # ---- warm-up --------------------------------------------------------------------------------
+
+
+def _warm(
+    model: Any,
+    cache: Any,
+    build: Callable[[], Any],
+    make_job: Callable[..., Any],
+    shape: Shape,
+    vocab: int,
+) -> Any:
+    """The model's own warm-up passes (before any generator: they write the cache), then a
+    generator, warmed up with dummy jobs; returns that generator."""
+    started = time.monotonic()
+    failed = model.warmup(cache=cache, max_chunk_size=shape.chunk, max_batch_size=shape.max_batch)
+    if failed:
+        log.warning("exllamav3 warm-up passes failed", extra={"passes": failed})
+    gen = build()
+    warm_up(gen, make_job, shape, vocab)
+    log.info("exllamav3 warmed up", extra={"seconds": round(time.monotonic() - started, 1)})
+    return gen
 
 
 def warm_up(gen: Any, make_job: Callable[..., Any], shape: Shape, vocab: int) -> None:
