@@ -54,6 +54,8 @@ REQUESTS_PER_STREAM = 2
 SIM = "sim"
 """`--model sim`: the system path with the sim engine, to try the harness without a GPU."""
 SIM_VOCAB = 500
+TERMINATED = 143
+"""Exit status after SIGTERM (128 + 15), as if the signal had ended the process."""
 
 
 @dataclass
@@ -398,6 +400,9 @@ def genq_bench(system: System, streams: int, requests: int, new: int, prompt: in
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    # `timeout` ends a run with SIGTERM: leave through `finally`, which stops the gateway and
+    # worker processes (left running, they would hold the GPU for the next run)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(TERMINATED))
     model = Path(a.model)
     vocab = SIM_VOCAB if a.model == SIM else _vocab(model)
     levels = [int(x) for x in a.sweep.split(",") if x] or [a.streams]

@@ -42,7 +42,8 @@ for step in $steps; do
       sel=(tests/gpu)
       [ $step = tests3 ] && sel=(-k "test_exl3_gpu or exllamav3" tests/gpu/test_exl3_gpu.py
         tests/gpu/test_openai_gpu.py)
-      GENQ_TEST_TINY_MODEL=/tmp/tiny GENQ_TEST_TINY_EXL3_MODEL=/tmp/tiny-exl3 timeout $(left) \
+      exl3=$([ -e /tmp/tiny-exl3/config.json ] && echo GENQ_TEST_TINY_EXL3_MODEL=/tmp/tiny-exl3)
+      env GENQ_TEST_TINY_MODEL=/tmp/tiny $exl3 timeout $(left) \
         python3 -m pytest -q -m gpu $W -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest \
         "${sel[@]}" > "$OUT/gpu-$step.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/gpu-$step.log"; tail -n 15 "$OUT/gpu-$step.log" ;;
@@ -97,13 +98,13 @@ for step in $steps; do
         --worker-arg=--cpu-affinity=$aff $wide $cpu --workers $((g * n)) --gateways $((2 * g)) \
         --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h "^{" "$OUT/$step.log" | tail -n 3 ;;
+    exl3bench|exl3fp16)  # fp16: bare exllamav3 loop + genq's exllamav3 worker; genq's exllamav2 worker
+      exl3_matrix exllamav3 /tmp/m8b exl3fp16 --bare
+      exl3_matrix exllamav2 /tmp/m8b exl2fp16 ;;&
     exl3conv|exl3bench|exl3q4)  # the EXL3 4.0 bpw conversion (resumable: run again if cut off)
       [ -e /tmp/m8b-exl3/config.json ] || { timeout $(left) python3 -m genq synth-model \
         /tmp/m8b-exl3 --quantize exl3 --bits 4 --source /tmp/m8b --gpus "$GPUS" \
         >> "$OUT/exl3conv.log" 2>&1; tail -n 3 "$OUT/exl3conv.log"; } ;;&
-    exl3bench|exl3fp16)  # fp16: bare exllamav3 loop + genq's exllamav3 worker; genq's exllamav2 worker
-      exl3_matrix exllamav3 /tmp/m8b exl3fp16 --bare
-      exl3_matrix exllamav2 /tmp/m8b exl2fp16 ;;&
     exl3bench|exl3q4)  # EXL3 4.0 bpw (exllamav2 cannot read it): bare exllamav3 loop + worker
       [ -e /tmp/m8b-exl3/config.json ] && exl3_matrix exllamav3 /tmp/m8b-exl3 exl3q4 --bare ;;
     exl3probe)  # how long each step spends launching exllamav3's per-job samplers (bare loop)
