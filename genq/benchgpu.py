@@ -1,15 +1,23 @@
-"""GPU benchmark: the bare exllamav2 generator in-process vs the whole genq system, same workload.
+"""GPU benchmark: the bare generator in-process vs the whole genq system, same workload.
 
-    python -m genq.benchgpu --model DIR [--streams 64] [--new-tokens 256] [--bare] [--system]
-        [--sweep 1,8,32,64,128,256] [--worker-arg=--procs-per-gpu=2 ...] [--json-out FILE]
+    python -m genq.benchgpu --model DIR [--engine exllamav2|exllamav3] [--streams 64]
+        [--sweep 1,8,64,128,256] [--bare] [--system] [--new-tokens 256]
+        [--worker-arg=--procs-per-gpu=2 ...] [--sampler-probe] [--json-out FILE]
 
 Workload: `streams` closed-loop clients, each running jobs back to back (like `genq bench`);
 every job has a prompt of random token ids, uniform in [prompt-min, prompt-max], and asks
-for `new-tokens` tokens with neutral sampling (temperature 1). The bare run feeds the same
-jobs straight into `ExLlamaV2DynamicGenerator`; the system run sends them over HTTP
-(`genq.bench.Client`, the client `genq bench` uses) to `genq gateway` processes, with
-`genq worker --engine exllamav2` behind Redis. Figures: tokens/s, time to first token and
-inter-token latency p50/p99 (each token event's gap divided among its tokens).
+for `new-tokens` tokens with neutral sampling (temperature 1). `--bare` feeds the same jobs
+straight into the engine's generator (exllamav2's `ExLlamaV2DynamicGenerator`, or exllamav3's
+`Generator` with the `ComboSampler` genq gives each job), loaded once for every level;
+`--system` (the default when neither is given) sends them over HTTP (`genq.bench.Client`,
+the client `genq bench` uses) to `genq gateway` processes, with `genq worker --engine ENGINE`
+behind Redis. Levels: `--sweep`, else `--streams`. Figures per level: tokens/s, time to
+first token and inter-token latency p50/p99 (each token event's gap divided among its
+tokens), and the system/bare ratio where both ran.
+
+Engine settings come from GENQ_* as for a worker (e.g. GENQ_PREFILL_COOLDOWN=4 for both the
+bare loop and the worker). `--sampler-probe` (exllamav3, bare): how long each step spends
+launching the jobs' samplers, i.e. what sampling all rows in one batched pass could save.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ REQUESTS_PER_STREAM = 2
 SIM = "sim"
 """`--model sim`: the system path with the sim engine, to try the harness without a GPU."""
 SIM_VOCAB = 500
+TERMINATED = 143
+"""Exit status after SIGTERM (128 + 15), as if the signal had ended the process."""
 
 
 @dataclass
@@ -88,15 +98,24 @@ def summary(label: str, streams: int, traces: list[TokenTimes], wall: float, **e
 # ---- bare generator -------------------------------------------------------------------------
 
 
-def run_bare(settings: Settings, jobs: list[Job], streams: int) -> dict:
-    """The generator alone: enqueue `streams` jobs, start the next as each ends."""
-    from worker.exl2.loader import load_backend
+def load_backend(settings: Settings) -> Any:
+    if settings.engine == "exllamav3":
+        from worker.exl3.loader import load_backend as load_exl3
 
-    backend, card, _ = load_backend(settings)
-    gen = backend.make_generator()
+        return load_exl3(settings)
+    from worker.exl2.loader import load_backend as load_exl2
+
+    return load_exl2(settings)
+
+
+def run_bare(
+    backend: Any, gen: Any, card: Any, jobs: list[Job], streams: int, probe: bool = False
+) -> dict:
+    """The generator alone: enqueue `streams` jobs, start the next as each ends."""
     todo = list(reversed(jobs))
     traces: dict[int, TokenTimes] = {}
     sampling = Sampling()
+    steps = 0
 
     def start() -> None:
         job = todo.pop()
@@ -107,25 +126,78 @@ def run_bare(settings: Settings, jobs: list[Job], streams: int) -> dict:
         traces[key] = TokenTimes(time.perf_counter())
         gen.enqueue(handle)
 
+    timer = SamplerTimer() if probe else contextlib.nullcontext()
     t0 = time.perf_counter()
-    for _ in range(min(streams, len(todo))):
-        start()
-    while gen.num_remaining_jobs():
-        results = gen.iterate()
-        now = time.perf_counter()
-        for r in results:
-            if r.get("stage") != "streaming":
-                continue
-            ids = r.get("token_ids")
-            traces[int(r["identifier"])].arrived(now, 0 if ids is None else int(ids.shape[-1]))
-            if r.get("eos") and todo:
-                start()
+    with timer:
+        for _ in range(min(streams, len(todo))):
+            start()
+        while gen.num_remaining_jobs():
+            results = gen.iterate()
+            steps += 1
+            now = time.perf_counter()
+            for r in results:
+                if r.get("stage") != "streaming":
+                    continue
+                ids = r.get("token_ids")
+                traces[int(r["identifier"])].arrived(now, 0 if ids is None else int(ids.shape[-1]))
+                if r.get("eos") and todo:
+                    start()
     wall = time.perf_counter() - t0
-    backend.close()
-    import torch
+    extra = timer.report(wall, steps) if isinstance(timer, SamplerTimer) else {}
+    return summary("bare generator", streams, list(traces.values()), wall, **extra)
 
-    torch.cuda.empty_cache()
-    return summary("bare generator", streams, list(traces.values()), wall)
+
+class SamplerTimer:
+    """exllamav3 samples each job on the GPU with kernels of its own, launched job by job
+    from Python (`Job.receive_logits`) after each forward pass; the time spent launching them
+    is what one batched sampling pass over all rows could save."""
+
+    def __enter__(self) -> SamplerTimer:
+        from exllamav3.generator.job import Job
+
+        self.job_cls = Job
+        self.original = Job.receive_logits
+        self.seconds = 0.0
+        self.calls = 0
+        original = self.original
+
+        def timed(job: Any, *args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return original(job, *args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+                self.calls += 1
+
+        Job.receive_logits = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.job_cls.receive_logits = self.original
+
+    def report(self, wall: float, steps: int) -> dict[str, Any]:
+        return {
+            "steps": steps,
+            "step_ms": round(wall / max(steps, 1) * 1000, 3),
+            "sampler_launch_ms_per_step": round(self.seconds / max(steps, 1) * 1000, 3),
+            "sampler_launch_share": round(self.seconds / wall, 4) if wall else None,
+            "sampler_calls": self.calls,
+        }
+
+
+def run_bare_levels(
+    settings: Settings, levels: list[int], jobs_for: Any, probe: bool
+) -> list[dict]:
+    """Load the engine's backend once; the bare loop at each level; free the GPU after."""
+    backend, card, _ = load_backend(settings)
+    gen = backend.make_generator()
+    try:
+        return [run_bare(backend, gen, card, jobs_for(n), n, probe) for n in levels]
+    finally:
+        backend.close()
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 # ---- the whole system -----------------------------------------------------------------------
@@ -141,6 +213,7 @@ class System:
         gateways: int,
         logs: Path,
         env: dict[str, str] | None = None,
+        engine: str = "exllamav2",
     ) -> None:
         self.model = model
         self.port = 18000 + os.getpid() % 1000
@@ -158,12 +231,12 @@ class System:
         }
         self.procs: list[subprocess.Popen[bytes]] = []
         self._spawn("gateway", ["gateway", "--port", str(self.port), "--workers", str(gateways)])
-        engine = (
+        serve = (
             ["--engine", "sim"]
             if model.name == SIM
-            else ["--engine", "exllamav2", "--model", str(model)]
+            else ["--engine", engine, "--model", str(model)]
         )
-        self._spawn("worker", ["worker", *engine, *worker_args])
+        self._spawn("worker", ["worker", *serve, *worker_args])
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.logs / f"{name}.log", "ab")  # the child writes to it
@@ -326,50 +399,24 @@ def genq_bench(system: System, streams: int, requests: int, new: int, prompt: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m genq.benchgpu",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--model", required=True)
-    p.add_argument("--streams", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--prompt-min", type=int, default=64)
-    p.add_argument("--prompt-max", type=int, default=512)
-    p.add_argument("--requests-per-stream", type=int, default=REQUESTS_PER_STREAM)
-    p.add_argument("--max-batch", type=int, help="default: --streams")
-    p.add_argument("--cache-tokens", type=int, help="default: max-batch * (prompt-max + new)")
-    p.add_argument("--bare", action="store_true")
-    p.add_argument("--system", action="store_true")
-    p.add_argument("--sweep", default="", help="concurrency levels for the system, e.g. 1,8,64")
-    p.add_argument("--worker-arg", action="append", default=[], help="extra `genq worker` flag")
-    p.add_argument("--worker-env", action="append", default=[], help="K=V for the processes")
-    p.add_argument("--workers", type=int, default=1, help="worker processes to wait for")
-    p.add_argument("--gateways", type=int, default=1, help="gateway (uvicorn) processes")
-    p.add_argument("--genq-bench", action="store_true", help="also run the `genq bench` command")
-    p.add_argument(
-        "--cpu-sampling",
-        action="store_true",
-        help="exllamav2's CPU sampler (GENQ_GPU_SAMPLING=false), not genq's GPU sampling",
-    )
-    p.add_argument("--logs", default="/tmp/genq-bench-logs")
-    p.add_argument("--json-out")
-    a = p.parse_args(argv)
-
+    a = _parser().parse_args(argv)
+    # `timeout` ends a run with SIGTERM: leave through `finally`, which stops the gateway and
+    # worker processes (left running, they would hold the GPU for the next run)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(TERMINATED))
     model = Path(a.model)
     vocab = SIM_VOCAB if a.model == SIM else _vocab(model)
-    levels = [int(x) for x in a.sweep.split(",") if x]
-    max_batch = a.max_batch or max([a.streams, *levels])
+    levels = [int(x) for x in a.sweep.split(",") if x] or [a.streams]
+    max_batch = a.max_batch or max(levels)
     cache = a.cache_tokens or max_batch * (a.prompt_max + a.new_tokens)
     settings = Settings(
-        engine="exllamav2",
+        engine=a.engine,
         model_dir=str(model),
         max_batch=max_batch,
         cache_tokens=cache,
         gpu_sampling=not a.cpu_sampling,
     )
     setup_logging(settings)  # the processes it starts are `genq` commands: they set up their own
-    sampling = {"sampling": "cpu" if a.cpu_sampling else "gpu"}
+    common = {"engine": SIM if a.model == SIM else a.engine, "sampling": _sampling_label(a)}
     worker_args = ["--max-batch", str(max_batch), "--cache-tokens", str(cache), *a.worker_arg]
     results: list[dict] = []
 
@@ -383,55 +430,94 @@ def main(argv: list[str] | None = None) -> int:
         n = max(streams * a.requests_per_stream, 4)
         return workload(n, a.prompt_min, a.prompt_max, a.new_tokens, vocab)
 
+    bare: dict[int, dict] = {}
     if a.bare:
-        report(
-            run_bare(settings, jobs_for(a.streams), a.streams)
-            | {"max_batch": max_batch, "cache_tokens": cache}
-            | sampling
-        )
-    if a.system or levels:
+        for r in run_bare_levels(settings, levels, jobs_for, a.sampler_probe):
+            bare[r["streams"]] = r
+            report(r | {"max_batch": max_batch, "cache_tokens": cache} | common)
+    if a.system or not a.bare:
         logs = Path(a.logs)
         logs.mkdir(parents=True, exist_ok=True)
         env = dict(kv.split("=", 1) for kv in a.worker_env)
         if a.cpu_sampling:
             env["GENQ_GPU_SAMPLING"] = "false"
-        system = System(model, worker_args, a.gateways, logs, env)
+        system = System(model, worker_args, a.gateways, logs, env, a.engine)
         try:
             system.wait_ready(a.workers)
             warm = workload(a.workers * 2, a.prompt_min, a.prompt_max, 8, vocab)
             run_system(system, warm, len(warm), "warm-up")
-            extra = {
-                "worker_args": " ".join(worker_args),
-                "gateways": a.gateways,
-                "env": env,
-                **sampling,
-            }
-            if a.system:
-                report(run_system(system, jobs_for(a.streams), a.streams, "system") | extra)
-                if results and results[0]["run"] == "bare generator":
-                    bare, sysr = results[0], results[-1]
-                    report(ratio(bare, sysr))
+            extra = {"worker_args": " ".join(worker_args), "gateways": a.gateways, "env": env}
             for c in levels:
                 print(f"# starting {c} streams", file=sys.stderr, flush=True)
-                report(run_system(system, jobs_for(c), c, "system sweep") | extra)
+                report(run_system(system, jobs_for(c), c, "system") | extra | common)
+                if c in bare:
+                    report(ratio(bare[c], results[-1]) | common)
             if a.genq_bench:
                 mid = (a.prompt_min + a.prompt_max) // 2
-                report(
-                    genq_bench(
-                        system, a.streams, a.streams * a.requests_per_stream, a.new_tokens, mid
-                    )
-                )
+                n = levels[-1]
+                report(genq_bench(system, n, n * a.requests_per_stream, a.new_tokens, mid))
         finally:
             system.close()
     return 0
 
 
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m genq.benchgpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True)
+    p.add_argument("--engine", choices=["exllamav2", "exllamav3"], default="exllamav2")
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompt-min", type=int, default=64)
+    p.add_argument("--prompt-max", type=int, default=512)
+    p.add_argument("--requests-per-stream", type=int, default=REQUESTS_PER_STREAM)
+    p.add_argument("--max-batch", type=int, help="default: the largest level")
+    p.add_argument("--cache-tokens", type=int, help="default: max-batch * (prompt-max + new)")
+    p.add_argument("--bare", action="store_true", help="the bare generator at each level")
+    p.add_argument("--system", action="store_true", help="the system at each level (default)")
+    p.add_argument("--sweep", default="", help="levels, e.g. 1,8,64 (default: --streams)")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra `genq worker` flag")
+    p.add_argument("--worker-env", action="append", default=[], help="K=V for the processes")
+    p.add_argument("--workers", type=int, default=1, help="worker processes to wait for")
+    p.add_argument("--gateways", type=int, default=1, help="gateway (uvicorn) processes")
+    p.add_argument("--genq-bench", action="store_true", help="also run the `genq bench` command")
+    p.add_argument(
+        "--cpu-sampling",
+        action="store_true",
+        help="exllamav2: its CPU sampler (GENQ_GPU_SAMPLING=false), not genq's GPU sampling",
+    )
+    p.add_argument(
+        "--sampler-probe",
+        action="store_true",
+        help="exllamav3, bare: time spent launching the jobs' samplers each step",
+    )
+    p.add_argument("--logs", default="/tmp/genq-bench-logs")
+    p.add_argument("--json-out")
+    return p
+
+
+def _sampling_label(a: argparse.Namespace) -> str:
+    if a.engine == "exllamav3":
+        return "exllamav3 ComboSampler (GPU)"
+    return "cpu" if a.cpu_sampling else "gpu"
+
+
 def ratio(bare: dict, system: dict) -> dict:
     return {
         "run": "ratio system/bare",
+        "streams": system["streams"],
         "tokens_per_s": round(system["tokens_per_s"] / bare["tokens_per_s"], 3),
+        "decode_rate_p50": _ratio(bare["itl_ms_p50"], system["itl_ms_p50"]),
         "ttft_p50_overhead_ms": round(system["ttft_ms_p50"] - bare["ttft_ms_p50"], 1),
     }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    """a / b (a per-stream decode rate ratio from two inter-token latencies); None without both."""
+    return round(a / b, 3) if a and b else None
 
 
 def _vocab(model: Path) -> int:

@@ -14,6 +14,7 @@ from shared import __version__, logs
 from shared.settings import GatewaySettings, LogLevel, RedisSettings, Settings, WorkerSettings
 
 DEFAULT_PORT = 8000
+DEFAULT_EXL3_BITS = 4.0
 _S = TypeVar("_S", bound=RedisSettings)
 
 
@@ -85,10 +86,11 @@ def _describe_defaults(parser: argparse.ArgumentParser) -> None:
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine",
-        choices=["sim", "exllamav2"],
-        help="default: sim, or exllamav2 when --model is given",
+        choices=["sim", "exllamav2", "exllamav3"],
+        help="default: sim; with --model, as the folder says (EXL3: exllamav3, EXL2: "
+        "exllamav2, plain fp16/bf16: the faster one)",
     )
-    p.add_argument("--model", dest="model_dir", help="model directory (exllamav2 engine)")
+    p.add_argument("--model", dest="model_dir", help="model directory (exllamav2/exllamav3)")
     p.add_argument("--model-name", help="name clients ask for (default: sim / the folder name)")
     p.add_argument("--step-ms", type=float, dest="sim_step_ms", help="sim: decode step, ms")
     p.add_argument("--max-batch", type=int, help="jobs generated at once")
@@ -96,19 +98,17 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "--cache-tokens",
         type=int,
         dest="cache_tokens",
-        help="exllamav2: K/V cache size in tokens (default: fit the batch)",
+        help="K/V cache size in tokens (default: fit the batch)",
     )
-    p.add_argument(
-        "--cache-mode", choices=["FP16", "Q4", "Q6", "Q8"], help="exllamav2: K/V cache precision"
-    )
+    p.add_argument("--cache-mode", choices=["FP16", "Q4", "Q6", "Q8"], help="K/V cache precision")
     p.add_argument(
         "--max-seq-len",
         type=int,
         dest="max_seq_len",
-        help="exllamav2: most tokens (prompt + output) of one job (default: the model's)",
+        help="most tokens (prompt + output) of one job (default: the model's)",
     )
-    p.add_argument("--max-chunk-size", type=int, help="exllamav2: prefill chunk")
-    p.add_argument("--gpu-split", help="exllamav2: GB per GPU, e.g. 20,24 (default: autosplit)")
+    p.add_argument("--max-chunk-size", type=int, help="prefill chunk, tokens")
+    p.add_argument("--gpu-split", help="GB per GPU, e.g. 20,24 (default: autosplit)")
 
 
 def _launcher_flags(p: argparse.ArgumentParser, default_procs: str) -> None:
@@ -147,7 +147,7 @@ def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
         "cpu_affinity",
     ]
     out = {k: getattr(a, k, None) for k in keys}
-    out["engine"] = a.engine or ("exllamav2" if a.model_dir else None)
+    out["engine"] = a.engine  # left out: sim, or what the model folder calls for (settings)
     return {k: v for k, v in out.items() if k in Settings.model_fields}
 
 
@@ -197,6 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="folder to write (a new one, or an earlier synth-model folder)")
     p.add_argument("--shape", choices=["tiny", "1b", "8b"], default="tiny", help="model shape")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument(
+        "--quantize",
+        choices=["exl3"],
+        help="convert to EXL3 with exllamav3's converter (GPU): the model of --source, or a "
+        "new synth model of --shape",
+    )
+    p.add_argument("--bits", type=float, default=DEFAULT_EXL3_BITS, help="EXL3 bits per weight")
+    p.add_argument("--source", help="with --quantize: an fp16 model folder to convert")
+    p.add_argument("--gpus", help="with --quantize: GPUs to convert on, e.g. 0,1 (default: 0)")
     for command in sub.choices.values():
         # after the command too; SUPPRESS keeps a value given before it
         _log_level_flag(command, default=argparse.SUPPRESS)
@@ -250,11 +259,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench(args)
     if args.command == "synth-model":
-        from genq.synth import synth_model
-
-        print(synth_model(args.dir, args.shape, args.seed))
-        return 0
+        return _synth_model(args)
     return 2
+
+
+def _synth_model(args: argparse.Namespace) -> int:
+    from genq.synth import quantize_exl3, synth_model
+
+    if args.quantize is None:
+        print(synth_model(args.dir, args.shape, args.seed))
+    else:
+        print(quantize_exl3(args.dir, args.bits, args.source, args.shape, args.seed, args.gpus))
+    return 0
 
 
 def _gateway(args: argparse.Namespace, level: dict[str, Any]) -> int:

@@ -1,4 +1,5 @@
-"""`genq synth-model DIR --shape tiny|1b|8b`: a random-weight Llama checkpoint for testing.
+"""`genq synth-model DIR --shape tiny|1b|8b`: a random-weight Llama checkpoint for testing;
+`--quantize exl3 --bits 4` converts one to EXL3 (exllamav3's converter, on the GPU).
 
 No checkpoint can be downloaded on the GPU machines, and speed depends only on the shapes,
 so a random-weight model with a real model's shapes measures what that model would. The
@@ -8,13 +9,18 @@ on the Python standard library's own sources (always on disk, no download).
 
 Weights are drawn with torch on the GPU when it is there (seconds for 8B), else with numpy.
 The folder is written beside its destination under a hidden name and renamed into place at
-the end, so an interrupted or failed run leaves no half-written model behind.
+the end, so an interrupted or failed run leaves no half-written model behind. A conversion
+keeps its work folder beside the destination until it finishes, so one that was interrupted
+(a time limit, a lost machine) resumes where it stopped when run again with the same
+arguments.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import sysconfig
 import uuid
 from collections.abc import Iterator
@@ -24,6 +30,7 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from shared.model_format import folder_format
 from worker.process import require_gpu_extra
 
 INIT_STD = 0.02
@@ -43,6 +50,11 @@ SHARD_BYTES = 4 * 1024**3
 """Largest safetensors shard written (HF convention: several files plus an index)."""
 SYNTHETIC_MARK = "genq_synthetic"
 """Key of config.json that marks a folder as this command's: one it may replace."""
+QUANT_MULTIPLE = 128
+"""EXL3 quantizes weights in 128-wide blocks: every projection's dimensions (hidden,
+intermediate, vocabulary, attention heads x head size) must be multiples of it."""
+EXL3_CONVERTER = "exllamav3.conversion.convert_model"
+EXL3_MODULES = ("torch", "exllamav3")
 
 
 @dataclass(frozen=True)
@@ -295,3 +307,82 @@ def _write_model(shape: str, out: Path, seed: int) -> None:
         json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_ids}, indent=1)
     )
     _write_weights(s, out, seed)
+
+
+# ---- EXL3 -----------------------------------------------------------------------------------
+
+
+def quantizable(s: Shape) -> bool:
+    """Whether EXL3 can quantize every projection of shape `s`."""
+    head_dim = s.hidden // s.heads
+    dims = (s.hidden, s.intermediate, s.vocab, s.heads * head_dim, s.kv_heads * head_dim)
+    return all(d % QUANT_MULTIPLE == 0 for d in dims)
+
+
+def quantize_exl3(
+    out_dir: str | Path,
+    bits: float,
+    source: str | Path | None = None,
+    shape: str = "tiny",
+    seed: int = 0,
+    gpus: str | None = None,
+) -> Path:
+    """Write an EXL3 model of `bits` bits per weight into `out_dir`: exllamav3's converter
+    (calibration data from its wheel) run on `source`, an fp16 model folder, or on a new synth
+    model of `shape`, on `gpus` (e.g. "0,1": the converter splits each layer's tensors among
+    them; default GPU 0). Returns the folder."""
+    require_gpu_extra("genq synth-model --quantize exl3", EXL3_MODULES)
+    out = Path(out_dir)
+    _check_replaceable(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.with_name(f".{out.name}.exl3-work")
+    src = Path(source) if source else work / "fp16"
+    if source:
+        _check_source(src)
+    elif not src.exists():  # synth_model writes it whole or not at all
+        if not quantizable(SHAPES[shape]):
+            raise SystemExit(f"genq: error: shape {shape} has a dimension EXL3 cannot quantize")
+        synth_model(src, shape, seed)
+    partial = out.with_name(f".{out.name}.exl3-partial")
+    _convert(src, partial, work / "job", bits, gpus)
+    _move_into_place(partial, out)
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _check_source(src: Path) -> None:
+    if not (src / "config.json").is_file():
+        raise SystemExit(f"genq: error: {src} has no config.json: not a model folder (--source)")
+    fmt = folder_format(src)
+    if fmt != "plain":
+        raise SystemExit(f"genq: error: {src} is already quantized ({fmt}): give an fp16 one")
+
+
+def _convert(src: Path, partial: Path, job: Path, bits: float, gpus: str | None) -> None:
+    """Run the converter in a process of its own (its progress on stderr), resuming the job
+    in `job` if it was started with the same arguments, else starting over."""
+    cmd = [sys.executable, "-m", EXL3_CONVERTER, "-w", str(job)]
+    if gpus:
+        cmd += ["-d", gpus]
+    if _resumable(job, src, partial, bits):
+        cmd.append("-r")
+    else:
+        shutil.rmtree(job, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        cmd += ["-i", str(src), "-o", str(partial), "-b", str(bits)]
+    done = subprocess.run(cmd, stdout=sys.stderr, check=False)
+    # The converter reports a bad argument on stdout and exits 0: trust only its output.
+    if done.returncode != 0 or folder_format(partial) != "exl3":
+        raise SystemExit(
+            f"genq: error: exllamav3's converter did not finish (exit {done.returncode}); "
+            "run the same command again to resume"
+        )
+
+
+def _resumable(job: Path, src: Path, partial: Path, bits: float) -> bool:
+    try:
+        args = json.loads((job / "args.json").read_text())
+    except (OSError, ValueError):
+        return False
+    same = (args.get("in_dir"), args.get("out_dir"), args.get("bits"))
+    return same == (str(src), str(partial), bits)

@@ -5,7 +5,7 @@ passed down (no module-level instance).
     JobSettings                   every process that writes job state: retention, log bounds
     ├── GatewaySettings           `genq gateway`: HTTP, auth, limits, the OpenAI API
     └── WorkerSettings            `genq worker`: leases, claims, flushes, placement
-        └── EngineSettings        the engine it runs (sim, exllamav2)
+        └── EngineSettings        the engine it runs (sim, exllamav2, exllamav3)
     Settings                      all of them: `genq serve` and the tools that drive both sides
 
 A process validates only its own sections: a gateway never reads GENQ_CHAT_TEMPLATE (a
@@ -28,6 +28,8 @@ from pydantic import (
     model_validator,
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from shared.model_format import engine_for_folder
 
 _CONFIG = SettingsConfigDict(env_prefix="GENQ_", extra="ignore")
 
@@ -387,7 +389,12 @@ class GatewaySettings(JobSettings):
 class EngineSettings(BaseSettings):
     model_config = _CONFIG
 
-    engine: Literal["sim", "exllamav2"] = "sim"
+    engine: Literal["sim", "exllamav2", "exllamav3"] = Field(
+        default="sim",
+        description="sim without a model; with one, default: as its folder says "
+        "(shared/model_format.py: EXL3 → exllamav3, EXL2 → exllamav2, plain fp16/bf16 → the "
+        "faster of the two)",
+    )
     model_dir: str | None = None
     model_name: str | None = None
     max_batch: int = Field(default=256, ge=1)
@@ -396,7 +403,7 @@ class EngineSettings(BaseSettings):
         description="Jinja chat template (inline, or a file path) for the model card",
     )
 
-    # exllamav2
+    # exllamav2 only: its sampler
     sampling_threads: int | None = Field(
         default=None,
         ge=1,
@@ -409,12 +416,35 @@ class EngineSettings(BaseSettings):
         description="sample on the GPU (temperature, top_k, top_p, min_p); jobs with "
         "penalties or top logprobs still go to exllamav2's CPU sampler",
     )
+
+    # exllamav2 and exllamav3
     cache_tokens: int | None = Field(default=None, ge=256, description="default: fit the batch")
     cache_mode: Literal["FP16", "Q4", "Q6", "Q8"] = "FP16"
     max_seq_len: int | None = Field(default=None, ge=16, description="default: the model's")
     max_chunk_size: int = Field(default=2048, ge=16)
     gpu_split: str | None = Field(
         default=None, description="GB per GPU, e.g. '20,24'; default auto"
+    )
+
+    # exllamav3
+    prefill_cooldown: int = Field(
+        default=0,
+        ge=0,
+        description="exllamav3: decode steps between two prefill passes while other jobs "
+        "generate (exllamav3's own default, 4, raises time to first token under load); 0 = a "
+        "prefill pass on every step. Provisional until the GPU benchmark picks it",
+    )
+    shared_chunk_size: int | None = Field(
+        default=None,
+        ge=256,
+        description="exllamav3: prefill chunk while other jobs generate (rounded to 256 "
+        "tokens, at most max_chunk_size); default: max_chunk_size (exllamav3's own: half)",
+    )
+    triton_cache_dir: str | None = Field(
+        default=None,
+        description="exllamav3: where Triton keeps compiled kernels (TRITON_CACHE_DIR), on a "
+        "disk that outlives the worker so a restart skips the JIT; default: Triton's own "
+        "(~/.triton/cache)",
     )
 
     # sim
@@ -432,9 +462,9 @@ class EngineSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _engine_follows_model(self) -> EngineSettings:
-        """A model directory means the real engine unless an engine was named."""
+        """A model directory means the engine its format calls for, unless one was named."""
         if self.model_dir and "engine" not in self.model_fields_set:
-            self.engine = "exllamav2"
+            self.engine = engine_for_folder(self.model_dir)
         return self
 
 

@@ -1,4 +1,4 @@
-"""The boundary between the worker loop and an engine (sim, exllamav2).
+"""The boundary between the worker loop and an engine (sim, exllamav2, exllamav3).
 
 An engine is owned by one thread (the runner); only that thread calls `add`, `cancel` and
 `step`. `free_slots` and `card` may be read from any thread.

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from shared import runtime
+from shared.model_format import folder_format
 from shared.settings import EngineSettings, WorkerSettings
 from worker import cpus
 from worker.engine import Engine
@@ -22,8 +23,10 @@ from worker.sim import SimEngine
 log = logging.getLogger(__name__)
 _SIM_GIL_SWITCH_S = 0.0005
 _DEFAULT_GIL_SWITCH_S = 0.005  # CPython's own default
-EXL2_MODULES = ("torch", "exllamav2")
-"""What the exllamav2 engine imports: the gpu extra (a CPU install has neither)."""
+ENGINE_MODULES = {"exllamav2": ("torch", "exllamav2"), "exllamav3": ("torch", "exllamav3")}
+"""What each GPU engine imports: the gpu extra (a CPU install has none of them)."""
+UNREADABLE = {"exllamav2": "exl3", "exllamav3": "exl2"}
+"""The quantized format each engine cannot read."""
 
 
 def require_gpu_extra(what: str, modules: Sequence[str]) -> None:
@@ -39,10 +42,11 @@ def require_gpu_extra(what: str, modules: Sequence[str]) -> None:
 def check_engine(settings: EngineSettings) -> None:
     """Stop with one line, before anything starts, on what would keep the engine from
     loading: no model folder, or no gpu extra."""
-    if settings.engine == "sim":
+    engine = settings.engine
+    if engine == "sim":
         return
     if not settings.model_dir:
-        raise SystemExit("genq: error: --engine exllamav2 needs --model DIR")
+        raise SystemExit(f"genq: error: --engine {engine} needs --model DIR")
     folder = Path(settings.model_dir).expanduser()
     if not folder.is_dir():
         raise SystemExit(f"genq: error: no model folder at {settings.model_dir} (--model)")
@@ -50,7 +54,13 @@ def check_engine(settings: EngineSettings) -> None:
         raise SystemExit(
             f"genq: error: {settings.model_dir} has no config.json: not a model folder (--model)"
         )
-    require_gpu_extra("the exllamav2 engine", EXL2_MODULES)
+    fmt = folder_format(folder)
+    if fmt == UNREADABLE[engine]:
+        raise SystemExit(
+            f"genq: error: {settings.model_dir} is an {fmt.upper()} model, which {engine} "
+            "cannot read (--engine; left out, genq picks the engine from the folder)"
+        )
+    require_gpu_extra(f"the {engine} engine", ENGINE_MODULES[engine])
 
 
 def build_engine(settings: WorkerSettings) -> Engine:
@@ -64,6 +74,10 @@ def build_engine(settings: WorkerSettings) -> Engine:
             max_seq_len=settings.sim_max_seq_len,
             poison_marker=settings.sim_poison_marker,
         )
+    if settings.engine == "exllamav3":
+        from worker.exl3.engine import ExLlamaV3Engine  # lazy: only this engine needs torch
+
+        return ExLlamaV3Engine.from_settings(settings)
     from worker.exl2.engine import ExLlamaV2Engine  # lazy: only this engine needs torch
 
     return ExLlamaV2Engine.from_settings(settings)

@@ -1,4 +1,6 @@
-"""GPU tests: a tiny synth model on the real exllamav2 engine. Skipped without CUDA."""
+"""GPU tests: a tiny synth model on the real exllamav2 and exllamav3 engines (fp16, and an EXL3
+conversion of it for exllamav3). Skipped without CUDA; an engine's tests are skipped without
+its library."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from worker.engine import EngineJob, StepOutput
 TEST_BATCH = 64
 TEST_CACHE_TOKENS = 64 * 512
 STEP_LIMIT = 20_000
+EXL3_TEST_BITS = 4.0
+EXL3_MODELS = ["fp16", "exl3"]
+"""The models the exllamav3 engine is tested on: the tiny synth model, and its EXL3 conversion."""
 
 
 def _cuda() -> bool:
@@ -45,7 +50,44 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_exl3_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model converted to EXL3 (GENQ_TEST_TINY_EXL3_MODEL: one converted already)."""
+    pytest.importorskip("exllamav3")
+    from genq.synth import quantize_exl3
+
+    given = os.environ.get("GENQ_TEST_TINY_EXL3_MODEL")
+    if given:
+        return Path(given)
+    out = tmp_path_factory.mktemp("models") / "tiny-exl3"
+    return quantize_exl3(out, EXL3_TEST_BITS, tiny_model)
+
+
+@pytest.fixture(scope="session", params=EXL3_MODELS)
+def exl3_model(request: pytest.FixtureRequest, tiny_model: Path) -> Path:
+    pytest.importorskip("exllamav3")
+    if request.param == "fp16":
+        return tiny_model
+    return Path(request.getfixturevalue("tiny_exl3_model"))
+
+
+@pytest.fixture(scope="session")
+def exl3_engine(exl3_model: Path) -> Iterator[object]:
+    from worker.exl3.engine import ExLlamaV3Engine
+
+    settings = Settings(
+        model_dir=str(exl3_model),
+        engine="exllamav3",
+        max_batch=TEST_BATCH,
+        cache_tokens=TEST_CACHE_TOKENS,
+    )
+    e = ExLlamaV3Engine.from_settings(settings)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="session")
 def engine(tiny_model: Path) -> Iterator[object]:
+    pytest.importorskip("exllamav2")
     from worker.exl2.engine import ExLlamaV2Engine
 
     settings = Settings(

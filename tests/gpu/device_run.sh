@@ -1,6 +1,11 @@
 #!/bin/bash
 # One call on the GPU machine: GPU tests on a tiny synth model, then the 8B benchmark.
 #   source .gpu/activate.sh && bash tests/gpu/device_run.sh [tests] [bench64] [sweep] [procs]
+# exllamav3 (issue 17): `tests3` (its GPU tests alone), `exl3conv` (the 8B synth converted to
+# EXL3 4.0 bpw; resumes where an earlier call stopped), then `exl3bench` (bare exllamav3 loop vs
+# genq's exllamav3 worker vs genq's exllamav2 worker, fp16 and EXL3, 1-256 streams) -- or its
+# halves `exl3fp16` and `exl3q4` in two calls if one runs out of time; `exl3probe` (time in
+# exllamav3's per-job sampler launches), `exl3sched` (prefill cooldown x shared chunk).
 # Step logs and JSON figures go to $OUT/res.tgz, process logs to $OUT/logs.tgz (default
 # OUT=/tmp/genq-out); each step's summary lines are printed as well.
 set -x
@@ -10,20 +15,39 @@ mkdir -p "$FINAL" "$OUT" /tmp/genq-logs
 steps=${*:-tests bench64}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, exllamav2, flash_attn; print(torch.__version__, exllamav2.__version__, flash_attn.__version__)" >> "$OUT/gpu.txt" 2>&1
+python3 -c "import exllamav3.version as v; print('exllamav3', v.__version__)" >> "$OUT/gpu.txt" 2>&1
 lscpu | grep -E 'Model name|^CPU\(s\)' >> "$OUT/gpu.txt"
 W="-W ignore::DeprecationWarning -W ignore::UserWarning -W ignore::FutureWarning"
+END=$((SECONDS + ${DEVICE_BUDGET_S:-570}))
+left() { local l=$((END - SECONDS - 20)); echo $((l > 10 ? l : 10)); }  # leave time to pack up
+GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | paste -sd, -)
+EXL3_LEVELS=1,8,64,128,256
+exl3_matrix() {  # ENGINE MODEL NAME [--bare]: the levels on that engine and model, 2 gateways
+  local t=$(left); t=$((t < 280 ? t : 280))
+  timeout $t python3 -m genq.benchgpu --engine "$1" --model "$2" $4 --system \
+    --sweep $EXL3_LEVELS --max-batch 256 --requests-per-stream 1 --gateways 2 \
+    --json-out "$OUT/$3.json" --logs /tmp/genq-logs/$3 > "$OUT/$3.log" 2>&1
+  grep -h "^{" "$OUT/$3.log" | cut -c1-300
+}
 for step in $steps; do
   # GPU load, once a second, beside every step
   nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader -l 1 \
     > "$OUT/$step.gpu.csv" 2>/dev/null &
   smi=$!
   case $step in
-    tests)
-      python3 -m genq synth-model /tmp/tiny --shape tiny
-      GENQ_TEST_TINY_MODEL=/tmp/tiny timeout 300 python3 -m pytest -q -m gpu tests/gpu $W \
-        -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest > "$OUT/gpu-tests.log" 2>&1
-      echo "gpu tests rc=$?" >> "$OUT/gpu-tests.log"; tail -n 15 "$OUT/gpu-tests.log" ;;
-    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*)
+    tests|tests3)  # tests3: the exllamav3 engine's tests alone
+      [ -e /tmp/tiny/config.json ] || python3 -m genq synth-model /tmp/tiny --shape tiny
+      [ -e /tmp/tiny-exl3/config.json ] || python3 -m genq synth-model /tmp/tiny-exl3 \
+        --quantize exl3 --bits 4 --source /tmp/tiny > "$OUT/tiny-exl3.log" 2>&1
+      sel=(tests/gpu)
+      [ $step = tests3 ] && sel=(-k "test_exl3_gpu or exllamav3" tests/gpu/test_exl3_gpu.py
+        tests/gpu/test_openai_gpu.py)
+      exl3=$([ -e /tmp/tiny-exl3/config.json ] && echo GENQ_TEST_TINY_EXL3_MODEL=/tmp/tiny-exl3)
+      env GENQ_TEST_TINY_MODEL=/tmp/tiny $exl3 timeout $(left) \
+        python3 -m pytest -q -m gpu $W -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest \
+        "${sel[@]}" > "$OUT/gpu-$step.log" 2>&1
+      echo "gpu tests rc=$?" >> "$OUT/gpu-$step.log"; tail -n 15 "$OUT/gpu-$step.log" ;;
+    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*)
       [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m genq synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
       timeout 200 python3 -m genq.benchgpu --model /tmp/m8b --streams 64 --bare --system \
@@ -74,6 +98,31 @@ for step in $steps; do
         --worker-arg=--cpu-affinity=$aff $wide $cpu --workers $((g * n)) --gateways $((2 * g)) \
         --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h "^{" "$OUT/$step.log" | tail -n 3 ;;
+    exl3bench|exl3fp16)  # fp16: bare exllamav3 loop + genq's exllamav3 worker; genq's exllamav2 worker
+      exl3_matrix exllamav3 /tmp/m8b exl3fp16 --bare
+      exl3_matrix exllamav2 /tmp/m8b exl2fp16 ;;&
+    exl3conv|exl3bench|exl3q4)  # the EXL3 4.0 bpw conversion (resumable: run again if cut off)
+      [ -e /tmp/m8b-exl3/config.json ] || { timeout $(left) python3 -m genq synth-model \
+        /tmp/m8b-exl3 --quantize exl3 --bits 4 --source /tmp/m8b --gpus "$GPUS" \
+        >> "$OUT/exl3conv.log" 2>&1; tail -n 3 "$OUT/exl3conv.log"; } ;;&
+    exl3bench|exl3q4)  # EXL3 4.0 bpw (exllamav2 cannot read it): bare exllamav3 loop + worker
+      [ -e /tmp/m8b-exl3/config.json ] && exl3_matrix exllamav3 /tmp/m8b-exl3 exl3q4 --bare ;;
+    exl3probe)  # how long each step spends launching exllamav3's per-job samplers (bare loop)
+      for m in m8b m8b-exl3; do
+        [ -e /tmp/$m/config.json ] || continue
+        timeout 200 python3 -m genq.benchgpu --engine exllamav3 --model /tmp/$m --bare \
+          --sampler-probe --sweep 1,64,256 --requests-per-stream 1 \
+          --json-out "$OUT/exl3probe-$m.json" > "$OUT/exl3probe-$m.log" 2>&1
+        grep -h "^{" "$OUT/exl3probe-$m.log" | cut -c1-400
+      done ;;
+    exl3sched)  # exllamav3's prefill scheduling: cooldown x shared chunk, worker, 64 and 128 streams
+      for cd in 0 4; do for sc in 512 2048; do
+        timeout 140 python3 -m genq.benchgpu --engine exllamav3 --model /tmp/m8b --sweep 64,128 \
+          --max-batch 128 --requests-per-stream 1 --worker-env GENQ_PREFILL_COOLDOWN=$cd \
+          --worker-env GENQ_SHARED_CHUNK_SIZE=$sc --json-out "$OUT/exl3sched-$cd-$sc.json" \
+          --logs /tmp/genq-logs/exl3sched-$cd-$sc > "$OUT/exl3sched-$cd-$sc.log" 2>&1
+        grep -h '"run": "system"' "$OUT/exl3sched-$cd-$sc.log" | cut -c1-200
+      done; done ;;
     procs[1-4]|procs[1-4]cpu)  # N worker processes on the one GPU, total concurrency 64..256
       n=${step:5:1}; cpu=$([[ $step == *cpu ]] && echo --cpu-sampling)
       timeout 170 python3 -m genq.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \

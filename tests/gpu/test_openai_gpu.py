@@ -1,7 +1,8 @@
-"""The official openai SDK, sync and async, against `genq gateway` + `genq worker` running the
-exllamav2 engine on a tiny synth model: the OpenAI SDK tests of tests/openai, once with the real
-engine. Real processes, real Redis; chat goes through the model's own template (the synth
-model's tokenizer_config.json carries a Llama-3-style one)."""
+"""The official openai SDK, sync and async, against `genq gateway` + `genq worker` running a real
+engine on a tiny synth model: the OpenAI SDK tests of tests/openai, once per engine and model
+(exllamav2 fp16, exllamav3 fp16, exllamav3 EXL3 — the engine picked from the folder). Real
+processes, real Redis; chat goes through the model's own template (the synth model's
+tokenizer_config.json carries a Llama-3-style one)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,11 @@ LONG = 3500
 """Tokens: several seconds of generation for one job of the tiny model (context 4096)."""
 SLOT_FREE_S = 1.0
 HEARTBEAT_S = 0.1
+WORKER_READY_S = 300.0
+"""Loading, warm-up and (exllamav3 on a cold Triton cache) kernel compilation."""
 USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "def main():"}]
+SERVED = ["exllamav2", "exllamav3", "exllamav3-exl3"]
+"""Engine (and model) per run of this module; the EXL3 folder is run without --engine."""
 
 
 class Genq:
@@ -59,8 +64,23 @@ class Genq:
         return sum(int(json.loads(b)) for b in beats if b)
 
 
+@pytest.fixture(scope="module", params=SERVED)
+def served(request: pytest.FixtureRequest, tiny_model: Path) -> tuple[Path, list[str]]:
+    """The model folder and the engine flags of this run."""
+    if request.param == "exllamav2":
+        pytest.importorskip("exllamav2")
+        return tiny_model, ["--engine", "exllamav2"]
+    pytest.importorskip("exllamav3")
+    if request.param == "exllamav3":
+        return tiny_model, ["--engine", "exllamav3"]
+    return Path(request.getfixturevalue("tiny_exl3_model")), []
+
+
 @pytest.fixture(scope="module")
-def genq(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Genq]:
+def genq(
+    served: tuple[Path, list[str]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Genq]:
+    model, engine = served
     redis_url = os.environ.get("GENQ_REDIS_URL", "redis://127.0.0.1:6379/0")
     prefix = f"genqgpu-openai:{free_port()}:"
     cluster = Cluster(
@@ -72,13 +92,14 @@ def genq(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     )
     try:
         gw = cluster.gateway()
-        worker_args = ["--model", str(tiny_model), "--max-batch", "16", "--cache-tokens", "65536"]
+        worker_args = [*engine, "--model", str(model), "--max-batch", "16"]
+        worker_args += ["--cache-tokens", "65536"]
         cluster.worker(*worker_args, wait_model=None, GENQ_HEARTBEAT_S=str(HEARTBEAT_S))
-        g = Genq(cluster, gw.url, tiny_model, Keys(prefix))
+        g = Genq(cluster, gw.url, model, Keys(prefix))
         wait_for(
             lambda: g.native.get("/v1/models").json()["data"],
-            timeout=120,
-            what=f"the exllamav2 worker: {cluster.procs[-1].output()[-2000:]}",
+            timeout=WORKER_READY_S,
+            what=f"the worker: {cluster.procs[-1].output()[-2000:]}",
         )
         yield g
         g.native.close()
@@ -98,7 +119,7 @@ def aclient(genq: Genq) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{genq.url}/v1", api_key=API_KEY, max_retries=0)
 
 
-def test_models_lists_the_exllamav2_model(client: openai.OpenAI, genq: Genq) -> None:
+def test_models_lists_the_served_model(client: openai.OpenAI, genq: Genq) -> None:
     assert [m.id for m in client.models.list()] == [genq.model]
 
 

@@ -151,6 +151,7 @@ def build_card(
     max_seq_len: int,
     max_batch: int,
     eos_ids: list[int],
+    engine: str = "exllamav2",
 ) -> ModelCard:
     tc = _read_json(model_dir / "tokenizer_config.json")
     cfg = _read_json(model_dir / "config.json")
@@ -158,7 +159,7 @@ def build_card(
     synthetic = cfg.get("genq_synthetic")
     return ModelCard(
         name=settings.model_name or model_dir.name,
-        engine="exllamav2",
+        engine=engine,
         max_seq_len=max_seq_len,
         max_batch=max_batch,
         tokenizer_sha=hashlib.sha256(tokenizer_json.encode()).hexdigest(),
@@ -167,11 +168,12 @@ def build_card(
         eos_token_ids=eos_ids,
         add_bos=bool(tc.get("add_bos_token", bos is not None)),
         chat_template=_chat_template(tc),
-        description=synthetic or f"exllamav2 model from {model_dir.name}",
+        description=synthetic or f"{engine} model from {model_dir.name}",
     )
 
 
-def _eos_ids(model_dir: Path, config_eos: Any) -> list[int]:
+def eos_ids(model_dir: Path, config_eos: Any) -> list[int]:
+    """The model's stop token ids: its config's and generation_config.json's, in order."""
     ids: list[int] = []
     gen = _read_json(model_dir / "generation_config.json").get("eos_token_id")
     for v in (config_eos, gen):
@@ -205,9 +207,9 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
     make_job = _job_factory(settings.gpu_sampling)
     piece = _piece_lookup(tokenizer)
     make_generator = _warm_generator_factory(settings, model, cache, tokenizer, shape)
-    eos_ids = _eos_ids(model_dir, config.eos_token_id)
+    eos = eos_ids(model_dir, config.eos_token_id)
     tokenizer_json = (model_dir / "tokenizer.json").read_text()
-    card = build_card(settings, model_dir, tokenizer_json, shape.max_seq_len, max_batch, eos_ids)
+    card = build_card(settings, model_dir, tokenizer_json, shape.max_seq_len, max_batch, eos)
     log.info(
         "exllamav2 model loaded",
         extra={

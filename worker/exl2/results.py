@@ -20,10 +20,15 @@ FINISH_REASONS: dict[str, FinishReason] = {
 
 
 def step_output(
-    r: dict[str, Any], job: EngineJob, prompt_tokens: int, piece: Callable[[int], str]
+    r: dict[str, Any],
+    job: EngineJob,
+    prompt_tokens: int,
+    piece: Callable[[int], str],
+    reasons: dict[str, FinishReason] = FINISH_REASONS,
 ) -> StepOutput | None:
     """What one "streaming" result says about `job`; None when it holds nothing to send yet.
-    `piece` is the text of one token id."""
+    `piece` is the text of one token id; `reasons` maps the result's `eos_reason` (exllamav3's
+    result dicts read the same, with reasons of its own)."""
     text = r.get("text", "")
     token_ids = _flat(r.get("token_ids"))
     probs, top = r.get("token_probs"), (r.get("top_k_tokens"), r.get("top_k_probs"))
@@ -34,7 +39,7 @@ def step_output(
             # The stop token itself is not output, but text held back before it (a partial
             # stop string, half a UTF-8 character) is.
             text, token_ids, probs, top = _held_before_stop(r, piece)
-        out.finish_reason = FINISH_REASONS.get(reason, "stop")
+        out.finish_reason = reasons.get(reason, "stop")
         out.prompt_tokens = prompt_tokens
         out.cached_tokens = min(int(r.get("cached_tokens", 0)), prompt_tokens)
     elif not text and not token_ids:

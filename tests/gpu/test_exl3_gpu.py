@@ -1,0 +1,222 @@
+"""The exllamav3 engine on a GPU: the tiny synth model in fp16 and converted to EXL3 (each test
+runs on both, `exl3_engine[fp16]` / `[exl3]`), then the whole path with a real worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from shared.model_format import folder_format
+from shared.schemas import Sampling
+from tests.gpu.conftest import drive
+from tests.gpu.test_exl2_gpu import MAX_TOKENS, ejob, prompt
+from tests.procs import Cluster, free_port, wait_for
+from worker.exl3.sampling import combo_args
+
+pytestmark = pytest.mark.gpu
+WORKER_READY_S = 300.0
+"""Loading, warm-up and (on a cold Triton cache) kernel compilation before the card shows."""
+
+
+def test_64_concurrent_jobs_finish_with_the_right_token_counts(exl3_engine: Any) -> None:
+    rng = random.Random(1)
+    jobs = [ejob(f"j{i}", prompt(rng, rng.randint(8, 400))) for i in range(64)]
+    seen_batch: list[int] = []
+    out = drive(exl3_engine, jobs, on_step=lambda n: seen_batch.append(exl3_engine.active()))
+    assert max(seen_batch) == 64
+    for j in jobs:
+        res = out[j.id]
+        assert res.error is None
+        assert res.prompt_tokens == len(j.input_ids)
+        if res.finish == "length":
+            assert len(res.token_ids) == MAX_TOKENS
+        else:  # the random model sampled an EOS token: ended early, EOS not output
+            assert res.finish == "stop" and len(res.token_ids) < MAX_TOKENS
+    assert sum(r.finish == "length" for r in out.values()) >= 48
+
+
+def test_greedy_output_is_the_same_alone_and_in_a_full_batch(exl3_engine: Any) -> None:
+    rng = random.Random(2)
+    ids = prompt(rng, 100)
+    alone = drive(exl3_engine, [ejob("g", ids, temperature=0.0)])["g"]
+    others = [ejob(f"o{i}", prompt(rng, rng.randint(8, 300))) for i in range(63)]
+    batched = drive(exl3_engine, [*others[:31], ejob("g", ids, temperature=0.0), *others[31:]])
+    assert alone.token_ids and batched["g"].token_ids == alone.token_ids
+    assert batched["g"].text == alone.text
+
+
+def test_stop_string_ends_the_job_before_it(exl3_engine: Any) -> None:
+    rng = random.Random(3)
+    ids = prompt(rng, 50)
+    full = drive(exl3_engine, [ejob("s0", ids, temperature=0.0)])["s0"]
+    text = full.text
+    assert len(text) > 20
+    stop = text[10:14]
+    cut = text.index(stop)
+    res = drive(exl3_engine, [ejob("s1", ids, temperature=0.0, stop=[stop])])["s1"]
+    assert res.finish == "stop"
+    assert res.text == text[:cut]
+
+
+def test_stop_token_id_ends_the_job(exl3_engine: Any) -> None:
+    rng = random.Random(4)
+    ids = prompt(rng, 50)
+    full = drive(exl3_engine, [ejob("t0", ids, temperature=0.0)])["t0"]
+    stop_id = full.token_ids[5]
+    first = full.token_ids.index(stop_id)
+    res = drive(exl3_engine, [ejob("t1", ids, temperature=0.0, stop_token_ids=[stop_id])])["t1"]
+    assert res.finish == "stop" and res.token_ids == full.token_ids[:first]
+
+
+def test_cancel_returns_the_free_pages_to_the_baseline(exl3_engine: Any) -> None:
+    baseline = exl3_engine.free_pages()
+    rng = random.Random(5)
+    jobs = [ejob(f"c{i}", prompt(rng, 300), max_tokens=200) for i in range(16)]
+    for j in jobs:
+        exl3_engine.add(j)
+    for _ in range(5):
+        exl3_engine.step()
+    assert exl3_engine.free_pages() < baseline
+    assert all(exl3_engine.cancel(j.id) for j in jobs)
+    assert exl3_engine.active() == 0
+    assert exl3_engine.free_pages() == baseline
+    assert exl3_engine.fits(exl3_engine.total_pages * exl3_engine.page_size - 1, active=0)
+
+
+def test_fits_follows_the_generators_pages(exl3_engine: Any) -> None:
+    whole = exl3_engine.total_pages * exl3_engine.page_size - 1  # exllamav3 keeps one token
+    assert exl3_engine.fits(whole, active=0)
+    rng = random.Random(6)
+    big = ejob("big", prompt(rng, exl3_engine.card.max_seq_len - 64), max_tokens=64)
+    exl3_engine.add(big)
+    assert not exl3_engine.fits(whole, active=1)
+    assert exl3_engine.cancel("big")
+
+
+def test_a_job_larger_than_the_cache_is_refused_before_it_is_queued(exl3_engine: Any) -> None:
+    limit = exl3_engine.card.max_seq_len
+    with pytest.raises(ValueError, match="over this worker's limit"):
+        exl3_engine.add(ejob("huge", [400] * limit, max_tokens=16))
+    assert exl3_engine.active() == 0
+    assert not exl3_engine._gen.pending_jobs and not exl3_engine._gen.active_jobs
+
+
+def test_max_new_tokens_reaches_exllamav3_uncapped(exl3_engine: Any) -> None:
+    exl3_engine.add(ejob("n", prompt(random.Random(8), 20), max_tokens=123))
+    [tracked] = exl3_engine._jobs.values()
+    assert tracked.handle.max_new_tokens == 123
+    assert exl3_engine.cancel("n")
+
+
+def test_logprobs_come_back(exl3_engine: Any) -> None:
+    exl3_engine.add(ejob("lp", prompt(random.Random(7), 20), max_tokens=4, logprobs=3))
+    outs = []
+    while exl3_engine.active():
+        outs += exl3_engine.step()
+    entries = [e for o in outs if o.logprobs for e in o.logprobs]
+    assert len(entries) == sum(len(o.token_ids) for o in outs) > 0
+    assert all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 3 for e in entries)
+    for e in entries:  # the model's own distribution: the top entries in order, below 1 in sum
+        tops = [t["logprob"] for t in e["top_logprobs"]]
+        assert tops == sorted(tops, reverse=True)
+
+
+def describe(sampler: Any) -> list[tuple[str, dict[str, Any]]]:
+    """A sampler's steps and their settings (what decides how it samples)."""
+    plain = (int, float, bool, str, type(None))
+    return [
+        (type(step).__name__, {k: v for k, v in vars(step).items() if isinstance(v, plain)})
+        for step in sampler.steps
+    ]
+
+
+SAMPLINGS = [
+    Sampling(),
+    Sampling(temperature=0.0),
+    Sampling(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05),
+    Sampling(repetition_penalty=1.2, presence_penalty=0.4, frequency_penalty=0.3),
+]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_each_job_gets_exactly_the_sampler_genq_asked_for(
+    exl3_engine: Any, sampling: Sampling
+) -> None:
+    from exllamav3 import ComboSampler, DefaultSampler
+
+    handle = exl3_engine._backend.make_job([300, 301], 4, sampling, 1, [], "sampler")
+    assert type(handle.sampler) is ComboSampler
+    assert describe(handle.sampler) == describe(ComboSampler(**combo_args(sampling)))
+    assert describe(handle.sampler) != describe(DefaultSampler())  # the comparison can fail
+
+
+def test_a_failed_step_rebuilds_the_generator_over_the_same_cache(exl3_engine: Any) -> None:
+    old = exl3_engine._gen
+    ids = prompt(random.Random(9), 40)
+    before = drive(exl3_engine, [ejob("r0", ids, temperature=0.0)])["r0"]
+    exl3_engine.add(ejob("r1", ids, temperature=0.0))
+
+    def broken() -> list[dict[str, Any]]:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    old.iterate = broken
+    with pytest.raises(RuntimeError):
+        exl3_engine.step()
+    assert exl3_engine.reset() == ["r1"]
+    new = exl3_engine._gen
+    assert new is not old and new.cache is old.cache and new.model is old.model
+    after = drive(exl3_engine, [ejob("r2", ids, temperature=0.0)])["r2"]
+    assert after.token_ids == before.token_ids
+
+
+# ---- the whole path ------------------------------------------------------------------------
+
+
+def test_gateway_to_worker_to_sse_with_the_real_engine(exl3_model: Path, tmp_path: Path) -> None:
+    """The worker picks exllamav3 for the EXL3 folder by itself; fp16 is named."""
+    redis_url = os.environ.get("GENQ_REDIS_URL", "redis://127.0.0.1:6379/0")
+    cluster = Cluster(redis_url, tmp_path, f"genqgpu3:{free_port()}:")
+    engine = [] if folder_format(exl3_model) == "exl3" else ["--engine", "exllamav3"]
+    try:
+        gw = cluster.gateway()
+        args = ["--model", str(exl3_model), "--max-batch", "16", "--cache-tokens", "8192"]
+        worker = cluster.worker(*engine, *args, wait_model=None)
+        wait_for(
+            lambda: any(
+                m["id"] == exl3_model.name for m in httpx.get(f"{gw.url}/v1/models").json()["data"]
+            ),
+            timeout=WORKER_READY_S,
+            what=f"the exllamav3 worker: {worker.output()[-2000:]}",
+        )
+        body = {
+            "model": exl3_model.name,
+            "prompt": "def main():\n    return",
+            "max_tokens": 24,
+            "stream": True,
+            "temperature": 0,
+        }
+        with httpx.stream("POST", f"{gw.url}/v1/jobs", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            raw = r.read().decode()
+        frames = [f for f in raw.split("\n\n") if "data: " in f]
+        types = [f.split("event: ", 1)[1].split("\n", 1)[0] for f in frames]
+        assert types[0] == "queued" and types[-1] == "done" and "token" in types
+        data = [json.loads(f.split("data: ", 1)[1]) for f in frames]
+        tokens = sum(d["count"] for d, t in zip(data, types, strict=True) if t == "token")
+        done = data[-1]
+        assert done["usage"]["completion_tokens"] == tokens
+        assert done["finish_reason"] in ("length", "stop")
+        if done["finish_reason"] == "length":
+            assert tokens == 24
+
+        too_long = {"model": exl3_model.name, "input_ids": [400] * 9000, "max_tokens": 8}
+        r = httpx.post(f"{gw.url}/v1/jobs", json=too_long, timeout=10)
+        assert r.status_code == 400 and "maximum context length" in r.text
+    finally:
+        cluster.close()

@@ -1,0 +1,17 @@
+"""The exllamav3 engine: exllamav3's `Generator` behind genq's `Engine` protocol, for EXL3
+models and plain fp16/bf16 folders.
+
+- `engine`: admission, cancel and step → StepOutputs, talking to the generator only through
+  the few methods and attributes it uses (CPU tests drive it with a fake generator).
+- `admission`: whether a job fits, from exllamav3's own page accounting.
+- `results`: exllamav3's result dicts (stages, end reasons, per-job errors) → StepOutputs.
+- `sampling`: every job's explicit `ComboSampler`, and the check that exllamav3 takes each
+  argument genq passes (its `Job` and `Generator` ignore unknown ones).
+- `loader`: `load_backend` (model, cache, tokenizer, warm-up, generator and job factories),
+  the generator's shape.
+
+exllamav3 samples on the GPU itself (one fused kernel per job); genq's batched GPU sampler
+of the exllamav2 engine is not used here (see docs/benchmarks.md for the measurement that
+decides whether it would pay). torch and exllamav3 are imported only inside
+`loader.load_backend`, so every module of this package imports on a CPU install.
+"""

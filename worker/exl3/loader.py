@@ -1,0 +1,297 @@
+"""Loading a model for the exllamav3 engine: config, model, cache (created before the weights
+load, as exllamav3 requires), tokenizer, warm-up, the generator and job factories over them
+(`Backend`), and the model card. The only code of the engine that touches torch and
+exllamav3, and only inside `load_backend` and what it calls; the factories take exllamav3's
+classes as arguments, so CPU tests hand them stand-ins.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shared.schemas import ModelCard, Sampling
+from worker.exl2.loader import Backend, build_card, cache_tokens, eos_ids
+from worker.exl3.sampling import checked_kwargs, make_sampler
+
+if TYPE_CHECKING:
+    from shared.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+PAGE_TOKENS = 256
+"""exllamav3's page (`exllamav3.constants.PAGE_SIZE`); cache and chunk sizes are multiples."""
+RESERVED_TOKENS = 1
+"""exllamav3 holds pages for prompt + max_new_tokens + 1 tokens per job (its requeue budget
+runs one token past the limit), so a job fits a cache of that many tokens, not one fewer."""
+MAX_Q_SIZE = 8
+"""Tokens per sequence per forward pass the generator allows for (its default)."""
+QUANT_CACHE_BITS = {"Q4": 4, "Q6": 6, "Q8": 8}
+"""`--cache-mode` → bits of exllamav3's quantized K/V cache (keys and values alike)."""
+WARMUP_BATCHES = (1, 8, 64, 128, 256)
+"""Batch sizes run before the worker reports ready (those up to max_batch, and max_batch):
+the decode shapes genq is benchmarked at, so their kernels are compiled and tuned first."""
+WARMUP_PROMPT_TOKENS = 32
+WARMUP_NEW_TOKENS = 4
+LONG_PREFILL_CHUNKS = 2
+"""The warm-up's long prompt: this many prefill chunks (within the sequence length)."""
+WARMUP_LOWEST_TOKEN = 256
+"""Warm-up prompts use token ids from here up, clear of the special tokens most
+vocabularies begin with."""
+WARMUP_SAMPLINGS = (
+    Sampling(),
+    Sampling(temperature=0.0),
+    Sampling(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05),
+    Sampling(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5),
+    Sampling(logprobs=5),
+)
+"""Warm-up jobs cycle through these: each of the sampler's kernel paths runs once."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The generator's limits, decided once at load."""
+
+    max_batch: int
+    max_seq_len: int
+    """Most tokens (prompt + max new) of one job: the model's, within the cache."""
+    cache_tokens: int
+    chunk: int
+    shared_chunk: int
+    prefill_cooldown: int
+
+
+def shape_for(settings: EngineSettings, model_seq_len: int) -> Shape:
+    """Cache sized as for exllamav2 (`GENQ_CACHE_TOKENS`, else room for the batch); the
+    prefill chunk within the cache; the shared chunk within the chunk; all in whole pages."""
+    cache = cache_tokens(settings.cache_tokens, model_seq_len, settings.max_batch)
+    chunk = min(_round_up(settings.max_chunk_size, PAGE_TOKENS), cache)
+    shared = min(_round_up(settings.shared_chunk_size or chunk, PAGE_TOKENS), chunk)
+    return Shape(
+        max_batch=settings.max_batch,
+        max_seq_len=min(model_seq_len, cache - RESERVED_TOKENS),
+        cache_tokens=cache,
+        chunk=chunk,
+        shared_chunk=shared,
+        prefill_cooldown=settings.prefill_cooldown,
+    )
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def generator_kwargs(model: Any, cache: Any, tokenizer: Any, shape: Shape) -> dict[str, Any]:
+    return {
+        "model": model,
+        "cache": cache,
+        "tokenizer": tokenizer,
+        "max_batch_size": shape.max_batch,
+        "max_chunk_size": shape.chunk,
+        "shared_chunk_size": shape.shared_chunk,
+        "prefill_cooldown": shape.prefill_cooldown,
+        "max_q_size": MAX_Q_SIZE,
+    }
+
+
+def generator_builder(
+    generator_cls: Callable[..., Any], kwargs: dict[str, Any]
+) -> Callable[[], Any]:
+    """A fresh generator over the loaded model and cache on each call (after a failed step:
+    the new one takes the cache over, the old one refuses to run)."""
+    checked = checked_kwargs(generator_cls, kwargs)
+    return lambda: generator_cls(**checked)
+
+
+def job_args(
+    input_ids: Any,
+    max_new: int,
+    sampler: Any,
+    seed: int,
+    stops: list[int | str],
+    identifier: str,
+    logprobs: int | None,
+) -> dict[str, Any]:
+    """Every `Job` argument genq relies on, explicit: `max_new_tokens` above all (left out,
+    exllamav3 lets a job run to the end of the cache), and no token budget, so the generator
+    never requeues a job on its own."""
+    return {
+        "input_ids": input_ids,
+        "max_new_tokens": max_new,
+        "min_new_tokens": 0,
+        "sampler": sampler,
+        "seed": seed,
+        "stop_conditions": stops,
+        "decode_special_tokens": False,
+        "return_top_tokens": logprobs or 0,
+        "return_probs": logprobs is not None,
+        "identifier": identifier,
+        "token_healing": False,
+        "banned_strings": None,
+        "max_rq_tokens": None,
+        "stop_on_loop": None,
+    }
+
+
+def job_factory(
+    job_cls: Callable[..., Any], sampler_cls: Callable[..., Any], as_ids: Callable[[list[int]], Any]
+) -> Callable[..., Any]:
+    """`Backend.make_job`: (ids, max_new, sampling, seed, stops, identifier) → a `Job` with
+    its own explicit `ComboSampler`."""
+
+    def make_job(
+        ids: list[int],
+        max_new: int,
+        sampling: Sampling,
+        seed: int,
+        stops: list[int | str],
+        identifier: str,
+    ) -> Any:
+        sampler = make_sampler(sampler_cls, sampling)
+        args = job_args(as_ids(ids), max_new, sampler, seed, stops, identifier, sampling.logprobs)
+        return job_cls(**checked_kwargs(job_cls, args))
+
+    return make_job
+
+
+def use_triton_cache(path: str | None) -> None:
+    """Point Triton's kernel cache at `path` (GENQ_TRITON_CACHE_DIR), before anything imports
+    Triton; unset, the environment's (or Triton's own) stays."""
+    if path:
+        folder = Path(path).expanduser()
+        folder.mkdir(parents=True, exist_ok=True)
+        os.environ["TRITON_CACHE_DIR"] = str(folder)
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+
+def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
+    """Load the model, cache and tokenizer, warm them up; a factory for generators over them
+    (the first one warmed up too); the card."""
+    assert settings.model_dir is not None
+    model_dir = Path(settings.model_dir)
+    use_triton_cache(settings.triton_cache_dir)
+    import exllamav3 as ex  # imports torch before its extension, as the extension needs
+    import torch
+
+    config = ex.Config.from_directory(str(model_dir))
+    shape = shape_for(settings, settings.max_seq_len or int(config.max_position_embeddings))
+    model = ex.Model.from_config(config)
+    cache = _make_cache(ex, model, settings.cache_mode, shape)
+    model.load(**checked_kwargs(type(model).load_gen, _load_args(settings, shape)))
+    tokenizer = ex.Tokenizer.from_config(config)
+
+    def as_ids(ids: list[int]) -> Any:
+        return torch.tensor([ids], dtype=torch.long)
+
+    make_job = job_factory(ex.Job, ex.ComboSampler, as_ids)
+    build = generator_builder(ex.Generator, generator_kwargs(model, cache, tokenizer, shape))
+    warmed = [_warm(model, cache, build, make_job, shape, int(tokenizer.actual_vocab_size))]
+    tokenizer_json = (model_dir / "tokenizer.json").read_text()
+    eos = eos_ids(model_dir, config.eos_token_id_list)
+    card = build_card(
+        settings, model_dir, tokenizer_json, shape.max_seq_len, shape.max_batch, eos, "exllamav3"
+    )
+    extra = {"model": card.name, "cache_mode": settings.cache_mode, **asdict(shape)}
+    log.info("exllamav3 model loaded", extra=extra)
+
+    def make_generator() -> Any:
+        return warmed.pop() if warmed else build()
+
+    pieces = tokenizer.get_id_to_piece_list(False)
+
+    def piece(token_id: int) -> str:
+        return pieces[token_id] if 0 <= token_id < len(pieces) else ""
+
+    return Backend(make_generator, make_job, piece, model.unload), card, tokenizer_json
+
+
+def _make_cache(ex: Any, model: Any, mode: str, shape: Shape) -> Any:
+    """An fp16 or quantized K/V cache; `max_batch_size` sizes the state slots of models with
+    recurrent layers (their batch is limited to it)."""
+    args: dict[str, Any] = {"max_num_tokens": shape.cache_tokens, "max_batch_size": shape.max_batch}
+    if mode in QUANT_CACHE_BITS:
+        bits = QUANT_CACHE_BITS[mode]
+        return ex.Cache(model, layer_type=ex.CacheLayer_quant, k_bits=bits, v_bits=bits, **args)
+    return ex.Cache(model, layer_type=ex.CacheLayer_fp16, **args)
+
+
+def _load_args(settings: EngineSettings, shape: Shape) -> dict[str, Any]:
+    """`model.load`: the GPUs this process sees, split by exllamav3 around the cache, or GB per
+    GPU as GENQ_GPU_SPLIT says."""
+    args: dict[str, Any] = {
+        "max_chunk_size": shape.chunk,
+        "max_batch_size": shape.max_batch,
+        "max_output_size": shape.max_batch,
+        "progressbar": False,
+    }
+    if settings.gpu_split:
+        args["use_per_device"] = [float(x) for x in settings.gpu_split.split(",")]
+    return args
+
+
+# ---- warm-up --------------------------------------------------------------------------------
+
+
+def _warm(
+    model: Any,
+    cache: Any,
+    build: Callable[[], Any],
+    make_job: Callable[..., Any],
+    shape: Shape,
+    vocab: int,
+) -> Any:
+    """The model's own warm-up passes (before any generator: they write the cache), then a
+    generator, warmed up with dummy jobs; returns that generator."""
+    started = time.monotonic()
+    failed = model.warmup(cache=cache, max_chunk_size=shape.chunk, max_batch_size=shape.max_batch)
+    if failed:
+        log.warning("exllamav3 warm-up passes failed", extra={"passes": failed})
+    gen = build()
+    warm_up(gen, make_job, shape, vocab)
+    log.info("exllamav3 warmed up", extra={"seconds": round(time.monotonic() - started, 1)})
+    return gen
+
+
+def warm_up(gen: Any, make_job: Callable[..., Any], shape: Shape, vocab: int) -> None:
+    """Dummy jobs through the generator before the worker reports ready: each batch size of
+    `WARMUP_BATCHES` it can run, then one long prefill, so Triton compiles and the decode
+    paths are captured before the first real job, not during it."""
+    rng = random.Random(0)
+    low = min(WARMUP_LOWEST_TOKEN, vocab - 1)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(low, vocab) for _ in range(n)]
+
+    batches = sorted({b for b in WARMUP_BATCHES if b < shape.max_batch} | {shape.max_batch})
+    for size in batches:
+        jobs = [
+            make_job(
+                ids(WARMUP_PROMPT_TOKENS),
+                WARMUP_NEW_TOKENS,
+                WARMUP_SAMPLINGS[i % len(WARMUP_SAMPLINGS)],
+                i,
+                [],
+                f"warmup-{size}-{i}",
+            )
+            for i in range(size)
+        ]
+        _run(gen, jobs)
+    long = min(LONG_PREFILL_CHUNKS * shape.chunk, shape.max_seq_len - WARMUP_NEW_TOKENS)
+    _run(gen, [make_job(ids(long), WARMUP_NEW_TOKENS, Sampling(), 0, [], "warmup-long")])
+
+
+def _run(gen: Any, jobs: list[Any]) -> None:
+    for job in jobs:
+        gen.enqueue(job)
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            if r.get("stage") == "error":
+                raise RuntimeError(f"exllamav3 warm-up job failed: {r.get('error')!r}")

@@ -1,0 +1,74 @@
+"""Sampling for exllamav3 jobs: always an explicit `ComboSampler`, every argument named.
+
+exllamav3's `Job` and `Generator` take `**kwargs` and drop what they do not know: a misspelt
+or renamed argument (exllamav2's `gen_settings=`) leaves a job with exllamav3's
+`DefaultSampler` (min_p 0.08, temperature 0.8) and no error. So `combo_args` sets every
+`ComboSampler` argument, to the request's value or to its neutral one, and `checked_kwargs`
+refuses any keyword its callee does not name.
+
+What exllamav3 does with them (its `ComboSampler`, on the GPU, one fused kernel per job):
+penalties first (repetition, then presence and frequency, over the whole context, prompt
+included), then greedy (argmax) when temperature is 0 or top_k is 1, else temperature, min_p,
+top_k, top_p and a draw from the job's own seeded RNG. Top logprobs are of the model's own
+distribution (softmax of the logits, before temperature and truncation).
+
+Plain Python: imports nothing of exllamav3, so it is tested on a CPU install.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from shared.schemas import Sampling
+
+WHOLE_CONTEXT = 10**8
+"""`rep_sustain_range` covering any context: ComboSampler's own default, set explicitly."""
+
+
+def combo_args(s: Sampling) -> dict[str, Any]:
+    """Every `ComboSampler` argument for `s`; the ones genq does not offer at their neutral
+    values (DRY off, no logit bias, no adaptive-P, temperature first)."""
+    greedy = s.temperature == 0.0
+    return {
+        "rep_p": s.repetition_penalty,
+        "freq_p": s.frequency_penalty,
+        "pres_p": s.presence_penalty,
+        "rep_sustain_range": WHOLE_CONTEXT,
+        "rep_decay_range": 0,
+        "dry_multiplier": 0.0,
+        "dry_base": 1.75,
+        "dry_allowed_length": 2,
+        "dry_range": 0,
+        "dry_sequence_breakers": None,
+        "temperature": 0.0 if greedy else s.temperature,
+        "min_p": 0.0 if greedy else s.min_p,
+        "top_k": 0 if greedy else s.top_k,
+        "top_p": 1.0 if greedy else s.top_p,
+        "temp_last": False,
+        "adaptive_target": 1.0,
+        "adaptive_decay": 0.9,
+        "logit_bias": None,
+    }
+
+
+def make_sampler(sampler_cls: Callable[..., Any], s: Sampling) -> Any:
+    return sampler_cls(**checked_kwargs(sampler_cls, combo_args(s)))
+
+
+def checked_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs`, if `fn` names every one of them; else TypeError (instead of `fn` taking
+    them into its `**kwargs` and ignoring them)."""
+    unknown = sorted(set(kwargs) - named_parameters(fn))
+    if unknown:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(f"{name} takes no argument {', '.join(unknown)} (this exllamav3 differs)")
+    return kwargs
+
+
+@functools.cache
+def named_parameters(fn: Callable[..., Any]) -> frozenset[str]:
+    params = inspect.signature(fn).parameters.values()
+    return frozenset(p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
