@@ -26,13 +26,16 @@ from starlette.types import Receive, Scope, Send
 from gateway.http_protocol import ABORT_EXTENSION
 from gateway.pubsub import Subscription
 from shared import events
-from shared.events import EVENT_FIELD, FINAL_EVENT_TYPES, EventError
+from shared.events import EVENT_FIELD, FINAL_EVENT_TYPES, ErrorEvent, EventError
 from shared.keys import Keys, event_id, seq_of
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
 KEEPALIVE = b": keepalive\n\n"
+DIVERGED_CODE = "stream_diverged"
+_WORKER_OUTPUT = frozenset({"token", "done"})
+"""What an attempt writes only after its `started` (errors and cancels may come without)."""
 
 
 class EventFollower:
@@ -54,6 +57,9 @@ class EventFollower:
         self.job_id = job_id
         self.last = after_seq
         self.finished = False
+        self.attempt: int | None = None
+        """Attempt of the last event delivered (None before any: a resume cannot know)."""
+        self.diverged = False
         self.log_ahead = False
         """The last log read was a full page: the log may hold more at once."""
 
@@ -67,18 +73,38 @@ class EventFollower:
         self.log_ahead = len(entries) == page and len(accepted) == page
         return accepted
 
-    def _accept(self, items: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
-        """The run of items that continues `last` without a hole."""
+    def _accept(self, items: list[Envelope]) -> list[tuple[int, str, str]]:
+        """The run of items that continues `last` without a hole.
+
+        A new attempt begins with its `started` event. Output (a token, its done) of a newer
+        attempt than the last one delivered, whose `started` this stream never saw, means the
+        attempt began at a seq this stream had already delivered for the old one: Redis lost those events
+        (a restart without its last writes) and their writer is gone. What follows does not
+        continue what the client has; the stream ends with a `stream_diverged` error frame
+        (not from the log) instead."""
         out = []
-        for seq, etype, data in items:
+        for seq, etype, attempt, data in items:
             if seq != self.last + 1:
                 break
+            if self.attempt is not None and attempt > self.attempt and etype in _WORKER_OUTPUT:
+                out.append(self._diverge(attempt))
+                break
             out.append((seq, etype, data))
-            self.last = seq
+            self.last, self.attempt = seq, attempt
             if etype in FINAL_EVENT_TYPES:
                 self.finished = True
                 break
         return out
+
+    def _diverge(self, attempt: int) -> tuple[int, str, str]:
+        log.warning("stream diverged from the job's log", extra={"job_id": self.job_id})
+        self.diverged = self.finished = True
+        message = (
+            f"the job's log lost events this stream had delivered, and attempt {attempt} "
+            f"continues from an earlier point; GET /v1/jobs/{self.job_id} has its text"
+        )
+        ev = ErrorEvent(seq=0, attempt=attempt, code=DIVERGED_CODE, message=message)
+        return (0, "error", events.encode(ev))
 
     async def batches(self) -> AsyncIterator[list[tuple[int, str, str]] | None]:
         """Batches of new events; None after `sse_keepalive_s` without any."""
@@ -148,6 +174,8 @@ class EventFollower:
 
 
 def sse_frame(seq: int, etype: str, data: str) -> str:
+    if seq == 0:  # not from the log (a stream_diverged error): no id to resume from
+        return f"event: {etype}\ndata: {data}\n\n"
     return f"id: {seq}\nevent: {etype}\ndata: {data}\n\n"
 
 
@@ -159,13 +187,18 @@ async def sse_stream(follower: EventFollower) -> AsyncIterator[bytes]:
             yield "".join(sse_frame(*e) for e in batch).encode()
 
 
-def _from_log(entry_id: str, data: str) -> tuple[int, str, str]:
-    return seq_of(entry_id), events.peek(data)[1], data
+Envelope = tuple[int, str, int, str]
+"""(seq, type, attempt, the event's JSON)."""
 
 
-def _parse(data: str) -> tuple[int, str, str]:
-    seq, etype = events.peek(data)
-    return seq, etype, data
+def _from_log(entry_id: str, data: str) -> Envelope:
+    _, etype, attempt = events.envelope(data)
+    return seq_of(entry_id), etype, attempt, data
+
+
+def _parse(data: str) -> Envelope:
+    seq, etype, attempt = events.envelope(data)
+    return seq, etype, attempt, data
 
 
 class EventStreamResponse(StreamingResponse):

@@ -88,6 +88,15 @@ def decode(data: str | bytes) -> Event:
         raise EventError(f"not a genq event: {exc.errors()[0].get('msg')}") from None
 
 
+def envelope(data: str | bytes) -> tuple[int, str, int]:
+    """(seq, type, attempt) of an encoded event, without building its model."""
+    try:
+        obj = json.loads(data)
+        return int(obj["seq"]), str(obj["type"]), int(obj.get("attempt", 0))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise EventError(f"not a genq event: {exc}") from None
+
+
 def peek(data: str | bytes) -> tuple[int, str]:
     """(seq, type) of an encoded event without building its model: the gateway's hot path
     routes every event by these two and passes the JSON through untouched."""

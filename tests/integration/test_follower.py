@@ -74,3 +74,53 @@ async def test_a_stream_that_fell_behind_reads_the_log_in_bounded_pages_and_lose
     assert follower.finished
     assert max(len(b) for b in batches) <= PAGE_ENTRIES
     assert max(sum(len(d) for _, _, d in b) for b in batches) <= BUFFER_BYTES
+
+
+async def test_a_live_stream_whose_log_was_rewritten_by_a_new_attempt_ends_diverged(
+    redis: aioredis.Redis, settings: Settings
+) -> None:
+    """Redis lost events 6..10 a live client had seen (attempt 1), their writer is gone, and
+    attempt 2 began at seq 6: its token at 11 would not continue what the client has."""
+    keys = Keys(settings.key_prefix)
+    job_id = uuid.uuid4().hex
+    key = keys.events(job_id)
+    first = [
+        events.encode(QueuedEvent(seq=1, id=job_id, model="m", priority="batch", prompt_tokens=1))
+    ]
+    first.append(events.encode(events.StartedEvent(seq=2, attempt=1, worker="w1")))
+    first += [
+        events.encode(TokenEvent(seq=s, attempt=1, text=f" a{s}", token_ids=[s], count=1))
+        for s in range(3, 11)
+    ]
+    for seq, data in enumerate(first, start=1):
+        await redis.xadd(key, {"d": data}, id=event_id(seq))
+    router = PubSubRouter(RedisPyPubSub(redis), buffer_bytes=BUFFER_BYTES)
+    sub = await router.subscribe(keys.channel(job_id))
+    follower = EventFollower(redis, keys, settings, sub, job_id)
+    stream = follower.batches()
+    try:
+        seen = await anext(stream)
+        assert seen is not None and [s for s, _, _ in seen] == list(range(1, 11))
+        await redis.delete(key)  # Redis restarted without its last writes: 6..10 are gone
+        for seq, data in enumerate(first[:5], start=1):
+            await redis.xadd(key, {"d": data}, id=event_id(seq))
+        rerun = [
+            events.encode(events.StartedEvent(seq=6, attempt=2, worker="w2", resumed_tokens=4))
+        ]
+        rerun += [
+            events.encode(TokenEvent(seq=s, attempt=2, text=f" b{s}", token_ids=[s], count=1))
+            for s in range(7, 13)
+        ]
+        for seq, data in enumerate(rerun, start=6):
+            await redis.xadd(key, {"d": data}, id=event_id(seq))
+        for data in rerun:
+            sub.push(data)
+        after: list[tuple[int, str, str]] = []
+        async for batch in stream:
+            after += batch or []
+        assert [(seq, etype) for seq, etype, _ in after] == [(0, "error")]
+        assert events.decode(after[0][2]).code == "stream_diverged"  # type: ignore[union-attr]
+        assert follower.finished and follower.diverged
+    finally:
+        await sub.close()
+        await redis.delete(key)
