@@ -78,10 +78,10 @@ class EventFollower:
 
         A new attempt begins with its `started` event. Output (a token, its done) of a newer
         attempt than the last one delivered, whose `started` this stream never saw, means the
-        attempt began at a seq this stream had already delivered for the old one: Redis lost those events
-        (a restart without its last writes) and their writer is gone. What follows does not
-        continue what the client has; the stream ends with a `stream_diverged` error frame
-        (not from the log) instead."""
+        attempt began at a seq this stream had already delivered for the old one: Redis lost
+        those events (a restart without its last writes) and their writer is gone. What follows
+        does not continue what the client has; the stream ends with a `stream_diverged` error
+        frame (not from the log) instead."""
         out = []
         for seq, etype, attempt, data in items:
             if seq != self.last + 1:
