@@ -23,6 +23,31 @@ from worker.service import Worker
 from worker.sim import SimEngine
 
 REDIS_URL = os.environ.get("GENQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+SESSION = uuid.uuid4().hex[:6]
+"""This test run's part of every key prefix: what it wrote in the shared Redis is removed at
+its end (and nothing of another run's)."""
+
+
+def test_prefix() -> str:
+    """A fresh key prefix for one test, within this run's."""
+    return f"genqtest:{SESSION}:{uuid.uuid4().hex[:8]}:"
+
+
+test_prefix.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _drop_this_runs_keys() -> object:
+    """Whatever a test left in the developer's Redis (its processes, a failed cleanup) goes."""
+    yield
+    import redis as sync_redis
+
+    with contextlib.suppress(sync_redis.RedisError, OSError):
+        client = sync_redis.Redis.from_url(REDIS_URL)
+        batch = [k for k in client.scan_iter(match=f"genqtest:{SESSION}:*", count=1000)]
+        for i in range(0, len(batch), 1000):
+            client.delete(*batch[i : i + 1000])
+        client.close()
 
 
 @pytest.fixture(params=["redis", "fakeredis"])
@@ -40,7 +65,7 @@ async def redis(request: pytest.FixtureRequest) -> AsyncIterator[aioredis.Redis]
 def settings() -> Settings:
     return Settings(
         redis_url=REDIS_URL,
-        key_prefix=f"genqtest:{uuid.uuid4().hex[:8]}:",
+        key_prefix=test_prefix(),
         sim_step_ms=1.0,
         heartbeat_s=0.2,
         lease_s=1.0,

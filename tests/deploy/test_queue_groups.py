@@ -4,7 +4,6 @@ worker ever announced."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from redis.exceptions import ResponseError
 
 from gateway.queues import RETRY_S, QueueGroups
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, test_prefix
 from tests.procs import Cluster, RedisServer, free_port, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -25,7 +24,7 @@ GATEWAY_START_S = 20.0
 
 @pytest.fixture
 def prefix() -> Iterator[str]:
-    p = f"genqtest:{uuid.uuid4().hex[:8]}:"
+    p = test_prefix()
     yield p
     r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     for key in r.scan_iter(match=f"{p}*", count=1000):

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import httpx
 import pytest
 import redis
 
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, test_prefix
 from tests.procs import Cluster, Proc, RedisServer, free_port, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +26,7 @@ EXIT_TIMEOUT_S = 20.0
 
 @pytest.fixture
 def prefix() -> Iterator[str]:
-    p = f"genqtest:{uuid.uuid4().hex[:8]}:"
+    p = test_prefix()
     yield p
     r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     for key in r.scan_iter(match=f"{p}*", count=1000):

@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from gateway.app import create_app
 from gateway.pubsub_wire import PING_INTERVAL_S, PONG_TIMEOUT_S, RawPubSub
 from shared.settings import GatewaySettings
+from tests.conftest import test_prefix
 from tests.procs import RedisServer, free_port
 
 WIRE_LOGGER = "gateway.pubsub_wire"
@@ -277,7 +278,7 @@ async def test_tls_refuses_a_server_its_ca_did_not_sign(
 
 
 def _settings(url: str) -> GatewaySettings:
-    return GatewaySettings(redis_url=url, key_prefix=f"genqtest:{uuid.uuid4().hex[:8]}:")
+    return GatewaySettings(redis_url=url, key_prefix=test_prefix())
 
 
 @pytest.mark.parametrize(

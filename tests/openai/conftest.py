@@ -15,7 +15,6 @@ import asyncio
 import socket
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from gateway.app import create_app
 from shared.keys import Keys
 from shared.schemas import JobSpec
 from shared.settings import Settings
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, test_prefix
 from worker.service import Worker
 from worker.sim import SimEngine
 
@@ -165,7 +164,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenqServer]:
     llama_file.write_text(LLAMA3)
     base = Settings(
         redis_url=REDIS_URL,
-        key_prefix=f"genqtest:{uuid.uuid4().hex[:8]}:",
+        key_prefix=test_prefix(),
         api_keys=[API_KEY],
         openai_max_queue_depth=QUEUE_LIMIT,
         sim_step_ms=1.0,

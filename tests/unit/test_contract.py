@@ -27,7 +27,7 @@ from shared.records import (
 )
 from shared.schemas import ErrorInfo, JobResult, JobSpec, JobStatus, Sampling, Usage
 from shared.transitions import NotStartable, ScriptRunner, Started, Transitions, Written
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, test_prefix
 
 JOB = "0123456789abcdef" * 2
 
@@ -168,7 +168,7 @@ async def client(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def
 
 async def test_scripts_forgotten_by_redis_are_loaded_again(client: aioredis.Redis) -> None:
     """A Redis restarted between two calls answers NOSCRIPT: the runner reloads and re-sends."""
-    keys = Keys(f"genqtest:contract:{id(client)}:")
+    keys = Keys(test_prefix())
     tx, runner = Transitions(keys), ScriptRunner(client)
     record = JobRecord(spec=_spec(), status="queued", fingerprint="f")
     queued = events.encode(
@@ -208,7 +208,7 @@ async def test_scripts_forgotten_by_redis_are_loaded_again(client: aioredis.Redi
 
 
 async def test_settle_is_a_compare_and_set(client: aioredis.Redis) -> None:
-    keys = Keys(f"genqtest:settle:{id(client)}:")
+    keys = Keys(test_prefix())
     tx, runner = Transitions(keys), ScriptRunner(client)
     await client.hset(keys.job(JOB), mapping=JobRecord(spec=_spec(), status="queued").to_hash())
     await client.xadd(keys.events(JOB), {EVENT_FIELD: "{}"}, id="0-1")

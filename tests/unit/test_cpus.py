@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import uuid
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import redis
 from genq.launcher import Launcher
 from shared.keys import Keys
 from shared.settings import Settings
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, test_prefix
 from tests.procs import wait_for
 from worker import cpus
 from worker.cpus import Core
@@ -137,7 +136,7 @@ def _allowed(pid: int) -> list[int]:
     reason="needs Linux and two CPUs",
 )
 def test_launched_workers_run_on_their_own_cpus(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    prefix = f"genqtest:{uuid.uuid4().hex[:8]}:"
+    prefix = test_prefix()
     monkeypatch.setenv("GENQ_KEY_PREFIX", prefix)
     settings = Settings(redis_url=REDIS_URL, shutdown_grace_s=2, worker_id="pin")
     first, second = sorted(os.sched_getaffinity(0))[:2]

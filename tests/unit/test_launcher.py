@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 import genq.launcher as launcher
 from genq.launcher import Launcher, child_settings, parse_gpus, settings_env
 from shared.settings import Settings
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, test_prefix
 from tests.procs import free_port, wait_for
 from worker.exl2 import loader
 
@@ -162,7 +161,7 @@ def test_genq_worker_exits_non_zero_when_its_processes_crash_loop() -> None:
         env = {
             **os.environ,
             "GENQ_REDIS_URL": REDIS_URL,
-            "GENQ_KEY_PREFIX": f"genqtest:{uuid.uuid4().hex[:8]}:",
+            "GENQ_KEY_PREFIX": test_prefix(),
             "GENQ_RESTART_LIMIT": "1",
             "GENQ_RESTART_WINDOW_S": "120",
             "GENQ_METRICS_PORT": str(port),  # the launcher's Nth process takes port + N
@@ -229,7 +228,7 @@ def test_serve_with_several_worker_processes(tmp_path) -> None:  # type: ignore[
         **os.environ,
         "GENQ_REDIS_URL": REDIS_URL,
         "PYTHONUNBUFFERED": "1",
-        "GENQ_KEY_PREFIX": f"genqtest:{uuid.uuid4().hex[:8]}:",
+        "GENQ_KEY_PREFIX": test_prefix(),
         "GENQ_SIM_STEP_MS": "1",
     }
     with open(tmp_path / "serve.log", "wb") as log:  # the child keeps its own descriptor

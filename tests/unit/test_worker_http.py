@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
@@ -14,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared.settings import WorkerSettings
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, test_prefix
 from tests.procs import free_port
 from worker import http, process
 from worker.engine import Engine
@@ -117,7 +116,7 @@ def restore_switch_interval() -> Iterator[None]:
 async def test_probes_answer_while_the_model_loads(
     monkeypatch: pytest.MonkeyPatch, restore_switch_interval: None
 ) -> None:
-    prefix = f"genqtest:{uuid.uuid4().hex[:8]}:"
+    prefix = test_prefix()
     port = free_port()
     settings = WorkerSettings(
         redis_url=REDIS_URL, key_prefix=prefix, metrics_port=port, metrics_host="127.0.0.1"
