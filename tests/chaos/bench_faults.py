@@ -5,6 +5,8 @@ on a private redis-server with real genq processes, printing what the tests asse
 
 restarts   40 streams, 8 quick redis-server restarts (SIGKILL + start): jobs re-run, ended
            wrong (not succeeded), streams not exactly the reference.
+noscript   40 streams while Redis forgets its scripts every 5 ms for 3 s (SCRIPT FLUSH: what
+           a restart does to them, on every flush): the same figures.
 oom        40 streams, Redis at maxmemory flickering 8 x 0.3 s: the same figures.
 deadline   a 2 s job with no worker up, and a 3 s job whose worker is SIGKILLed: seconds from
            its deadline to `expired`.
@@ -78,6 +80,15 @@ async def restarts(env: Env) -> dict[str, float]:
     return {**(await _outcome(env, streams, tasks))}
 
 
+async def noscript(env: Env) -> dict[str, float]:
+    streams, tasks = await _streams(env)
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:  # what a quick restart does to the scripts
+        await env.redis.script_flush()
+        await asyncio.sleep(0.005)
+    return {**(await _outcome(env, streams, tasks))}
+
+
 async def oom(env: Env) -> dict[str, float]:
     streams, tasks = await _streams(env)
     for _ in range(8):
@@ -129,7 +140,13 @@ async def cancel(env: Env) -> dict[str, float]:
     return {"cancel_s": round(await _until_status(env, job, "cancelled") - t0, 3)}
 
 
-SCENARIOS = {"restarts": restarts, "oom": oom, "deadline": deadline, "cancel": cancel}
+SCENARIOS = {
+    "restarts": restarts,
+    "noscript": noscript,
+    "oom": oom,
+    "deadline": deadline,
+    "cancel": cancel,
+}
 
 
 async def run(args: argparse.Namespace) -> None:

@@ -18,6 +18,8 @@ RESTART_GAP_S = 0.4
 FLICKERS = 8
 FLICKER_S = 0.3
 OOM_HEADROOM_BYTES = 1024
+SCRIPT_FLUSH_S = 3.0
+SCRIPT_FLUSH_EVERY_S = 0.005
 
 
 async def _streaming(env: Env, n: int) -> tuple[list[Stream], list[asyncio.Task[Stream]]]:
@@ -79,4 +81,19 @@ async def test_redis_at_maxmemory_flickering_is_no_engine_failure(env: Env) -> N
         await env.redis.config_set("maxmemory", 0)
         await asyncio.sleep(FLICKER_S)
     assert time.monotonic() - started >= FLICKERS * 2 * FLICKER_S
+    await _all_exact(env, streams, tasks)
+
+
+async def test_scripts_forgotten_mid_flush_rerun_no_job(env: Env) -> None:
+    """What a quick restart does to the scripts, without the restart's luck of timing: Redis
+    forgets them (SCRIPT FLUSH) again and again while every worker flushes."""
+    env.cluster.gateway()
+    for _ in range(2):
+        env.worker("--step-ms", "30", "--max-batch", "32")
+    await env.wait_workers(2)
+    streams, tasks = await _streaming(env, STREAMS)
+    until_t = time.monotonic() + SCRIPT_FLUSH_S
+    while time.monotonic() < until_t:
+        await env.redis.script_flush()
+        await asyncio.sleep(SCRIPT_FLUSH_EVERY_S)
     await _all_exact(env, streams, tasks)
