@@ -1,4 +1,5 @@
-"""`create_app(settings)`: the gateway ASGI app. The lifespan owns Redis and the pub/sub router."""
+"""`create_app(settings)`: the gateway ASGI app. The lifespan owns Redis, the pub/sub router
+and the batch loops (gateway/batch)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from gateway import http_errors
+from gateway.batch import routes as batch_routes
+from gateway.batch.runtime import BatchRuntime
 from gateway.job_service import JobService
 from gateway.openai import routes as openai_routes
 from gateway.pubsub import PubSubRouter
@@ -59,12 +62,15 @@ def create_app(
             jobs=JobService(settings, client, ScriptRunner(client), registry),
         )
         app.state.genq = state
+        app.state.batch = batches = BatchRuntime(state)
         runtime.tune_gc()
         receiver = asyncio.create_task(router.run(), name="pubsub-router")
+        batches.start()
         try:
             yield
         finally:
             state.draining = True
+            await batches.stop()
             await router.close()
             receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -83,6 +89,7 @@ def create_app(
     app.include_router(models.router)
     app.include_router(jobs.router)
     app.include_router(openai_routes.router)
+    app.include_router(batch_routes.router)
     return app
 
 

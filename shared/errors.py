@@ -8,6 +8,7 @@ GenqError
 │   ├── JobNotFound
 │   └── ModelNotFound
 ├── Conflict              409  e.g. cancelling a finished job
+├── TooLarge              413  an upload over a size or line limit
 ├── Unprocessable         422  e.g. an idempotency key reused with another body
 ├── TooManyRequests       429
 └── Unavailable           503  Redis unreachable, no worker for the model
@@ -62,6 +63,12 @@ class ModelNotFound(NotFound):
 class Conflict(GenqError):
     status = 409
     code = "conflict"
+    type = "invalid_request_error"
+
+
+class TooLarge(GenqError):
+    status = 413
+    code = "too_large"
     type = "invalid_request_error"
 
 

@@ -139,6 +139,9 @@ class JobRecord(HashModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     fingerprint: str | None = None
     """Hash of the submitted body, to tell an idempotent replay from a reused key."""
+    done_stream: str | None = None
+    """A stream told the job's id in the step that ends it (EMIT of a final event, SETTLE):
+    a batch's, so that its tracker learns which lines finished without polling them."""
 
     def view(self) -> JobView:
         result = self.result

@@ -112,6 +112,63 @@ class GatewaySettings(JobSettings):
         description="429 while the model's interactive queue holds this many jobs; 0 = no limit",
     )
 
+    # OpenAI Files and Batches API
+    file_max_bytes: int = Field(
+        default=200 * 1024 * 1024,
+        ge=1,
+        description="largest file upload, in bytes (OpenAI's: 200 MB); 413 beyond it",
+    )
+    batch_max_lines: int = Field(
+        default=50_000,
+        ge=1,
+        description="most requests in a batch input file (OpenAI's: 50,000); 413 beyond it",
+    )
+    file_ttl_s: int = Field(
+        default=30 * 86_400, ge=60, description="how long files are kept (OpenAI: 30 days)"
+    )
+    batch_ttl_s: int = Field(
+        default=30 * 86_400, ge=60, description="how long a batch's record is kept once it ended"
+    )
+    file_chunk_bytes: int = Field(
+        default=256 * 1024,
+        ge=1024,
+        description="files are stored in chunks of whole lines of about this size; a batch is "
+        "queued a chunk at a time",
+    )
+    batch_max_in_flight: int = Field(
+        default=10_000,
+        ge=1,
+        description="most jobs of one batch queued or running at once; its other lines wait "
+        "in its input file (bounds Redis memory per batch)",
+    )
+    batch_lease_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a gateway driving a batch (queueing, cancelling, finalizing) that is "
+        "silent this long loses it to another gateway",
+    )
+    batch_poll_s: float = Field(
+        default=0.5, gt=0, description="how often each gateway looks for batch work"
+    )
+    batch_sweep_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="a batch that made no progress this long has its open lines' jobs looked "
+        "at directly (a safety net under the job-end notifications)",
+    )
+    batch_claim_idle_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="job-end notifications read by a gateway that died are taken over by "
+        "another after this long",
+    )
+    batch_job_retention_s: int = Field(
+        default=3600,
+        ge=1,
+        description="a batch's job keeps its record and event log this long once its result "
+        "is in the batch (instead of GENQ_RETENTION_S)",
+    )
+
     _default_template = field_validator("default_chat_template")(_template_text)
 
 

@@ -3,7 +3,8 @@
 Each method builds a `Call` (keys, arguments, and how to read the reply) from named
 arguments; `ScriptRunner` runs calls, one or a pipeline of many, by EVALSHA. Every script
 touches only the keys of one job (one Cluster slot), except SUBMIT (the job's keys, its queue,
-the deadlines index, the idempotency key: the seam for Cluster).
+the deadlines index, the idempotency key) and the end of a batch's job (EMIT of its final
+event, SETTLE: the batch's done stream its record names): the seam for Cluster.
 
 Who may write a job (fencing): the gateway while it is `queued` and nobody runs it (SUBMIT,
 SETTLE of a cancel), the worker the record names at the record's `attempt` while it is

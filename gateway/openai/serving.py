@@ -4,6 +4,7 @@ Every choice of every prompt is one interactive-priority job, queued through Job
 native one (so it shows at /v1/jobs/{id}: the response id is `chatcmpl-<id of job 0>`, and the
 `X-Job-Ids` header lists all of them). Phases of a request:
 
+  plan     what no model could run: parameters genq cannot honour, empty prompts (400)
   admit    the model is known (404), some live worker serves it (503), its queue has room (429)
   prepare  build each job (chat: render the template) and validate it; nothing is written yet
   start    subscribe each job's channel, then queue it
@@ -11,6 +12,10 @@ native one (so it shows at /v1/jobs/{id}: the response id is `chatcmpl-<id of jo
 
 A client that goes away, streaming or not, cancels its unfinished jobs (queued or running) when
 `openai_cancel_on_disconnect` is on.
+
+`plan` and `prepare_jobs` are the whole validation of a request body: the batch API
+(gateway/batch) runs every line of an input file through the same two, so a batch line is
+refused exactly where the live endpoint would refuse it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import anyio
 from fastapi import Request
@@ -59,7 +65,9 @@ from shared.errors import (
     Unprocessable,
 )
 from shared.events import TokenEvent
+from shared.keys import Priority
 from shared.schemas import MAX_SEED, JobCreate, JobSpec
+from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +77,116 @@ DONE_FRAME = b"data: [DONE]\n\n"
 _OUTPUT_EVENTS = frozenset({"token", "done", "error", "cancelled"})
 
 Prompt = str | list[int]
+OpenAIBody = CompletionRequest | ChatCompletionRequest
+
+
+# ---- plan and prepare: the validation the live endpoints and the batch API share ----------
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A request body checked as far as it can be without its model's card."""
+
+    kind: Literal["cmpl", "chatcmpl"]
+    req: OpenAIBody
+    prompts: list[Prompt]
+    """Completions: the prompts. Chat: none yet (its one prompt is rendered from the card)."""
+    max_tokens: int | None
+    logprobs: int | None
+
+    @property
+    def jobs(self) -> int:
+        """Jobs the request starts: n per prompt."""
+        return max(len(self.prompts), 1) * self.req.n
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.kind == "chatcmpl" else "prompt"
+
+    @property
+    def want_logprobs(self) -> bool:
+        if isinstance(self.req, ChatCompletionRequest):
+            return bool(self.req.logprobs)
+        return self.req.logprobs is not None
+
+    def output_format(self) -> OutputFormat:
+        if isinstance(self.req, ChatCompletionRequest):
+            return ChatFormat(self.want_logprobs)
+        return CompletionFormat(self.want_logprobs)
+
+
+def plan(req: OpenAIBody) -> Plan:
+    """Refuse what no model could run: parameters genq cannot honour, empty prompts (400)."""
+    _refuse_unsupported(req)
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return Plan("chatcmpl", req, [], req.completion_limit, logprobs)
+    return Plan("cmpl", req, _completion_prompts(req), req.max_tokens, req.logprobs)
+
+
+async def prepare_jobs(
+    state: GatewayState, p: Plan, loaded: LoadedCard, priority: Priority
+) -> tuple[RequestState, list[tuple[JobCreate, JobSpec]]]:
+    """Render (chat), validate and tokenize every prompt once against the model's card (400
+    for a prompt that cannot run: too long, a template that refuses it); one job per
+    (prompt, choice). Nothing is written yet."""
+    req = p.req
+    prompts = p.prompts
+    if isinstance(req, ChatCompletionRequest):
+        prompts = [_render(state.settings, loaded, req)]
+    request_id = uuid.uuid4().hex
+    run = RequestState(f"{p.kind}-{request_id}", int(time.time()), req.model, [], [])
+    jobs: list[tuple[JobCreate, JobSpec]] = []
+    for i, prompt in enumerate(prompts):
+        body = _job_body(req, prompt, p.max_tokens, p.logprobs, p.prompt_param, priority)
+        spec = await state.jobs.prepare(body)
+        run.prompt_tokens.append(len(spec.input_ids))
+        for j in range(req.n):
+            index = len(jobs)
+            job_id = request_id if index == 0 else uuid.uuid4().hex
+            seed = None if req.seed is None else (req.seed + j) % (MAX_SEED + 1)
+            meta = _metadata(p.kind, run.id, index, req.user)
+            jobs.append(
+                (
+                    body.model_copy(update={"seed": seed, "metadata": meta}),
+                    spec.model_copy(
+                        update={
+                            "id": job_id,
+                            "sampling": spec.sampling.model_copy(update={"seed": seed}),
+                        }
+                    ),
+                )
+            )
+            run.choices.append(ChoiceState(index, job_id, i))
+    return run, jobs
+
+
+def _render(settings: GatewaySettings, loaded: LoadedCard, req: ChatCompletionRequest) -> str:
+    card = loaded.card
+    template = card.chat_template or settings.default_chat_template
+    if template is None:
+        raise BadRequest(
+            f"model '{card.name}' has no chat template (and no GENQ_DEFAULT_CHAT_TEMPLATE is "
+            "configured); use /v1/completions with a formatted prompt",
+            param="messages",
+            code="chat_template_missing",
+        )
+    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    text = render_chat(
+        template,
+        messages,
+        add_generation_prompt=req.add_generation_prompt,
+        bos_token=card.bos_token,
+        eos_token=card.eos_token,
+    )
+    if card.add_bos and card.bos_token and text.startswith(card.bos_token):
+        text = text[len(card.bos_token) :]  # JobService adds the BOS token itself
+    return text
+
+
+# ---- the live endpoints -------------------------------------------------------------------
 
 
 class OpenAIServing:
@@ -76,31 +194,16 @@ class OpenAIServing:
         self.state = state
         self.settings = state.settings
 
-    # ---- endpoints ------------------------------------------------------------------------
-
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
-        _refuse_unsupported(req)
-        prompts = _completion_prompts(req)
-        await self._admit(req.model, len(prompts) * req.n)
-        run, jobs = await self._prepare(
-            "cmpl", req, prompts, req.max_tokens, req.logprobs, "prompt"
-        )
-        return await self._respond(
-            req, request, run, jobs, CompletionFormat(req.logprobs is not None)
-        )
+        return await self._serve(plan(req), request)
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
-        _refuse_unsupported(req)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-        loaded = await self._admit(req.model, req.n)
-        prompt = self._render(loaded, req)
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        limit = req.completion_limit
-        run, jobs = await self._prepare("chatcmpl", req, [prompt], limit, logprobs, "messages")
-        return await self._respond(req, request, run, jobs, ChatFormat(bool(req.logprobs)))
+        return await self._serve(plan(req), request)
 
-    # ---- admit and prepare ----------------------------------------------------------------
+    async def _serve(self, p: Plan, request: Request) -> Response:
+        loaded = await self._admit(p.req.model, p.jobs)
+        run, jobs = await prepare_jobs(self.state, p, loaded, "interactive")
+        return await self._respond(p.req, request, run, jobs, p.output_format())
 
     async def _admit(self, model: str, jobs: int) -> LoadedCard:
         s, state = self.settings, self.state
@@ -129,64 +232,6 @@ class OpenAIServing:
                     code="queue_full",
                 )
         return loaded
-
-    def _render(self, loaded: LoadedCard, req: ChatCompletionRequest) -> str:
-        card = loaded.card
-        template = card.chat_template or self.settings.default_chat_template
-        if template is None:
-            raise BadRequest(
-                f"model '{card.name}' has no chat template (and no GENQ_DEFAULT_CHAT_TEMPLATE is "
-                "configured); use /v1/completions with a formatted prompt",
-                param="messages",
-                code="chat_template_missing",
-            )
-        messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
-        text = render_chat(
-            template,
-            messages,
-            add_generation_prompt=req.add_generation_prompt,
-            bos_token=card.bos_token,
-            eos_token=card.eos_token,
-        )
-        if card.add_bos and card.bos_token and text.startswith(card.bos_token):
-            text = text[len(card.bos_token) :]  # JobService adds the BOS token itself
-        return text
-
-    async def _prepare(
-        self,
-        kind: str,
-        req: SamplingParams,
-        prompts: list[Prompt],
-        max_tokens: int | None,
-        logprobs: int | None,
-        prompt_param: str,
-    ) -> tuple[RequestState, list[tuple[JobCreate, JobSpec]]]:
-        """Validate and tokenize every prompt once; one job per (prompt, choice)."""
-        request_id = uuid.uuid4().hex
-        run = RequestState(f"{kind}-{request_id}", int(time.time()), req.model, [], [])
-        jobs: list[tuple[JobCreate, JobSpec]] = []
-        for p, prompt in enumerate(prompts):
-            body = _job_body(req, prompt, max_tokens, logprobs, prompt_param)
-            spec = await self.state.jobs.prepare(body)
-            run.prompt_tokens.append(len(spec.input_ids))
-            for j in range(req.n):
-                index = len(jobs)
-                job_id = request_id if index == 0 else uuid.uuid4().hex
-                seed = None if req.seed is None else (req.seed + j) % (MAX_SEED + 1)
-                meta = _metadata(kind, run.id, index, req.user)
-                jobs.append(
-                    (
-                        body.model_copy(update={"seed": seed, "metadata": meta}),
-                        spec.model_copy(
-                            update={
-                                "id": job_id,
-                                "sampling": spec.sampling.model_copy(update={"seed": seed}),
-                            }
-                        ),
-                    )
-                )
-                run.choices.append(ChoiceState(index, job_id, p))
-        return run, jobs
 
     # ---- start and output -----------------------------------------------------------------
 
@@ -370,11 +415,12 @@ def _job_body(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_param: str,
+    priority: Priority,
 ) -> JobCreate:
     fields: dict[str, Any] = {
         "model": req.model,
         "max_tokens": max_tokens,
-        "priority": "interactive",
+        "priority": priority,
         "stop": req.stop_list,
         "logprobs": logprobs,
     }

@@ -10,4 +10,5 @@ local last = append(KEYS[2], KEYS[3], ARGV[3], 6, to)
 if last then return {-1, last} end
 set_fields(KEYS[1], to + 1)
 retain(KEYS[1], KEYS[2], ARGV[4])
+if tonumber(ARGV[4]) > 0 then tell_done(KEYS[1]) end  -- a retention: the job ended
 return {1, redis.call('HGET', KEYS[1], 'cancel') or ''}

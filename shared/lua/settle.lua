@@ -10,4 +10,5 @@ append(KEYS[2], KEYS[3], ARGV[4], 6, 7)
 redis.call('HDEL', KEYS[1], 'worker')
 set_fields(KEYS[1], 8)
 retain(KEYS[1], KEYS[2], ARGV[5])
+tell_done(KEYS[1])
 return 1
