@@ -305,10 +305,12 @@ class FileService:
 
     # ---- look up, list, read, delete ------------------------------------------------------
 
-    async def record(self, file_id: str) -> FileRecord:
-        raw = await self.redis.hgetall(self.keys.file(_valid_id(file_id)))
+    async def record(self, file_id: str, param: str = "file_id") -> FileRecord:
+        if not FILE_ID.fullmatch(file_id):
+            raise _not_found(file_id, param)
+        raw = await self.redis.hgetall(self.keys.file(file_id))
         if not raw:
-            raise _not_found(file_id)
+            raise _not_found(file_id, param)
         return FileRecord.from_hash(raw)
 
     async def get(self, file_id: str) -> FileObject:
@@ -348,16 +350,10 @@ class FileService:
         return FileDeleted(id=file_id)
 
 
-def _valid_id(file_id: str) -> str:
-    if not FILE_ID.fullmatch(file_id):
-        raise _not_found(file_id)
-    return file_id
-
-
-def _not_found(file_id: str) -> NotFound:
+def _not_found(file_id: str, param: str) -> NotFound:
     return NotFound(
         f"no file '{file_id[:64]}' (unknown, deleted or expired)",
-        param="file_id",
+        param=param,
         code="file_not_found",
     )
 

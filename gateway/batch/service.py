@@ -76,7 +76,7 @@ class BatchService:
         except ValueError as exc:
             raise BadRequest(str(exc), param="completion_window") from None
         _check_metadata(body.metadata)
-        source = await self.files.record(body.input_file_id)
+        source = await self.files.record(body.input_file_id, "input_file_id")
         if source.purpose != "batch":
             raise BadRequest(
                 f"file '{source.id}' has purpose '{source.purpose}'; a batch's input has "
