@@ -1,4 +1,4 @@
-"""The `genq` command: serve, gateway, worker, submit, bench (and the engine's extras)."""
+"""The `genq` command: serve, gateway, worker, submit, batch, bench (and the engine's extras)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any, get_args
 
+from genq import batch as batch_cli
 from shared import logs
 from shared.settings import GatewaySettings, LogLevel, RedisSettings, Settings
 
@@ -129,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
+    batch_cli.add_parser(sub)
+
     p = sub.add_parser("synth-model", help="write a random-weight Llama model (tests, planning)")
     p.add_argument("dir")
     p.add_argument("--shape", choices=["tiny", "1b", "8b"], default="tiny")
@@ -171,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         from genq.bench import main as bench
 
         return bench(args)
+    if args.command == "batch":
+        return batch_cli.main(args)
     if args.command == "synth-model":
         from genq.synth import synth_model
 
