@@ -38,7 +38,7 @@ from redis.exceptions import RedisError
 
 from gateway.batch.finalize import Finalizer
 from gateway.batch.lines import LineChecker, LineProblem, PreparedLine, custom_id_of
-from gateway.batch.results import BatchJob, error_line, result_of
+from gateway.batch.results import BatchJob, error_line, read_logs, result_of
 from gateway.batch.storage import FileStore
 from gateway.state import GatewayState
 from shared.batch_transitions import BatchTransitions, LineResult
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 CHECK_GROUP = 128
 """Lines checked between two yields to the event loop."""
-SUBMIT_PIPELINE = 500
+SUBMIT_PIPELINE = 100
 """SUBMITs per pipeline."""
 SWEEP_RANGE = 1000
 """Lines looked at per round of a sweep."""
@@ -312,6 +312,8 @@ class BatchDriver:
                 done_stream=k.batch_done(record.id),
             )
             calls.append(submission.call)
+            if len(calls) % CHECK_GROUP == 0:
+                await asyncio.sleep(0)
         for start in range(0, len(calls), SUBMIT_PIPELINE):
             replies = await self.scripts.run_all(calls[start : start + SUBMIT_PIPELINE])
             refused = next((r for r in replies if isinstance(r, Exception)), None)
@@ -357,19 +359,24 @@ class BatchDriver:
         pipe = self.redis.pipeline(transaction=False)
         for job_id in jobs:
             pipe.hgetall(self.keys.job(job_id))
-            pipe.xrange(self.keys.events(job_id))
-        replies = await pipe.execute()
+        raws = await pipe.execute()
+        gone: list[int] = [n for n in lines if n > record.lines_queued]
+        records: dict[str, tuple[int, JobRecord]] = {}
+        for n, job_id, raw in zip(queued, jobs, raws, strict=True):
+            try:
+                records[job_id] = (n, JobRecord.from_hash(raw))
+            except RecordError as exc:  # an empty hash too: the job is gone
+                if raw:
+                    log.error("unreadable batch job", extra={"job_id": job_id, "error": str(exc)})
+                gone.append(n)
+        logs = await read_logs(self.redis, self.keys, {j: r for j, (_, r) in records.items()})
         results: list[LineResult] = []
         unended: list[tuple[int, str, str]] = []
-        gone: list[int] = [n for n in lines if n > record.lines_queued]
-        for i, (n, job_id) in enumerate(zip(queued, jobs, strict=True)):
-            raw, entries = replies[2 * i], replies[2 * i + 1]
-            if not raw:
-                gone.append(n)
-                continue
+        for job_id, (n, job) in records.items():
             try:
-                job = JobRecord.from_hash(raw)
-                result = result_of(job_id, job, entries, batch_cancelling=closing == "cancelled")
+                result = result_of(
+                    job_id, job, logs.get(job_id), batch_cancelling=closing == "cancelled"
+                )
                 if result is None:
                     unended.append((n, job_id, BatchJob.of(job).custom_id))
                 else:

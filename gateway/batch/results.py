@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import redis.asyncio as aioredis
+
 from gateway.openai.output import (
     ChatFormat,
     ChoiceState,
@@ -28,6 +30,7 @@ from shared.batches import (
 )
 from shared.deadlines import EXPIRED_CODE as JOB_DEADLINE_CODE
 from shared.events import EVENT_FIELD
+from shared.keys import Keys
 from shared.records import JobRecord, RecordError
 from shared.schemas import TERMINAL_STATUSES
 
@@ -35,6 +38,9 @@ CHAT_API = "openai.chatcmpl"
 """`metadata.api` of a job made from a /v1/chat/completions line (else /v1/completions)."""
 _OUTPUT_EVENTS = frozenset({"token", "done", "error", "cancelled"})
 HTTP_OK = 200
+
+Entries = Sequence[tuple[str, dict[str, str]]]
+"""A stream's entries as the client gives them: (id, fields)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,15 +86,21 @@ def error_line(line: int, job_id: str, custom_id: str, code: str, message: str) 
     return LineResult(line, "err", out.model_dump_json())
 
 
+def needs_log(record: JobRecord) -> bool:
+    """Whether the job's line is built from its event log: logprobs live only there (the
+    record holds the text, finish reason and usage the live endpoint would answer with)."""
+    return record.status == "succeeded" and bool(record.metadata.get("logprobs"))
+
+
 def result_of(
     job_id: str,
     record: JobRecord,
-    log: Sequence[tuple[str, dict[str, str]]],
+    log: Entries | None,
     *,
     batch_cancelling: bool,
 ) -> LineResult | None:
-    """The line a job's end makes; None while the job has not ended. RecordError or
-    EventError for a record or log that does not decode."""
+    """The line a job's end makes (`log`: its event log, where `needs_log`); None while the
+    job has not ended. RecordError or EventError for a record or log that does not decode."""
     if record.status not in TERMINAL_STATUSES:
         return None
     job = BatchJob.of(record)
@@ -108,7 +120,10 @@ def result_of(
 
 
 def _output_line(
-    job_id: str, job: BatchJob, record: JobRecord, log: Sequence[tuple[str, dict[str, str]]]
+    job_id: str,
+    job: BatchJob,
+    record: JobRecord,
+    log: Entries | None,
 ) -> LineResult:
     spec = record.spec
     fmt: OutputFormat = ChatFormat(job.logprobs) if job.chat else CompletionFormat(job.logprobs)
@@ -116,10 +131,15 @@ def _output_line(
     choice = ChoiceState(0, job_id, 0)
     run = RequestState(f"{kind}-{job_id}", int(spec.created_at), spec.model, [choice], [])
     run.prompt_tokens.append(len(spec.input_ids))
-    for _, fields in log:
-        data = fields[EVENT_FIELD]
-        if events.peek(data)[1] in _OUTPUT_EVENTS:
-            choice.apply(events.decode(data))
+    if log is not None:  # as the live endpoint does: every output event, in order
+        for _, fields in log:
+            data = fields[EVENT_FIELD]
+            if events.peek(data)[1] in _OUTPUT_EVENTS:
+                choice.apply(events.decode(data))
+    elif record.result is not None:  # the same, summed up by the worker
+        choice.text.append(record.result.text)
+        choice.finish_reason = record.result.finish_reason
+        choice.usage = record.usage
     if choice.finish_reason is None:  # a log cut short (Redis lost its tail): say so
         return error_line(
             job.line, job_id, job.custom_id, "job_lost", f"job {job_id} has no final event"
@@ -139,3 +159,16 @@ def _output_line(
         output_tokens=usage.completion_tokens if usage else 0,
         cached_tokens=usage.cached_tokens if usage else 0,
     )
+
+
+async def read_logs(
+    redis: aioredis.Redis, keys: Keys, records: dict[str, JobRecord]
+) -> dict[str, Entries]:
+    """The event logs of the jobs whose line is built from it (`needs_log`), in one pipeline."""
+    wanted = [j for j, r in records.items() if needs_log(r)]
+    if not wanted:
+        return {}
+    pipe = redis.pipeline(transaction=False)
+    for job_id in wanted:
+        pipe.xrange(keys.events(job_id))
+    return dict(zip(wanted, await pipe.execute(), strict=True))

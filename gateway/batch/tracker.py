@@ -17,12 +17,12 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
-from gateway.batch.results import result_of
+from gateway.batch.results import Entries, read_logs, result_of
 from gateway.batch.service import TRACKERS, ensure_group
 from gateway.state import GatewayState
 from shared.batch_transitions import BatchTransitions, LineResult
@@ -33,13 +33,13 @@ from shared.transitions import ScriptRunner
 
 log = logging.getLogger(__name__)
 
-READ_COUNT = 512
+READ_COUNT = 128
 """Entries read per stream and round."""
 BLOCK_MS = 1000
 """How long a read waits for entries (new batches join the read after at most this)."""
 LOOP_RESTART_S = 0.5
-
-Entries = Sequence[tuple[str, dict[str, str]]]
+BUILD_GROUP = 32
+"""Results built between two yields to the event loop."""
 
 
 class BatchTracker:
@@ -104,13 +104,16 @@ class BatchTracker:
         pipe.hget(k.batch(batch_id), "status")
         for job_id in jobs:
             pipe.hgetall(k.job(job_id))
-            pipe.xrange(k.events(job_id))
-        status, *replies = await pipe.execute()
+        status, *raws = await pipe.execute()
+        records = {j: r for j, raw in zip(jobs, raws, strict=True) if (r := _record(j, raw))}
+        logs = await read_logs(self.redis, self.keys, records)
         results: list[LineResult] = []
-        for i, job_id in enumerate(jobs):
-            result = _result(job_id, replies[2 * i], replies[2 * i + 1], status == "cancelling")
+        for i, (job_id, record) in enumerate(records.items()):
+            result = _result(job_id, record, logs.get(job_id), status == "cancelling")
             if result is not None:
                 results.append(result)
+            if i % BUILD_GROUP == BUILD_GROUP - 1:
+                await asyncio.sleep(0)  # building responses is CPU work: streams go first
         if results and status not in ENDED_BATCH_STATUSES:
             call = self.tx.results(batch_id, results, ttl_s=self.settings.batch_ttl_s)
             written = await self.scripts.run(call)
@@ -138,13 +141,21 @@ class BatchTracker:
                 await self.redis.expire(self.keys.batch_done(batch_id), self.settings.batch_ttl_s)
 
 
-def _result(
-    job_id: str, raw: dict[str, str], log_entries: Entries, cancelling: bool
-) -> LineResult | None:
+def _record(job_id: str, raw: dict[str, str]) -> JobRecord | None:
     if not raw:
         return None  # gone already: the driver's sweep gives the line its error
     try:
-        return result_of(job_id, JobRecord.from_hash(raw), log_entries, batch_cancelling=cancelling)
+        return JobRecord.from_hash(raw)
+    except RecordError as exc:
+        log.error("unreadable batch job", extra={"job_id": job_id, "error": str(exc)})
+        return None
+
+
+def _result(
+    job_id: str, record: JobRecord, log_entries: Entries | None, cancelling: bool
+) -> LineResult | None:
+    try:
+        return result_of(job_id, record, log_entries, batch_cancelling=cancelling)
     except (RecordError, EventError) as exc:
         log.error("unreadable batch job", extra={"job_id": job_id, "error": str(exc)})
         return None

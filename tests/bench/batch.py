@@ -1,0 +1,329 @@
+"""Benchmark of batch mode (the Files and Batches API on the queue). Prints its figures.
+
+    python -m tests.bench.batch                          # the CPU figures, sim engine, step 0
+    python -m tests.bench.batch --url http://127.0.0.1:8000 --model NAME --sections compare \\
+        --lines 2000 --max-tokens 128 --system-tokens 512            # a running genq (GPU)
+
+Sections (`--sections`, comma-separated; default ingest,throughput,ttft):
+  ingest      upload a file of --ingest-lines requests: lines/s checked and stored, and the
+              Redis memory the stored file takes per line
+  throughput  a batch of --lines requests (--max-tokens each), upload to completed: requests/s,
+              tokens/s; gateway RSS and Redis memory sampled during it (peak, per line)
+  ttft        interactive time to first token, p50/p99: idle, then with a batch of --lines
+              requests queued and running; and how many batch lines finished meanwhile
+  compare     the same --lines requests as a batch and as live streams (interactive jobs,
+              --live-concurrency at once): tokens/s each, with a shared system prompt of
+              --system-tokens words and with a distinct one per line (prefix cache effect)
+
+Without --url it starts its own redis-server (deploy/redis.conf), one `genq gateway` and one
+`genq worker` with the sim engine (--step-ms, --max-batch) and stops them at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import redis.asyncio as aioredis
+
+from genq.bench import Client, Target, percentile
+from tests.procs import Cluster, redis_server
+
+DEPLOY_REDIS_CONF = Path(__file__).resolve().parents[2] / "deploy" / "redis.conf"
+WORDS = (
+    "the of and to in is that for it as was with be by on not this are or from at queue "
+    "worker model engine token batch river stone light answer window"
+).split()
+SAMPLE_S = 0.25
+PROBE_TOKENS = 4
+QUESTION_WORDS = 24
+BACKLOG_READY = 0.05
+"""The ttft probes start once this share of the backlog batch is queued or done."""
+HTTP_TIMEOUT_S = 600.0
+ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+@dataclass
+class Stack:
+    url: str
+    redis: aioredis.Redis | None
+    http: httpx.AsyncClient
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def lines(n: int, model: str, max_tokens: int, system: str | None, seed: int = 0) -> list[dict]:
+    """Completion requests; `system` shared by all, or (None) a distinct one per line."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        head = system if system is not None else _text(rng, len(WORDS))
+        body = {
+            "model": model,
+            "prompt": f"{head}\n{_text(rng, QUESTION_WORDS)}",
+            "max_tokens": max_tokens,
+            "seed": i,
+        }
+        out.append({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body})
+    return out
+
+
+def jsonl(requests: list[dict]) -> bytes:
+    return "".join(json.dumps(x) + "\n" for x in requests).encode()
+
+
+async def upload(http: httpx.AsyncClient, url: str, content: bytes) -> dict:
+    r = await http.post(
+        f"{url}/v1/files", data={"purpose": "batch"}, files={"file": ("bench.jsonl", content)}
+    )
+    r.raise_for_status()
+    return dict(r.json())
+
+
+async def create(http: httpx.AsyncClient, url: str, file_id: str) -> dict:
+    body = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+    r = await http.post(f"{url}/v1/batches", json=body)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+async def batch(http: httpx.AsyncClient, url: str, batch_id: str) -> dict:
+    r = await http.get(f"{url}/v1/batches/{batch_id}")
+    r.raise_for_status()
+    return dict(r.json())
+
+
+async def redis_mb(r: aioredis.Redis | None) -> float | None:
+    if r is None:
+        return None
+    info = await r.info("memory")
+    return round(int(info["used_memory"]) / 2**20, 1)
+
+
+async def gateway_mb(http: httpx.AsyncClient, url: str) -> float | None:
+    data = (await http.get(f"{url}/readyz")).json()
+    return data.get("rss_mb")
+
+
+# ---- sections -----------------------------------------------------------------------------
+
+
+async def ingest(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    content = jsonl(lines(args.ingest_lines, args.model, args.max_tokens, _system(args)))
+    before = await redis_mb(s.redis)
+    t0 = time.perf_counter()
+    f = await upload(s.http, s.url, content)
+    took = time.perf_counter() - t0
+    after = await redis_mb(s.redis)
+    per_line = None
+    if before is not None and after is not None:
+        per_line = round((after - before) * 2**20 / args.ingest_lines)
+    return {
+        "ingest_lines": args.ingest_lines,
+        "ingest_bytes": f["bytes"],
+        "ingest_s": round(took, 2),
+        "ingest_lines_per_s": round(args.ingest_lines / took),
+        "ingest_redis_bytes_per_line": per_line,
+    }
+
+
+async def run_batch(s: Stack, requests: list[dict]) -> tuple[dict, float, dict[str, float]]:
+    """Upload and run a batch to its end; (the batch, seconds from upload, peaks)."""
+    peaks: dict[str, float] = {}
+    base = await redis_mb(s.redis)
+    t0 = time.perf_counter()
+    f = await upload(s.http, s.url, jsonl(requests))
+    b = await create(s.http, s.url, f["id"])
+    while b["status"] not in ENDED:
+        await asyncio.sleep(SAMPLE_S)
+        b = await batch(s.http, s.url, b["id"])
+        for name, value in (
+            ("gateway_rss_mb", await gateway_mb(s.http, s.url)),
+            ("redis_mb", await redis_mb(s.redis)),
+        ):
+            if value is not None:
+                peaks[name] = max(peaks.get(name, 0.0), value)
+    took = time.perf_counter() - t0
+    if base is not None:
+        peaks["redis_base_mb"] = base
+    return b, took, peaks
+
+
+async def throughput(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    requests = lines(args.lines, args.model, args.max_tokens, _system(args), seed=1)
+    b, took, peaks = await run_batch(s, requests)
+    out: dict[str, Any] = {
+        "batch_lines": args.lines,
+        "batch_status": b["status"],
+        "batch_failed": b["request_counts"]["failed"],
+        "batch_s": round(took, 2),
+        "batch_requests_per_s": round(args.lines / took, 1),
+        "batch_tokens_per_s": round(b["usage"]["output_tokens"] / took, 1),
+        "gateway_peak_rss_mb": peaks.get("gateway_rss_mb"),
+        "redis_peak_mb": peaks.get("redis_mb"),
+    }
+    if "redis_mb" in peaks and "redis_base_mb" in peaks:
+        grown = (peaks["redis_mb"] - peaks["redis_base_mb"]) * 2**20
+        out["redis_peak_bytes_per_line"] = round(grown / args.lines)
+    if b["output_file_id"]:
+        f = (await s.http.get(f"{s.url}/v1/files/{b['output_file_id']}")).json()
+        out["output_bytes_per_line"] = round(f["bytes"] / max(1, b["request_counts"]["completed"]))
+    return out
+
+
+async def probes(s: Stack, args: argparse.Namespace) -> list[float]:
+    """Sequential interactive streams; each one's time to first token."""
+    u = urlsplit(s.url)
+    client = Client(Target(u.hostname or "127.0.0.1", u.port or 80, args.api_key))
+    rng = random.Random(7)
+    ttfts = []
+    try:
+        for i in range(args.probes):
+            body = {
+                "model": args.model,
+                "prompt": _text(rng, QUESTION_WORDS),
+                "max_tokens": PROBE_TOKENS,
+                "seed": i,
+                "stream": True,
+            }
+            res = await client.stream_job(json.dumps(body).encode())
+            if res.ok and res.ttft is not None:
+                ttfts.append(res.ttft)
+    finally:
+        await client.close()
+    return ttfts
+
+
+async def ttft(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    idle = await probes(s, args)
+    requests = lines(args.lines, args.model, args.max_tokens, _system(args), seed=2)
+    f = await upload(s.http, s.url, jsonl(requests))
+    b = await create(s.http, s.url, f["id"])
+    while True:  # a backlog in the queue, and the batch running
+        b = await batch(s.http, s.url, b["id"])
+        done = b["request_counts"]["completed"] + b["request_counts"]["failed"]
+        if done >= BACKLOG_READY * args.lines or b["status"] in ENDED:
+            break
+        await asyncio.sleep(SAMPLE_S)
+    before = done
+    busy = await probes(s, args)
+    b = await batch(s.http, s.url, b["id"])
+    after = b["request_counts"]["completed"] + b["request_counts"]["failed"]
+    await s.http.post(f"{s.url}/v1/batches/{b['id']}/cancel")
+    ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
+    return {
+        "ttft_probes": len(idle),
+        "ttft_idle_ms_p50": ms(percentile(idle, 50)),
+        "ttft_idle_ms_p99": ms(percentile(idle, 99)),
+        "ttft_backlog_ms_p50": ms(percentile(busy, 50)),
+        "ttft_backlog_ms_p99": ms(percentile(busy, 99)),
+        "backlog_lines_done_during_probes": after - before,
+    }
+
+
+async def live(s: Stack, args: argparse.Namespace, requests: list[dict]) -> tuple[int, float]:
+    """The requests as live interactive streams; (tokens, seconds)."""
+    u = urlsplit(s.url)
+    target = Target(u.hostname or "127.0.0.1", u.port or 80, args.api_key)
+    todo = iter(requests)
+    tokens = 0
+
+    async def loop() -> None:
+        nonlocal tokens
+        client = Client(target)
+        for r in todo:
+            res = await client.stream_job(json.dumps({**r["body"], "stream": True}).encode())
+            tokens += res.tokens
+        await client.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(args.live_concurrency)))
+    return tokens, time.perf_counter() - t0
+
+
+async def compare(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"compare_lines": args.lines, "compare_max_tokens": args.max_tokens}
+    shared = _text(random.Random(3), args.system_tokens)
+    for name, system in (("shared_prefix", shared), ("distinct_prefix", None)):
+        requests = lines(args.lines, args.model, args.max_tokens, system, seed=4)
+        b, took, _ = await run_batch(s, requests)
+        out[f"{name}_batch_tokens_per_s"] = round(b["usage"]["output_tokens"] / took, 1)
+        out[f"{name}_batch_cached_tokens"] = b["usage"]["input_tokens_details"]["cached_tokens"]
+        tokens, took = await live(s, args, requests)
+        out[f"{name}_live_tokens_per_s"] = round(tokens / took, 1)
+    return out
+
+
+SECTIONS = {"ingest": ingest, "throughput": throughput, "ttft": ttft, "compare": compare}
+
+
+def _system(args: argparse.Namespace) -> str:
+    return _text(random.Random(5), args.system_tokens)
+
+
+@asynccontextmanager
+async def stack(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Stack]:
+    timeout = httpx.Timeout(HTTP_TIMEOUT_S)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(timeout=timeout, headers=headers) as http:
+        if args.url:
+            r = aioredis.Redis.from_url(args.redis_url) if args.redis_url else None
+            yield Stack(args.url, r, http)
+            return
+        with redis_server(DEPLOY_REDIS_CONF) as server:
+            cluster = Cluster(server.url, tmp, "benchbatch:")
+            r = aioredis.Redis.from_url(server.url)
+            try:
+                gw = cluster.gateway()
+                cluster.worker("--step-ms", str(args.step_ms), "--max-batch", str(args.max_batch))
+                yield Stack(gw.url, r, http)
+            finally:
+                await r.aclose()
+                cluster.close()
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    figures: dict[str, Any] = {"step_ms": args.step_ms if not args.url else None}
+    with tempfile.TemporaryDirectory() as tmp:
+        async with stack(args, Path(tmp)) as s:
+            for name in args.sections.split(","):
+                figures.update(await SECTIONS[name](s, args))
+    return figures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sections", default="ingest,throughput,ttft")
+    ap.add_argument("--url", help="a running genq gateway (else one is started with the sim)")
+    ap.add_argument("--redis-url", help="with --url: its Redis, for the memory figures")
+    ap.add_argument("--api-key")
+    ap.add_argument("--model", default="sim")
+    ap.add_argument("--ingest-lines", type=int, default=50_000)
+    ap.add_argument("--lines", type=int, default=10_000)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--system-tokens", type=int, default=16, help="words of system prompt")
+    ap.add_argument("--probes", type=int, default=200)
+    ap.add_argument("--live-concurrency", type=int, default=256)
+    ap.add_argument("--step-ms", type=float, default=0)
+    ap.add_argument("--max-batch", type=int, default=256)
+    args = ap.parse_args()
+    figures = asyncio.run(main_async(args))
+    for k, v in figures.items():
+        print(f"{k:>36}: {v}")
+
+
+if __name__ == "__main__":
+    main()
