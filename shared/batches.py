@@ -245,8 +245,9 @@ class BatchRecord(HashModel):
 
     @property
     def lines_queued(self) -> int:
-        """Lines 1..this are queued (or failed before they could be)."""
-        return sum(self.chunks[: self.queued_chunks])
+        """Lines 1..this are queued (or failed before they could be); the blank lines that
+        may end the file's last chunk are no requests."""
+        return min(sum(self.chunks[: self.queued_chunks]), self.total)
 
     def view(self) -> BatchObject:
         return BatchObject(

@@ -163,10 +163,10 @@ class GatewaySettings(JobSettings):
         "another after this long",
     )
     batch_job_retention_s: int = Field(
-        default=3600,
+        default=60,
         ge=1,
         description="a batch's job keeps its record and event log this long once its result "
-        "is in the batch (instead of GENQ_RETENTION_S)",
+        "is in the batch (instead of GENQ_RETENTION_S): about 8 KB a job while kept",
     )
 
     _default_template = field_validator("default_chat_template")(_template_text)

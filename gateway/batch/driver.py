@@ -134,13 +134,15 @@ class BatchDriver:
         self.token = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._wake = asyncio.Event()
         self._progress: dict[str, tuple[int, float]] = {}
+        self.closing = False
 
     def wake(self) -> None:
         """Look at the batches now (a new one, a cancel, results that may end one)."""
         self._wake.set()
 
     async def loop(self) -> None:
-        while True:
+        # The flag, not only cancellation: a client may turn a cancel into a RedisError.
+        while not self.closing:
             self._wake.clear()
             busy = False
             try:
@@ -268,7 +270,7 @@ class BatchDriver:
     async def _queue_chunk(self, record: BatchRecord, lease: Lease) -> None:
         """Queue the lines of the next chunk; lines that cannot run get their error now."""
         index = record.queued_chunks
-        first = record.lines_queued + 1
+        first = sum(record.chunks[:index]) + 1
         raws = await InputLines(self.store, record).chunk(index)
         last = min(first + record.chunks[index], record.total + 1)  # trailing blanks: none
         prepared: list[PreparedLine] = []

@@ -4,7 +4,6 @@ and the tracker's loops, started and stopped by the app's lifespan."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from gateway.batch.driver import BatchDriver
 from gateway.batch.files import FileService
@@ -13,6 +12,8 @@ from gateway.batch.service import BatchService
 from gateway.batch.storage import FileStore, RedisFileStore
 from gateway.batch.tracker import BatchTracker
 from gateway.state import GatewayState
+
+STOP_POLL_S = 0.1
 
 
 class BatchRuntime:
@@ -31,9 +32,13 @@ class BatchRuntime:
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        """Stop both loops. A cancel that lands inside a redis-py read can come back as a
+        RedisError, which the loops retry: they also stop on their flag, and are cancelled
+        again until they are gone."""
+        self.driver.closing = self.tracker.closing = True
+        stuck = set(self._tasks)
+        while stuck:
+            for task in stuck:
+                task.cancel()
+            _, stuck = await asyncio.wait(stuck, timeout=STOP_POLL_S)
         self._tasks = []

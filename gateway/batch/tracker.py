@@ -52,9 +52,11 @@ class BatchTracker:
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._wake_driver = wake_driver
         self._took_over_at = 0.0
+        self.closing = False
 
     async def loop(self) -> None:
-        while True:
+        # The flag, not only cancellation: a client may turn a cancel into a RedisError.
+        while not self.closing:
             try:
                 await self.run_once()
             except ResponseError as exc:

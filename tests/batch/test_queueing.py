@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from gateway.app import create_app
 from gateway.batch.runtime import BatchRuntime
@@ -38,6 +39,7 @@ upload checked without yielding stalls the loop for nearly all of it)."""
 TICK_S = 0.005
 SMALL_CHUNK_BYTES = 4096
 ONE_CHUNK_BYTES = 64 * 1024 * 1024
+STOP_WITHIN_S = 5.0
 
 
 @dataclass
@@ -95,8 +97,10 @@ def _line(i: int, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
     return {"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": body}
 
 
-async def _start(client: httpx.AsyncClient, lines: list[dict[str, Any]]) -> str:
-    content = "".join(json.dumps(x) + "\n" for x in lines).encode()
+async def _start(
+    client: httpx.AsyncClient, lines: list[dict[str, Any]], trailing: bytes = b""
+) -> str:
+    content = "".join(json.dumps(x) + "\n" for x in lines).encode() + trailing
     f = await client.post(
         "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", content)}
     )
@@ -202,7 +206,8 @@ async def test_the_sweep_finds_ends_the_tracker_missed(settings: Settings) -> No
             async with httpx.AsyncClient(transport=transport, base_url="http://genq") as client:
                 while not await redis.exists(worker.st.keys.model_card("sim")):
                     await asyncio.sleep(POLL_S)
-                batch_id = await _start(client, [_line(i, f"p {i}") for i in range(5)])
+                lines = [_line(i, f"p {i}") for i in range(5)]
+                batch_id = await _start(client, lines, trailing=b"\n\n")  # blanks: no lines
                 async with asyncio.timeout(WAIT_S):
                     while True:
                         batch = (await client.get(f"/v1/batches/{batch_id}")).json()
@@ -217,3 +222,24 @@ async def test_the_sweep_finds_ends_the_tracker_missed(settings: Settings) -> No
         if keys:
             await redis.delete(*keys)
         await redis.aclose()
+
+
+async def test_stopping_survives_a_cancel_turned_into_a_redis_error(gateway: Gateway) -> None:
+    """redis-py can turn a cancel that lands inside a read into a RedisError, which the loops
+    retry: the gateway's shutdown must still end them."""
+    entered = asyncio.Event()
+
+    async def read_that_swallows_cancel() -> None:
+        entered.set()
+        try:
+            await asyncio.sleep(WAIT_S)
+        except asyncio.CancelledError:
+            raise RedisError("connection closed while reading") from None
+
+    runtime = gateway.runtime
+    runtime.tracker.run_once = read_that_swallows_cancel  # type: ignore[method-assign]
+    runtime.driver.run_once = read_that_swallows_cancel  # type: ignore[method-assign]
+    async with asyncio.timeout(WAIT_S):
+        await entered.wait()
+    async with asyncio.timeout(STOP_WITHIN_S):
+        await runtime.stop()

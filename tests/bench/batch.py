@@ -11,6 +11,9 @@ Sections (`--sections`, comma-separated; default ingest,throughput,ttft):
               tokens/s; gateway RSS and Redis memory sampled during it (peak, per line)
   ttft        interactive time to first token, p50/p99: idle, then with a batch of --lines
               requests queued and running; and how many batch lines finished meanwhile
+  memory      (its own processes only) Redis memory per line of a batch of --lines: its input
+              file; then queued, with the worker paused; then done (the jobs' keys kept for
+              GENQ_BATCH_JOB_RETENTION_S, and the output file); and one key of each kind
   compare     the same --lines requests as a batch and as live streams (interactive jobs,
               --live-concurrency at once): tokens/s each, with a shared system prompt of
               --system-tokens words and with a distinct one per line (prefix cache effect)
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -38,7 +42,8 @@ import httpx
 import redis.asyncio as aioredis
 
 from genq.bench import Client, Target, percentile
-from tests.procs import Cluster, redis_server
+from shared.batches import batch_job_id
+from tests.procs import Cluster, Proc, redis_server
 
 DEPLOY_REDIS_CONF = Path(__file__).resolve().parents[2] / "deploy" / "redis.conf"
 WORDS = (
@@ -51,6 +56,7 @@ QUESTION_WORDS = 24
 BACKLOG_READY = 0.05
 """The ttft probes start once this share of the backlog batch is queued or done."""
 HTTP_TIMEOUT_S = 600.0
+PREFIX = "benchbatch:"
 ENDED = ("completed", "failed", "expired", "cancelled")
 
 
@@ -59,6 +65,9 @@ class Stack:
     url: str
     redis: aioredis.Redis | None
     http: httpx.AsyncClient
+    worker: Proc | None = None
+    """The worker, when this benchmark started it (the memory section pauses it)."""
+    prefix: str = ""
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -234,6 +243,51 @@ async def ttft(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def _settled_mb(r: aioredis.Redis) -> float:
+    """used_memory once lazily freed memory is back (what a batch holds, not its churn)."""
+    await r.memory_purge()
+    return (await redis_mb(r)) or 0.0
+
+
+async def memory(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    if s.worker is None or s.redis is None:
+        return {"memory": "needs its own processes (no --url)"}
+    r = s.redis
+    requests = lines(args.lines, args.model, args.max_tokens, _system(args), seed=6)
+    base = await _settled_mb(r)
+    f = await upload(s.http, s.url, jsonl(requests))
+    stored = await _settled_mb(r)
+    s.worker.signal(signal.SIGSTOP)
+    try:
+        b = await create(s.http, s.url, f["id"])
+        queue = f"{s.prefix}queue:{args.model}:batch"
+        while await r.xlen(queue) < args.lines:
+            await asyncio.sleep(SAMPLE_S)
+        queued = await _settled_mb(r)
+    finally:
+        s.worker.signal(signal.SIGCONT)
+    while (b := await batch(s.http, s.url, b["id"]))["status"] not in ENDED:
+        await asyncio.sleep(SAMPLE_S)
+    done = await _settled_mb(r)
+    per = lambda a, z: round((z - a) * 2**20 / args.lines)  # noqa: E731
+    out = {
+        "memory_lines": args.lines,
+        "memory_input_file_bytes_per_line": per(base, stored),
+        "memory_queued_job_bytes_per_line": per(stored, queued),
+        "memory_done_bytes_per_line": per(stored, done),
+    }
+    job = batch_job_id(b["id"], 1)
+    keys = {
+        "job_record": f"{s.prefix}job:{{{job}}}",
+        "job_events": f"{s.prefix}events:{{{job}}}",
+        "line_claim": f"{s.prefix}batchline:{{{b['id']}}}:1",
+        "output_file": f"{s.prefix}filedata:{{{b['output_file_id']}}}",
+    }
+    for name, key in keys.items():
+        out[f"memory_key_{name}_bytes"] = await r.memory_usage(key)
+    return out
+
+
 async def live(s: Stack, args: argparse.Namespace, requests: list[dict]) -> tuple[int, float]:
     """The requests as live interactive streams; (tokens, seconds)."""
     u = urlsplit(s.url)
@@ -267,7 +321,13 @@ async def compare(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-SECTIONS = {"ingest": ingest, "throughput": throughput, "ttft": ttft, "compare": compare}
+SECTIONS = {
+    "ingest": ingest,
+    "throughput": throughput,
+    "ttft": ttft,
+    "memory": memory,
+    "compare": compare,
+}
 
 
 def _system(args: argparse.Namespace) -> str:
@@ -284,12 +344,14 @@ async def stack(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Stack]:
             yield Stack(args.url, r, http)
             return
         with redis_server(DEPLOY_REDIS_CONF) as server:
-            cluster = Cluster(server.url, tmp, "benchbatch:")
+            cluster = Cluster(server.url, tmp, PREFIX)
             r = aioredis.Redis.from_url(server.url)
             try:
                 gw = cluster.gateway()
-                cluster.worker("--step-ms", str(args.step_ms), "--max-batch", str(args.max_batch))
-                yield Stack(gw.url, r, http)
+                worker = cluster.worker(
+                    "--step-ms", str(args.step_ms), "--max-batch", str(args.max_batch)
+                )
+                yield Stack(gw.url, r, http, worker, PREFIX)
             finally:
                 await r.aclose()
                 cluster.close()
