@@ -158,7 +158,12 @@ class BatchDriver:
         """One turn over the active batches; whether one of them has more to do right away."""
         busy = False
         for batch_id in await self.redis.zrange(self.keys.active_batches(), 0, -1):
-            busy |= await self._drive(batch_id)
+            try:
+                busy |= await self._drive(batch_id)
+            except (RedisError, OSError):
+                raise
+            except Exception:  # a bug, a damaged record: that batch waits, the others go on
+                log.exception("batch step failed", extra={"batch_id": batch_id})
         return busy
 
     async def _drive(self, batch_id: str) -> bool:

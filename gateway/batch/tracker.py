@@ -69,6 +69,9 @@ class BatchTracker:
             except (RedisError, OSError) as exc:
                 log.warning("batch tracker: Redis failed; retrying", extra={"error": str(exc)})
                 await asyncio.sleep(LOOP_RESTART_S)
+            except Exception:  # a bug or a damaged record: logged, and the loop goes on
+                log.exception("batch tracker failed; going on")
+                await asyncio.sleep(LOOP_RESTART_S)
 
     async def run_once(self) -> None:
         batch_ids = await self.redis.zrange(self.keys.active_batches(), 0, -1)

@@ -243,3 +243,13 @@ async def test_stopping_survives_a_cancel_turned_into_a_redis_error(gateway: Gat
         await entered.wait()
     async with asyncio.timeout(STOP_WITHIN_S):
         await runtime.stop()
+
+
+async def test_a_damaged_batch_does_not_stop_the_others(gateway: Gateway) -> None:
+    keys = gateway.runtime.driver.keys
+    damaged = await _start(gateway.client, [_line(0, "a")])
+    await _all_queued(gateway, damaged)
+    await gateway.redis.hset(keys.batch(damaged), "chunks", "not json")
+    healthy = await _start(gateway.client, [_line(i, f"b {i}") for i in range(3)])
+    record = await _all_queued(gateway, healthy)
+    assert record.lines_queued == 3
