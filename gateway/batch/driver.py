@@ -393,11 +393,12 @@ class BatchDriver:
                 gone.append(n)
         if closing is not None:
             code, message = _closing(closing)
-            await self.state.jobs.cancel_many([j for _, j, _ in unended], f"batch {closing}")
             results += [error_line(n, j, c, code, message) for n, j, c in unended]
         results += await self._lost_lines(record, sorted(gone), closing)
         if results:
             await self._write(record.id, results)
+        if closing is not None:  # after their lines failed: a cancel's own end changes nothing
+            await self.state.jobs.cancel_many([j for _, j, _ in unended], f"batch {closing}")
 
     async def _lost_lines(
         self, record: BatchRecord, lines: list[int], closing: str | None

@@ -12,8 +12,11 @@ import redis
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from shared.batches import batch_job_id
+from shared.schemas import TERMINAL_STATUSES
 from tests.batch.conftest import (
     POISON,
+    POLL_S,
     Serve,
     by_custom_id,
     chat_line,
@@ -26,6 +29,7 @@ from tests.batch.conftest import (
 )
 
 CANCEL_WITHIN_S = 5.0
+JOBS_END_WITHIN_S = 5.0
 """A cancelled batch is `cancelled` within this (the issue: within seconds)."""
 LONG_LINES = 300
 LONG_TOKENS = 64
@@ -112,7 +116,9 @@ def test_files_list_get_and_delete(client: openai.OpenAI) -> None:
     assert f.id not in [x.id for x in client.files.list()]
 
 
-def test_cancel_keeps_what_finished_and_fails_the_rest(client: openai.OpenAI) -> None:
+def test_cancel_keeps_what_finished_and_fails_the_rest(
+    client: openai.OpenAI, db: redis.Redis, genq: Serve
+) -> None:
     lines = [
         chat_line(f"r{i}", f"long {i}", seed=i, max_tokens=LONG_TOKENS) for i in range(LONG_LINES)
     ]
@@ -132,6 +138,7 @@ def test_cancel_keeps_what_finished_and_fails_the_rest(client: openai.OpenAI) ->
     assert err and {x["error"]["code"] for x in err} == {"batch_cancelled"}
     assert ended.request_counts is not None and ended.request_counts.completed >= 1
     assert client.batches.cancel(batch.id).status == "cancelled"  # again: no change
+    _all_jobs_end(db, genq, batch.id, LONG_LINES)
 
 
 def test_a_batch_past_its_window_expires(
@@ -146,8 +153,7 @@ def test_a_batch_past_its_window_expires(
     err = results(client, batch.error_file_id)
     assert {x["error"]["code"] for x in err} == {"batch_expired"}
     assert batch.request_counts is not None and batch.request_counts.completed >= 1
-    queue = f"{genq.prefix}queue:sim:batch"
-    assert db.xlen(queue) == 0  # nothing of it left queued: the workers are free
+    _all_jobs_end(db, genq, batch.id, LONG_LINES)  # none left queued or running
 
 
 def test_cancelling_an_ended_batch_is_a_conflict(client: openai.OpenAI) -> None:
@@ -166,3 +172,19 @@ def _every_line_once(client: openai.OpenAI, batch: openai.types.Batch, ids: list
     assert batch.request_counts is not None
     assert (batch.request_counts.completed, batch.request_counts.failed) == (len(out), len(err))
     assert all(x["error"] is None for x in out.values())
+
+
+def _all_jobs_end(db: redis.Redis, genq: Serve, batch_id: str, lines: int) -> None:
+    """Every job of the batch ends soon after it: queued ones at once, running ones once their
+    worker has stopped them (within a second)."""
+
+    def ended() -> bool:
+        pipe = db.pipeline(transaction=False)
+        for n in range(1, lines + 1):
+            pipe.hget(f"{genq.prefix}job:{{{batch_job_id(batch_id, n)}}}", "status")
+        return all(x is None or x in TERMINAL_STATUSES for x in pipe.execute())
+
+    deadline = time.monotonic() + JOBS_END_WITHIN_S
+    while not ended():
+        assert time.monotonic() < deadline, f"jobs of {batch_id} still queued or running"
+        time.sleep(POLL_S)
