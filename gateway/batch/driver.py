@@ -15,16 +15,13 @@ A batch's steps, by status:
                the files and the final status (finalize.py)
   ended        drop what only the running batch needed
 
-Queueing a chunk is idempotent: each line's job is created by a SUBMIT that also claims the
-line's key, so a chunk queued twice (a driver that died before moving the cursor) makes no
-job twice. Within a chunk, lines are queued sorted by their prompt's tokens: lines sharing a
-prefix (a system prompt) reach the engine together, and its prefix cache shares their pages.
+The work of each step is elsewhere: queueing.py (a chunk into the queue), closing.py (the
+sweep, and the open lines of a batch that ends early), finalize.py (the files, the end).
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 import os
@@ -32,92 +29,25 @@ import socket
 import time
 import uuid
 from collections.abc import Sequence
-from itertools import accumulate
 
 from redis.exceptions import RedisError
 
+from gateway.batch.closing import Closer
 from gateway.batch.finalize import Finalizer
-from gateway.batch.lines import LineChecker, LineProblem, PreparedLine, custom_id_of
-from gateway.batch.results import BatchJob, error_line, read_logs, result_of
+from gateway.batch.lease import Lease, LeaseLost
+from gateway.batch.queueing import Queuer
+from gateway.batch.results import write_results
 from gateway.batch.storage import FileStore
 from gateway.state import GatewayState
-from shared.batch_transitions import BatchTransitions, LineResult
-from shared.batches import (
-    CANCELLED_CODE,
-    CANCELLED_MESSAGE,
-    ENDED_BATCH_STATUSES,
-    EXPIRED_CODE,
-    EXPIRED_MESSAGE,
-    BatchError,
-    BatchRecord,
-    batch_job_id,
-)
-from shared.events import EventError
-from shared.records import JobRecord, RecordError
+from shared.batch_transitions import BatchTransitions
+from shared.batches import ENDED_BATCH_STATUSES, BatchError, BatchRecord
 from shared.transitions import ScriptRunner
 
 log = logging.getLogger(__name__)
 
-CHECK_GROUP = 128
-"""Lines checked between two yields to the event loop."""
-SUBMIT_PIPELINE = 100
-"""SUBMITs per pipeline."""
-SWEEP_RANGE = 1000
-"""Lines looked at per round of a sweep."""
 STEPS_PER_TURN = 16
 """Steps of one batch before the driver turns to the next (several batches share a gateway)."""
-CLAIM_MARGIN_S = 3600
-"""A line's claim outlives the batch's deadline by this much (no chunk is queued later)."""
 LOOP_RESTART_S = 0.5
-
-
-class LeaseLost(Exception):
-    """Another gateway drives the batch now: stop this step (what it did is safe)."""
-
-
-class Lease:
-    def __init__(self, driver: BatchDriver, batch_id: str) -> None:
-        self._driver = driver
-        self.batch_id = batch_id
-        self.token = driver.token
-
-    async def hold(self) -> bool:
-        d = self._driver
-        ttl_ms = int(d.settings.batch_lease_s * 1000)
-        return await d.scripts.run(d.tx.hold(self.batch_id, token=self.token, ttl_ms=ttl_ms))
-
-    async def renew(self) -> None:
-        if not await self.hold():
-            raise LeaseLost(self.batch_id)
-
-    async def free(self) -> None:
-        d = self._driver
-        await d.scripts.run(d.tx.free(self.batch_id, token=self.token))
-
-
-class InputLines:
-    """A batch's input lines by number, read a chunk at a time from the file store."""
-
-    def __init__(self, store: FileStore, record: BatchRecord) -> None:
-        self._store = store
-        self._file = record.input_file_id
-        self._ends = list(accumulate(record.chunks))
-        self._cache: tuple[int, list[bytes] | None] | None = None
-
-    async def chunk(self, index: int) -> list[bytes] | None:
-        """The raw lines of chunk `index` (without newlines); None if the file is gone."""
-        if self._cache is not None and self._cache[0] == index:
-            return self._cache[1]
-        data = await self._store.chunk(self._file, index)
-        lines = None if data is None else [x.rstrip(b"\r") for x in data.split(b"\n")]
-        self._cache = (index, lines)
-        return lines
-
-    async def line(self, n: int) -> bytes | None:
-        index = bisect.bisect_left(self._ends, n)
-        lines = await self.chunk(index)
-        first = self._ends[index - 1] + 1 if index else 1
-        return None if lines is None else lines[n - first]
 
 
 class BatchDriver:
@@ -126,10 +56,10 @@ class BatchDriver:
         self.redis = state.redis
         self.keys = state.keys
         self.settings = state.settings
-        self.store = store
         self.scripts = ScriptRunner(state.redis)
         self.tx = BatchTransitions(state.keys)
-        self.checker = LineChecker(state)
+        self.queuer = Queuer(state, store)
+        self.closer = Closer(state, store)
         self.finalizer = finalizer
         self.token = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._wake = asyncio.Event()
@@ -167,7 +97,9 @@ class BatchDriver:
         return busy
 
     async def _drive(self, batch_id: str) -> bool:
-        lease = Lease(self, batch_id)
+        lease = Lease(
+            self.scripts, self.tx, batch_id, token=self.token, ttl_s=self.settings.batch_lease_s
+        )
         if not await lease.hold():
             return False  # another gateway drives it
         try:
@@ -253,7 +185,7 @@ class BatchDriver:
                 await self._queue_chunk(record, lease)
                 return True
             if self._stalled(record):
-                await self._close_lines(record, lease, None)
+                await self.closer.close(record, lease, None)
             return False
         return await self._update(
             record, lease, ("in_progress",), status="finalizing", finalizing_at=now, ending=ending
@@ -273,175 +205,20 @@ class BatchDriver:
         return True
 
     async def _queue_chunk(self, record: BatchRecord, lease: Lease) -> None:
-        """Queue the lines of the next chunk; lines that cannot run get their error now."""
-        index = record.queued_chunks
-        first = sum(record.chunks[:index]) + 1
-        raws = await InputLines(self.store, record).chunk(index)
-        last = min(first + record.chunks[index], record.total + 1)  # trailing blanks: none
-        prepared: list[PreparedLine] = []
-        failed: list[LineResult] = []
-        for n in range(first, last):
-            if raws is None:
-                failed.append(_gone(record.id, n))
-                continue
-            raw = raws[n - first]
-            checked = await self.checker.check(n, raw)
-            if isinstance(checked, LineProblem):
-                failed.append(_refused(record.id, checked, custom_id_of(raw)))
-            else:
-                prepared.append(checked)
-            if (n - first) % CHECK_GROUP == CHECK_GROUP - 1:
-                await asyncio.sleep(0)  # tokenizing is CPU work: let the loop serve others
-        await self._submit(record, sorted(prepared, key=lambda p: p.spec.input_ids))
-        await lease.renew()
+        """The next chunk queued, its refused lines failed, then the cursor moved on."""
+        failed = await self.queuer.queue(record, lease)
         if failed:
-            await self._write(record.id, failed)
-        await self._update(record, lease, ("in_progress",), queued_chunks=index + 1)
-
-    async def _submit(self, record: BatchRecord, lines: list[PreparedLine]) -> None:
-        """One job per line, in this order; a line queued before (its claim taken) is left."""
-        k = self.keys
-        claim_ttl_s = int(record.expires_at - time.time()) + CLAIM_MARGIN_S
-        calls = []
-        for p in lines:
-            job = BatchJob(
-                p.line, p.request.custom_id, p.plan.kind == "chatcmpl", p.plan.want_logprobs
-            )
-            body = p.body.model_copy(update={"metadata": job.metadata(record.id, p.plan.req.user)})
-            spec = p.spec.model_copy(
-                update={"id": batch_job_id(record.id, p.line), "deadline": record.expires_at}
-            )
-            submission = self.state.jobs.submission(
-                body,
-                spec,
-                k.batch_line(record.id, p.line),
-                idempotency_ttl_s=claim_ttl_s,
-                done_stream=k.batch_done(record.id),
-            )
-            calls.append(submission.call)
-            if len(calls) % CHECK_GROUP == 0:
-                await asyncio.sleep(0)
-        for start in range(0, len(calls), SUBMIT_PIPELINE):
-            replies = await self.scripts.run_all(calls[start : start + SUBMIT_PIPELINE])
-            refused = next((r for r in replies if isinstance(r, Exception)), None)
-            if refused is not None:  # e.g. Redis out of memory: queue the chunk again later
-                raise refused
+            await write_results(self.scripts, self.tx, record.id, failed, self.settings)
+        await self._update(record, lease, ("in_progress",), queued_chunks=record.queued_chunks + 1)
 
     # ---- the end --------------------------------------------------------------------------
 
     async def _end(self, record: BatchRecord, lease: Lease) -> None:
         ending = record.ending or "completed"
         if record.resolved < record.total:
-            await self._close_lines(record, lease, None if ending == "completed" else ending)
+            await self.closer.close(record, lease, None if ending == "completed" else ending)
             fresh = await self._load(record.id)
             if fresh is None or fresh.resolved < fresh.total:
                 return  # lines still open (a job not ended yet): the next turn goes on
             record = fresh
         await self.finalizer.run(record, lease)
-
-    async def _close_lines(self, record: BatchRecord, lease: Lease, closing: str | None) -> None:
-        """Resolve every open line whose job ended (a sweep). With `closing` (expired,
-        cancelled), resolve the others too: their jobs are cancelled and they fail."""
-        last = record.total if closing else record.lines_queued
-        for start in range(1, last + 1, SWEEP_RANGE):
-            await lease.renew()
-            lines = range(start, min(start + SWEEP_RANGE, last + 1))
-            open_lines = await self._open_lines(record.id, lines)
-            if open_lines:
-                await self._close_range(record, open_lines, closing)
-
-    async def _open_lines(self, batch_id: str, lines: Sequence[int]) -> list[int]:
-        fields = [str(n) for n in lines]
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hmget(self.keys.batch_results(batch_id, "out"), fields)
-        pipe.hmget(self.keys.batch_results(batch_id, "err"), fields)
-        out, err = await pipe.execute()
-        return [n for n, o, e in zip(lines, out, err, strict=True) if o is None and e is None]
-
-    async def _close_range(
-        self, record: BatchRecord, lines: list[int], closing: str | None
-    ) -> None:
-        queued = [n for n in lines if n <= record.lines_queued]
-        jobs = [batch_job_id(record.id, n) for n in queued]
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in jobs:
-            pipe.hgetall(self.keys.job(job_id))
-        raws = await pipe.execute()
-        gone: list[int] = [n for n in lines if n > record.lines_queued]
-        records: dict[str, tuple[int, JobRecord]] = {}
-        for n, job_id, raw in zip(queued, jobs, raws, strict=True):
-            try:
-                records[job_id] = (n, JobRecord.from_hash(raw))
-            except RecordError as exc:  # an empty hash too: the job is gone
-                if raw:
-                    log.error("unreadable batch job", extra={"job_id": job_id, "error": str(exc)})
-                gone.append(n)
-        logs = await read_logs(self.redis, self.keys, {j: r for j, (_, r) in records.items()})
-        results: list[LineResult] = []
-        unended: list[tuple[int, str, str]] = []
-        for job_id, (n, job) in records.items():
-            try:
-                result = result_of(
-                    job_id, job, logs.get(job_id), batch_cancelling=closing == "cancelled"
-                )
-                if result is None:
-                    unended.append((n, job_id, BatchJob.of(job).custom_id))
-                else:
-                    results.append(result)
-            except (RecordError, EventError) as exc:
-                log.error("unreadable batch job", extra={"job_id": job_id, "error": str(exc)})
-                gone.append(n)
-        if closing is not None:
-            code, message = _closing(closing)
-            results += [error_line(n, j, c, code, message) for n, j, c in unended]
-        results += await self._lost_lines(record, sorted(gone), closing)
-        if results:
-            await self._write(record.id, results)
-        if closing is not None:  # after their lines failed: a cancel's own end changes nothing
-            await self.state.jobs.cancel_many([j for _, j, _ in unended], f"batch {closing}")
-
-    async def _lost_lines(
-        self, record: BatchRecord, lines: list[int], closing: str | None
-    ) -> list[LineResult]:
-        """Lines with no job: never queued (closing), or whose job is gone (lost in Redis)."""
-        source = InputLines(self.store, record)
-        out = []
-        for n in lines:
-            raw = await source.line(n)
-            custom_id = "" if raw is None else custom_id_of(raw)
-            if n > record.lines_queued and closing is not None:
-                code, message = _closing(closing)
-            else:
-                code, message = "job_lost", "the line's job is gone from Redis"
-            out.append(error_line(n, batch_job_id(record.id, n), custom_id, code, message))
-        return out
-
-    async def _write(self, batch_id: str, results: list[LineResult]) -> None:
-        call = self.tx.results(batch_id, results, ttl_s=self.settings.batch_ttl_s)
-        await self.scripts.run(call)
-
-
-def _closing(closing: str) -> tuple[str, str]:
-    if closing == "cancelled":
-        return CANCELLED_CODE, CANCELLED_MESSAGE
-    return EXPIRED_CODE, EXPIRED_MESSAGE
-
-
-def _gone(batch_id: str, n: int) -> LineResult:
-    return error_line(
-        n,
-        batch_job_id(batch_id, n),
-        "",
-        "file_not_found",
-        "the batch's input file is gone (deleted or expired) before this line was queued",
-    )
-
-
-def _refused(batch_id: str, problem: LineProblem, custom_id: str) -> LineResult:
-    return error_line(
-        problem.line,
-        batch_job_id(batch_id, problem.line),
-        custom_id,
-        problem.code,
-        problem.describe(),
-    )

@@ -1,30 +1,24 @@
-"""The Files API: uploads read as they arrive (each line checked, the content stored in
-whole-line chunks), listing, content, delete; and the files a batch's finalizer writes.
-
-An upload is checked and stored in one pass: lines are split off the multipart stream, checked
-in groups (`CHECK_GROUP`, yielding to the event loop between groups: tokenizing 50,000 prompts
-is CPU work) and appended to a chunk, which goes to the store when full. Nothing is visible
-until the end: the store commits the content whole, then the record is written. A bad file is
-a 400 naming its first bad lines (`PROBLEMS_SHOWN`), a file over a limit a 413 naming the
-limit; either way the stored chunks are dropped.
+"""The Files API: uploads read as they arrive (upload.py: each line checked, the content
+stored in whole-line chunks), listing, content, delete; and the files a batch's finalizer
+writes. Nothing of an upload is visible until its end: the store commits the content whole,
+then the record is written; a refused upload's chunks are dropped.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 
 from fastapi import Request
 from redis.exceptions import RedisError
 
-from gateway.batch.lines import LineChecker, LineProblem, PreparedLine
+from gateway.batch.lines import LineChecker
 from gateway.batch.listing import page
 from gateway.batch.multipart import PartData, PartEnd, PartStart, boundary_of, form_events
 from gateway.batch.storage import ChunkWriter, FileStore
+from gateway.batch.upload import Upload, bad_file
 from gateway.state import GatewayState
 from shared.batches import (
     FILE_ID,
@@ -39,10 +33,6 @@ from shared.errors import BadRequest, NotFound, TooLarge
 
 log = logging.getLogger(__name__)
 
-CHECK_GROUP = 128
-"""Lines checked between two yields to the event loop."""
-PROBLEMS_SHOWN = 10
-"""A bad file's 400 names this many of its first bad lines; checking stops there."""
 FORM_OVERHEAD_BYTES = 64 * 1024
 """What a multipart body may hold beyond its file (boundaries, headers, small fields)."""
 MAX_FIELD_BYTES = 1024
@@ -50,129 +40,6 @@ MIN_EXPIRES_AFTER_S = 3600
 MAX_EXPIRES_AFTER_S = 30 * 86_400
 """OpenAI's bounds on `expires_after[seconds]`."""
 UPLOAD_PURPOSES = ("batch",)
-
-
-@dataclass
-class _Upload:
-    """One upload in progress: its lines split off, checked and stored as they arrive."""
-
-    files: FileService
-    writer: ChunkWriter
-    filename: str
-    size: int = 0
-    requests: int = 0
-    """Request lines so far (the last non-blank line's number)."""
-    line_no: int = 0
-    pending: bytearray = field(default_factory=bytearray)
-    """The line being received (no newline yet)."""
-    unchecked: list[tuple[int, bytes]] = field(default_factory=list)
-    chunk: bytearray = field(default_factory=bytearray)
-    chunk_lines: int = 0
-    chunks: list[int] = field(default_factory=list)
-    blank: int | None = None
-    """A blank line not yet known to be trailing (an error if a request follows)."""
-    problems: list[LineProblem] = field(default_factory=list)
-    custom_ids: dict[str, int] = field(default_factory=dict)
-    endpoints: set[str] = field(default_factory=set)
-    models: set[str] = field(default_factory=set)
-
-    @property
-    def failed(self) -> bool:
-        return len(self.problems) >= PROBLEMS_SHOWN
-
-    async def feed(self, data: bytes) -> None:
-        s = self.files.settings
-        self.size += len(data)
-        if self.size > s.file_max_bytes:
-            raise TooLarge(
-                f"the file is over {s.file_max_bytes} bytes, the limit (GENQ_FILE_MAX_BYTES)",
-                param="file",
-                code="file_too_large",
-            )
-        self.pending += data
-        end = self.pending.rfind(b"\n")
-        if end < 0:
-            return
-        complete = bytes(self.pending[: end + 1])
-        del self.pending[: end + 1]
-        for raw in complete.split(b"\n")[:-1]:
-            await self._line(raw, b"\n")
-
-    async def finish(self) -> None:
-        if self.pending:
-            await self._line(bytes(self.pending), b"")
-            self.pending.clear()
-        await self._check()
-        await self._flush()
-
-    async def _line(self, raw: bytes, newline: bytes) -> None:
-        self.line_no += 1
-        text = raw.rstrip(b"\r")
-        if not text.strip():
-            self.blank = self.blank or self.line_no
-        else:
-            self._request(text)
-        if not self.failed:
-            self.chunk += raw + newline
-            self.chunk_lines += 1
-            if len(self.chunk) >= self.files.settings.file_chunk_bytes:
-                await self._flush()
-        if len(self.unchecked) >= CHECK_GROUP:
-            await self._check()
-
-    def _request(self, text: bytes) -> None:
-        s = self.files.settings
-        if self.blank is not None:
-            self._problem(LineProblem(self.blank, None, "empty; only the file's end may be blank"))
-            self.blank = None
-        self.requests = self.line_no
-        if self.requests > s.batch_max_lines:
-            raise TooLarge(
-                f"the file holds more than {s.batch_max_lines} requests, the limit "
-                "(GENQ_BATCH_MAX_LINES)",
-                param="file",
-                code="too_many_lines",
-            )
-        if not self.failed:
-            self.unchecked.append((self.line_no, text))
-
-    async def _check(self) -> None:
-        group, self.unchecked = self.unchecked, []
-        for line, text in group:
-            if self.failed:
-                return
-            result = await self.files.checker.check(line, text)
-            if isinstance(result, LineProblem):
-                self._problem(result)
-            else:
-                self._accept(result)
-        await asyncio.sleep(0)  # tokenizing is CPU work: let the loop serve others meanwhile
-
-    def _accept(self, p: PreparedLine) -> None:
-        first = self.custom_ids.setdefault(p.request.custom_id, p.line)
-        if first != p.line:
-            self._problem(
-                LineProblem(
-                    p.line,
-                    "custom_id",
-                    f"'{p.request.custom_id[:64]}' is the custom_id of line {first} already; "
-                    "custom_ids are unique in a file",
-                    "duplicate_custom_id",
-                )
-            )
-        self.endpoints.add(p.request.url)
-        self.models.add(p.spec.model)
-
-    def _problem(self, problem: LineProblem) -> None:
-        if not self.failed:
-            self.problems.append(problem)
-
-    async def _flush(self) -> None:
-        if self.chunk and not self.failed:
-            await self.writer.append(bytes(self.chunk))
-            self.chunks.append(self.chunk_lines)
-        self.chunk.clear()
-        self.chunk_lines = 0
 
 
 class FileService:
@@ -204,7 +71,7 @@ class FileService:
             purpose = _purpose(fields)
             ttl_s = _ttl(fields, s.file_ttl_s)
             if upload.problems:
-                raise _bad_file(upload.problems)
+                raise bad_file(upload.problems)
             if upload.requests == 0:
                 raise BadRequest("the file holds no request lines", param="file")
             now = time.time()
@@ -231,9 +98,9 @@ class FileService:
 
     async def _receive(
         self, request: Request, boundary: bytes, writer: ChunkWriter
-    ) -> tuple[_Upload, dict[str, str]]:
+    ) -> tuple[Upload, dict[str, str]]:
         """Read the form: the `file` part into an upload, the other (small) fields as text."""
-        upload: _Upload | None = None
+        upload: Upload | None = None
         fields: dict[str, str] = {}
         current: str | None = None
         value = bytearray()
@@ -243,7 +110,9 @@ class FileService:
                 if current == "file":
                     if upload is not None:
                         raise BadRequest("the form holds more than one file", param="file")
-                    upload = _Upload(self, writer, event.filename or "upload.jsonl")
+                    upload = Upload(
+                        self.settings, self.checker, writer, event.filename or "upload.jsonl"
+                    )
             elif isinstance(event, PartData):
                 if current == "file" and upload is not None:
                     await upload.feed(event.data)
@@ -385,14 +254,3 @@ def _ttl(fields: dict[str, str], default: int) -> int:
             param="expires_after.seconds",
         )
     return ttl
-
-
-def _bad_file(problems: list[LineProblem]) -> BadRequest:
-    shown = "; ".join(p.describe() for p in problems)
-    more = " (and maybe more: checking stops there)" if len(problems) >= PROBLEMS_SHOWN else ""
-    first = problems[0]
-    return BadRequest(
-        f"the file has bad lines{more}: {shown}",
-        param=f"line {first.line}" + (f": {first.param}" if first.param else ""),
-        code="invalid_batch_file",
-    )

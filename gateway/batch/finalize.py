@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
 
 from gateway.batch.files import FileService
+from gateway.batch.lease import Lease
 from gateway.state import GatewayState
 from shared.batch_transitions import BatchTransitions
 from shared.batches import BatchRecord, ResultKind, result_file_id
@@ -28,16 +28,6 @@ READ_RANGE = 1000
 FILE_NAMES: dict[ResultKind, str] = {"out": "output", "err": "errors"}
 
 
-class Held(Protocol):
-    """The batch's lease, held by the caller."""
-
-    token: str
-
-    async def renew(self) -> None:
-        """Renew it; raises when another process holds it now."""
-        ...
-
-
 class Finalizer:
     def __init__(self, state: GatewayState, files: FileService) -> None:
         self.redis = state.redis
@@ -47,7 +37,7 @@ class Finalizer:
         self.scripts = ScriptRunner(state.redis)
         self.tx = BatchTransitions(state.keys)
 
-    async def run(self, record: BatchRecord, lease: Held) -> bool:
+    async def run(self, record: BatchRecord, lease: Lease) -> bool:
         """Write the files and end the batch; False if it was not ours to end (any more)."""
         renew = lease.renew
         ids: dict[ResultKind, str | None] = {}

@@ -18,7 +18,7 @@ from gateway.openai.output import (
     RequestState,
 )
 from shared import events
-from shared.batch_transitions import LineResult
+from shared.batch_transitions import BatchTransitions, LineResult, ResultsWritten
 from shared.batches import (
     CANCELLED_CODE,
     CANCELLED_MESSAGE,
@@ -33,6 +33,8 @@ from shared.events import EVENT_FIELD
 from shared.keys import Keys
 from shared.records import JobRecord, RecordError
 from shared.schemas import TERMINAL_STATUSES
+from shared.settings import GatewaySettings
+from shared.transitions import ScriptRunner
 
 CHAT_API = "openai.chatcmpl"
 """`metadata.api` of a job made from a /v1/chat/completions line (else /v1/completions)."""
@@ -172,3 +174,14 @@ async def read_logs(
     for job_id in wanted:
         pipe.xrange(keys.events(job_id))
     return dict(zip(wanted, await pipe.execute(), strict=True))
+
+
+async def write_results(
+    scripts: ScriptRunner,
+    tx: BatchTransitions,
+    batch_id: str,
+    results: Sequence[LineResult],
+    settings: GatewaySettings,
+) -> ResultsWritten:
+    """Each line's result, unless it has one (batch_results.lua)."""
+    return await scripts.run(tx.results(batch_id, results, ttl_s=settings.batch_ttl_s))

@@ -22,7 +22,7 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
-from gateway.batch.results import Entries, read_logs, result_of
+from gateway.batch.results import Entries, read_logs, result_of, write_results
 from gateway.batch.service import TRACKERS, ensure_group
 from gateway.state import GatewayState
 from shared.batch_transitions import BatchTransitions, LineResult
@@ -120,8 +120,7 @@ class BatchTracker:
             if i % BUILD_GROUP == BUILD_GROUP - 1:
                 await asyncio.sleep(0)  # building responses is CPU work: streams go first
         if results and status not in ENDED_BATCH_STATUSES:
-            call = self.tx.results(batch_id, results, ttl_s=self.settings.batch_ttl_s)
-            written = await self.scripts.run(call)
+            written = await write_results(self.scripts, self.tx, batch_id, results, self.settings)
             if written.written:
                 self._wake_driver()
         await self._acknowledge(batch_id, [i for i, _ in entries], jobs)

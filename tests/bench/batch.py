@@ -12,8 +12,9 @@ Sections (`--sections`, comma-separated; default ingest,throughput,ttft):
   ttft        interactive time to first token, p50/p99: idle, then with a batch of --lines
               requests queued and running; and how many batch lines finished meanwhile
   memory      (its own processes only) Redis memory per line of a batch of --lines: its input
-              file; then queued, with the worker paused; then done (the jobs' keys kept for
-              GENQ_BATCH_JOB_RETENTION_S, and the output file); and one key of each kind
+              file; then queued, with the worker paused (and the rate lines are queued at);
+              then done (the jobs' keys kept for GENQ_BATCH_JOB_RETENTION_S, and the output
+              file); and one key of each kind
   compare     the same --lines requests as a batch and as live streams (interactive jobs,
               --live-concurrency at once): tokens/s each, with a shared system prompt of
               --system-tokens words and with a distinct one per line (prefix cache effect)
@@ -51,6 +52,7 @@ WORDS = (
     "worker model engine token batch river stone light answer window"
 ).split()
 SAMPLE_S = 0.25
+QUEUE_POLL_S = 0.01
 PROBE_TOKENS = 4
 QUESTION_WORDS = 24
 BACKLOG_READY = 0.05
@@ -259,10 +261,12 @@ async def memory(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
     stored = await _settled_mb(r)
     s.worker.signal(signal.SIGSTOP)
     try:
+        t0 = time.perf_counter()
         b = await create(s.http, s.url, f["id"])
         queue = f"{s.prefix}queue:{args.model}:batch"
         while await r.xlen(queue) < args.lines:
-            await asyncio.sleep(SAMPLE_S)
+            await asyncio.sleep(QUEUE_POLL_S)
+        queue_s = time.perf_counter() - t0
         queued = await _settled_mb(r)
     finally:
         s.worker.signal(signal.SIGCONT)
@@ -272,6 +276,7 @@ async def memory(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
     per = lambda a, z: round((z - a) * 2**20 / args.lines)  # noqa: E731
     out = {
         "memory_lines": args.lines,
+        "queue_lines_per_s": round(args.lines / queue_s),
         "memory_input_file_bytes_per_line": per(base, stored),
         "memory_queued_job_bytes_per_line": per(stored, queued),
         "memory_done_bytes_per_line": per(stored, done),
