@@ -10,7 +10,9 @@ Sections (`--sections`, comma-separated; default ingest,throughput,ttft):
   throughput  a batch of --lines requests (--max-tokens each), upload to completed: requests/s,
               tokens/s; gateway RSS and Redis memory sampled during it (peak, per line)
   ttft        interactive time to first token, p50/p99: idle, then with a batch of --lines
-              requests queued and running; and how many batch lines finished meanwhile
+              requests queued and running, and how many batch lines finished meanwhile; the
+              time to cancel such a backlog; and --load-requests interactive streams,
+              --load-concurrency at once, beside another one (its lines done meanwhile)
   memory      (its own processes only) Redis memory per line of a batch of --lines: its input
               file; then queued, with the worker paused (and the rate lines are queued at);
               then done (the jobs' keys kept for GENQ_BATCH_JOB_RETENTION_S, and the output
@@ -218,22 +220,49 @@ async def probes(s: Stack, args: argparse.Namespace) -> list[float]:
     return ttfts
 
 
-async def ttft(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
-    idle = await probes(s, args)
-    requests = lines(args.lines, args.model, args.max_tokens, _system(args), seed=2)
+async def _backlog(s: Stack, args: argparse.Namespace, seed: int) -> dict:
+    """A batch of --lines requests, once a share of it is done: queued and running."""
+    requests = lines(args.lines, args.model, args.max_tokens, _system(args), seed=seed)
     f = await upload(s.http, s.url, jsonl(requests))
     b = await create(s.http, s.url, f["id"])
-    while True:  # a backlog in the queue, and the batch running
+    while True:
         b = await batch(s.http, s.url, b["id"])
-        done = b["request_counts"]["completed"] + b["request_counts"]["failed"]
-        if done >= BACKLOG_READY * args.lines or b["status"] in ENDED:
-            break
+        if _done(b) >= BACKLOG_READY * args.lines or b["status"] in ENDED:
+            return b
         await asyncio.sleep(SAMPLE_S)
-    before = done
+
+
+def _done(b: dict) -> int:
+    return int(b["request_counts"]["completed"] + b["request_counts"]["failed"])
+
+
+async def _cancel(s: Stack, b: dict) -> float:
+    """Seconds from the cancel to the batch's end."""
+    asked = time.perf_counter()
+    await s.http.post(f"{s.url}/v1/batches/{b['id']}/cancel")
+    while (b := await batch(s.http, s.url, b["id"]))["status"] not in ENDED:
+        await asyncio.sleep(QUEUE_POLL_S)
+    return time.perf_counter() - asked
+
+
+async def ttft(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    idle = await probes(s, args)
+    b = await _backlog(s, args, seed=2)
+    before = _done(b)
     busy = await probes(s, args)
     b = await batch(s.http, s.url, b["id"])
-    after = b["request_counts"]["completed"] + b["request_counts"]["failed"]
-    await s.http.post(f"{s.url}/v1/batches/{b['id']}/cancel")
+    during_probes = _done(b) - before
+    await _cancel(s, b)
+    b = await _backlog(s, args, seed=4)
+    open_at_cancel = args.lines - _done(b)
+    cancel_s = await _cancel(s, b)
+    b = await _backlog(s, args, seed=3)
+    before = _done(b)
+    load = lines(args.load_requests, args.model, args.max_tokens, None, seed=8)
+    tokens, load_s = await live(s, args, load, args.load_concurrency)
+    b = await batch(s.http, s.url, b["id"])
+    during_load = _done(b) - before
+    await _cancel(s, b)
     ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
     return {
         "ttft_probes": len(idle),
@@ -241,7 +270,13 @@ async def ttft(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
         "ttft_idle_ms_p99": ms(percentile(idle, 99)),
         "ttft_backlog_ms_p50": ms(percentile(busy, 50)),
         "ttft_backlog_ms_p99": ms(percentile(busy, 99)),
-        "backlog_lines_done_during_probes": after - before,
+        "backlog_lines_done_during_probes": during_probes,
+        "cancel_open_lines": open_at_cancel,
+        "cancel_s": round(cancel_s, 2),
+        "load_streams": args.load_concurrency,
+        "load_requests_per_s": round(args.load_requests / load_s, 1),
+        "load_tokens_per_s": round(tokens / load_s, 1),
+        "backlog_lines_done_during_load": during_load,
     }
 
 
@@ -293,8 +328,10 @@ async def memory(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-async def live(s: Stack, args: argparse.Namespace, requests: list[dict]) -> tuple[int, float]:
-    """The requests as live interactive streams; (tokens, seconds)."""
+async def live(
+    s: Stack, args: argparse.Namespace, requests: list[dict], concurrency: int
+) -> tuple[int, float]:
+    """The requests as live interactive streams, `concurrency` at once; (tokens, seconds)."""
     u = urlsplit(s.url)
     target = Target(u.hostname or "127.0.0.1", u.port or 80, args.api_key)
     todo = iter(requests)
@@ -309,7 +346,7 @@ async def live(s: Stack, args: argparse.Namespace, requests: list[dict]) -> tupl
         await client.close()
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(loop() for _ in range(args.live_concurrency)))
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
     return tokens, time.perf_counter() - t0
 
 
@@ -321,7 +358,7 @@ async def compare(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
         b, took, _ = await run_batch(s, requests)
         out[f"{name}_batch_tokens_per_s"] = round(b["usage"]["output_tokens"] / took, 1)
         out[f"{name}_batch_cached_tokens"] = b["usage"]["input_tokens_details"]["cached_tokens"]
-        tokens, took = await live(s, args, requests)
+        tokens, took = await live(s, args, requests, args.live_concurrency)
         out[f"{name}_live_tokens_per_s"] = round(tokens / took, 1)
     return out
 
@@ -382,8 +419,10 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=10_000)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--system-tokens", type=int, default=16, help="words of system prompt")
-    ap.add_argument("--probes", type=int, default=200)
+    ap.add_argument("--probes", type=int, default=100)
     ap.add_argument("--live-concurrency", type=int, default=256)
+    ap.add_argument("--load-concurrency", type=int, default=32, help="ttft: interactive load")
+    ap.add_argument("--load-requests", type=int, default=1000)
     ap.add_argument("--step-ms", type=float, default=0)
     ap.add_argument("--max-batch", type=int, default=256)
     args = ap.parse_args()
