@@ -78,12 +78,13 @@ def _text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def lines(n: int, model: str, max_tokens: int, system: str | None, seed: int = 0) -> list[dict]:
-    """Completion requests; `system` shared by all, or (None) a distinct one per line."""
+def lines(n: int, model: str, max_tokens: int, system: str | int, seed: int = 0) -> list[dict]:
+    """Completion requests: `system` (text) shared by all, or a distinct system prompt of
+    `system` (int) words per line."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        head = system if system is not None else _text(rng, len(WORDS))
+        head = system if isinstance(system, str) else _text(rng, system)
         body = {
             "model": model,
             "prompt": f"{head}\n{_text(rng, QUESTION_WORDS)}",
@@ -258,7 +259,7 @@ async def ttft(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
     cancel_s = await _cancel(s, b)
     b = await _backlog(s, args, seed=3)
     before = _done(b)
-    load = lines(args.load_requests, args.model, args.max_tokens, None, seed=8)
+    load = lines(args.load_requests, args.model, args.max_tokens, args.system_tokens, seed=8)
     tokens, load_s = await live(s, args, load, args.load_concurrency)
     b = await batch(s.http, s.url, b["id"])
     during_load = _done(b) - before
@@ -353,7 +354,11 @@ async def live(
 async def compare(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"compare_lines": args.lines, "compare_max_tokens": args.max_tokens}
     shared = _text(random.Random(3), args.system_tokens)
-    for name, system in (("shared_prefix", shared), ("distinct_prefix", None)):
+    variants: tuple[tuple[str, str | int], ...] = (
+        ("shared_prefix", shared),
+        ("distinct_prefix", args.system_tokens),
+    )
+    for name, system in variants:
         requests = lines(args.lines, args.model, args.max_tokens, system, seed=4)
         b, took, _ = await run_batch(s, requests)
         out[f"{name}_batch_tokens_per_s"] = round(b["usage"]["output_tokens"] / took, 1)
