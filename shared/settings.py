@@ -147,6 +147,12 @@ class GatewaySettings(JobSettings):
         description="a gateway driving a batch (queueing, cancelling, finalizing) that is "
         "silent this long loses it to another gateway",
     )
+    batch_loops: bool = Field(
+        default=True,
+        description="this gateway moves batches on (queueing, results, finalizing); off, it "
+        "only serves the API (every batch route works either way): run the loops in "
+        "gateways of their own to keep their CPU away from interactive requests",
+    )
     batch_poll_s: float = Field(
         default=0.5, gt=0, description="how often each gateway looks for batch work"
     )

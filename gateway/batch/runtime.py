@@ -18,6 +18,7 @@ STOP_POLL_S = 0.1
 
 class BatchRuntime:
     def __init__(self, state: GatewayState, store: FileStore | None = None) -> None:
+        self.settings = state.settings
         store = store or RedisFileStore(state.redis, state.keys)
         self.files = FileService(state, store)
         self.driver = BatchDriver(state, store, Finalizer(state, self.files))
@@ -26,6 +27,9 @@ class BatchRuntime:
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
+        """The loops, unless GENQ_BATCH_LOOPS is off (then other gateways run them)."""
+        if not self.settings.batch_loops:
+            return
         self._tasks = [
             asyncio.create_task(self.driver.loop(), name="batch-driver"),
             asyncio.create_task(self.tracker.loop(), name="batch-tracker"),

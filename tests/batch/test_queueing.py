@@ -60,9 +60,13 @@ async def _publish_card(redis: aioredis.Redis, settings: Settings) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _gateway(settings: Settings, chunk_bytes: int) -> AsyncIterator[Gateway]:
+async def _gateway(
+    settings: Settings, chunk_bytes: int, loops: bool = True
+) -> AsyncIterator[Gateway]:
     """The gateway app alone: a model card but no worker, so queued jobs stay queued."""
-    settings = settings.model_copy(update={"batch_poll_s": 0.05, "file_chunk_bytes": chunk_bytes})
+    settings = settings.model_copy(
+        update={"batch_poll_s": 0.05, "file_chunk_bytes": chunk_bytes, "batch_loops": loops}
+    )
     redis = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
     await _publish_card(redis, settings)
     app = create_app(settings, redis=redis)
@@ -253,3 +257,16 @@ async def test_a_damaged_batch_does_not_stop_the_others(gateway: Gateway) -> Non
     healthy = await _start(gateway.client, [_line(i, f"b {i}") for i in range(3)])
     record = await _all_queued(gateway, healthy)
     assert record.lines_queued == 3
+
+
+async def test_a_gateway_without_batch_loops_serves_batches_others_drive(
+    settings: Settings,
+) -> None:
+    """GENQ_BATCH_LOOPS=false: the gateway answers the API; another gateway queues the lines."""
+    async with _gateway(settings, SMALL_CHUNK_BYTES, loops=False) as api:
+        batch_id = await _start(api.client, [_line(i, f"p {i}") for i in range(3)])
+        assert not api.runtime._tasks
+        assert (await _record(api, batch_id)).status == "validating"
+        async with _gateway(settings, SMALL_CHUNK_BYTES) as driver:
+            record = await _all_queued(driver, batch_id)
+            assert record.status == "in_progress" and record.lines_queued == 3

@@ -9,9 +9,11 @@ Sections (`--sections`, comma-separated; default ingest,throughput,ttft):
               Redis memory the stored file takes per line
   throughput  a batch of --lines requests (--max-tokens each), upload to completed: requests/s,
               tokens/s; gateway RSS and Redis memory sampled during it (peak, per line)
-  ttft        interactive time to first token, p50/p99: idle, then with a batch of --lines
-              requests queued and running, and how many batch lines finished meanwhile; the
-              time to cancel such a backlog; and --load-requests interactive streams,
+  ttft        interactive time to first token, p50/p99, as the client sees it and the
+              worker's share (job created → started, → first token): idle, then beside a
+              batch of --backlog-lines running with 10,000 of its jobs queued (and how many
+              of its lines finished meanwhile, how many were still open after); the time to
+              cancel such a backlog; and --load-requests interactive streams,
               --load-concurrency at once, beside another one (its lines done meanwhile)
   memory      (its own processes only) Redis memory per line of a batch of --lines: its input
               file; then queued, with the worker paused (and the rate lines are queued at);
@@ -21,8 +23,9 @@ Sections (`--sections`, comma-separated; default ingest,throughput,ttft):
               --live-concurrency at once): tokens/s each, with a shared system prompt of
               --system-tokens words and with a distinct one per line (prefix cache effect)
 
-Without --url it starts its own redis-server (deploy/redis.conf), one `genq gateway` and one
-`genq worker` with the sim engine (--step-ms, --max-batch) and stops them at the end.
+Without --url it starts its own redis-server (deploy/redis.conf), one `genq gateway` (two with
+--split-gateways: interactive traffic then goes to one that runs no batch loops) and one
+`genq worker` with the sim engine (--step-ms, --max-batch), and stops them at the end.
 """
 
 from __future__ import annotations
@@ -72,6 +75,13 @@ class Stack:
     worker: Proc | None = None
     """The worker, when this benchmark started it (the memory section pauses it)."""
     prefix: str = ""
+    probe_url: str = ""
+    """Where interactive probes and load go (a gateway without batch loops, with
+    --split-gateways); else `url`."""
+
+    @property
+    def interactive(self) -> str:
+        return self.probe_url or self.url
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -198,32 +208,50 @@ async def throughput(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-async def probes(s: Stack, args: argparse.Namespace) -> list[float]:
-    """Sequential interactive streams; each one's time to first token."""
-    u = urlsplit(s.url)
-    client = Client(Target(u.hostname or "127.0.0.1", u.port or 80, args.api_key))
+@dataclass
+class Probes:
+    ttft: list[float]
+    """As the client saw it: request sent → first token event."""
+    worker_queue: list[float]
+    """From the job records: created → started by a worker."""
+    worker_ttft: list[float]
+    """From the job records: created → first token at the worker."""
+
+
+async def probes(s: Stack, args: argparse.Namespace) -> Probes:
+    """Sequential interactive streams (`POST /v1/jobs`); each one's time to first token,
+    and the worker's side of it read back from the job."""
     rng = random.Random(7)
-    ttfts = []
-    try:
-        for i in range(args.probes):
-            body = {
-                "model": args.model,
-                "prompt": _text(rng, QUESTION_WORDS),
-                "max_tokens": PROBE_TOKENS,
-                "seed": i,
-                "stream": True,
-            }
-            res = await client.stream_job(json.dumps(body).encode())
-            if res.ok and res.ttft is not None:
-                ttfts.append(res.ttft)
-    finally:
-        await client.close()
-    return ttfts
+    out = Probes([], [], [])
+    for i in range(args.probes):
+        body = {
+            "model": args.model,
+            "prompt": _text(rng, QUESTION_WORDS),
+            "max_tokens": PROBE_TOKENS,
+            "seed": i,
+            "stream": True,
+        }
+        t0 = time.perf_counter()
+        first = None
+        async with s.http.stream("POST", f"{s.interactive}/v1/jobs", json=body) as r:
+            job_id = r.headers.get("x-job-id")
+            async for line in r.aiter_lines():
+                if first is None and line == "event: token":
+                    first = time.perf_counter() - t0
+        if first is None or job_id is None:
+            continue
+        out.ttft.append(first)
+        timings = (await s.http.get(f"{s.interactive}/v1/jobs/{job_id}")).json()["timings"] or {}
+        if timings.get("queue_s") is not None and timings.get("ttft_s") is not None:
+            out.worker_queue.append(timings["queue_s"])
+            out.worker_ttft.append(timings["ttft_s"])
+    return out
 
 
 async def _backlog(s: Stack, args: argparse.Namespace, seed: int) -> dict:
-    """A batch of --lines requests, once a share of it is done: queued and running."""
-    requests = lines(args.lines, args.model, args.max_tokens, _system(args), seed=seed)
+    """A batch of --backlog-lines requests, once a share of --lines is done: running, with
+    GENQ_BATCH_MAX_IN_FLIGHT (10,000) of its jobs queued and the rest waiting in its file."""
+    requests = lines(args.backlog_lines, args.model, args.max_tokens, _system(args), seed=seed)
     f = await upload(s.http, s.url, jsonl(requests))
     b = await create(s.http, s.url, f["id"])
     while True:
@@ -253,9 +281,10 @@ async def ttft(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
     busy = await probes(s, args)
     b = await batch(s.http, s.url, b["id"])
     during_probes = _done(b) - before
+    open_after_probes = args.backlog_lines - _done(b)
     await _cancel(s, b)
     b = await _backlog(s, args, seed=4)
-    open_at_cancel = args.lines - _done(b)
+    open_at_cancel = args.backlog_lines - _done(b)
     cancel_s = await _cancel(s, b)
     b = await _backlog(s, args, seed=3)
     before = _done(b)
@@ -265,13 +294,18 @@ async def ttft(s: Stack, args: argparse.Namespace) -> dict[str, Any]:
     during_load = _done(b) - before
     await _cancel(s, b)
     ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
-    return {
-        "ttft_probes": len(idle),
-        "ttft_idle_ms_p50": ms(percentile(idle, 50)),
-        "ttft_idle_ms_p99": ms(percentile(idle, 99)),
-        "ttft_backlog_ms_p50": ms(percentile(busy, 50)),
-        "ttft_backlog_ms_p99": ms(percentile(busy, 99)),
+    figures: dict[str, Any] = {"ttft_probes": len(idle.ttft)}
+    for name, seen in (("idle", idle), ("backlog", busy)):
+        for what, values in (
+            ("ttft", seen.ttft),
+            ("worker_queue", seen.worker_queue),
+            ("worker_ttft", seen.worker_ttft),
+        ):
+            for q in (50, 99):
+                figures[f"{what}_{name}_ms_p{q}"] = ms(percentile(values, q))
+    return figures | {
         "backlog_lines_done_during_probes": during_probes,
+        "backlog_open_lines_after_probes": open_after_probes,
         "cancel_open_lines": open_at_cancel,
         "cancel_s": round(cancel_s, 2),
         "load_streams": args.load_concurrency,
@@ -333,7 +367,7 @@ async def live(
     s: Stack, args: argparse.Namespace, requests: list[dict], concurrency: int
 ) -> tuple[int, float]:
     """The requests as live interactive streams, `concurrency` at once; (tokens, seconds)."""
-    u = urlsplit(s.url)
+    u = urlsplit(s.interactive)
     target = Target(u.hostname or "127.0.0.1", u.port or 80, args.api_key)
     todo = iter(requests)
     tokens = 0
@@ -395,10 +429,11 @@ async def stack(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Stack]:
             r = aioredis.Redis.from_url(server.url)
             try:
                 gw = cluster.gateway()
+                probe = cluster.gateway(GENQ_BATCH_LOOPS="false") if args.split_gateways else gw
                 worker = cluster.worker(
                     "--step-ms", str(args.step_ms), "--max-batch", str(args.max_batch)
                 )
-                yield Stack(gw.url, r, http, worker, PREFIX)
+                yield Stack(gw.url, r, http, worker, PREFIX, probe.url)
             finally:
                 await r.aclose()
                 cluster.close()
@@ -425,9 +460,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--system-tokens", type=int, default=16, help="words of system prompt")
     ap.add_argument("--probes", type=int, default=100)
+    ap.add_argument(
+        "--backlog-lines",
+        type=int,
+        default=30_000,
+        help="ttft: the backlog batch (open lines stay over 10,000 through the probes)",
+    )
     ap.add_argument("--live-concurrency", type=int, default=256)
     ap.add_argument("--load-concurrency", type=int, default=32, help="ttft: interactive load")
     ap.add_argument("--load-requests", type=int, default=1000)
+    ap.add_argument(
+        "--split-gateways",
+        action="store_true",
+        help="interactive traffic to a second gateway that runs no batch loops",
+    )
     ap.add_argument("--step-ms", type=float, default=0)
     ap.add_argument("--max-batch", type=int, default=256)
     args = ap.parse_args()
