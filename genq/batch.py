@@ -101,11 +101,11 @@ def _submit(client: httpx.Client, args: argparse.Namespace) -> int:
         "completion_window": args.window,
     }
     batch = _call(client, "POST", "/v1/batches", json=body)
-    print(f"batch {batch['id']}: {batch['request_counts']['total']} requests", file=sys.stderr)
-    if not args.wait:
-        print(batch["id"])
-        return 0
-    try:
+    try:  # from here on, Ctrl-C leaves a batch that exists: say how to follow it
+        print(f"batch {batch['id']}: {batch['request_counts']['total']} requests", file=sys.stderr)
+        if not args.wait:
+            print(batch["id"])
+            return 0
         batch = _wait(client, batch)
     except KeyboardInterrupt:
         print(
