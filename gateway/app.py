@@ -1,4 +1,5 @@
-"""`create_app(settings)`: the gateway ASGI app. The lifespan owns Redis and the pub/sub router."""
+"""`create_app(settings)`: the gateway ASGI app. The lifespan owns Redis, the pub/sub router
+and the batch loops (gateway/batch)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from gateway import http_errors, queues
+from gateway.batch import routes as batch_routes
+from gateway.batch.runtime import BatchRuntime
 from gateway.deadline_sweep import DeadlineSweep
 from gateway.job_service import JobService
 from gateway.middleware import Authenticate, BodyLimit
@@ -76,6 +79,7 @@ def create_app(
             presence=Presence(settings, client, keys, jobs),
         )
         app.state.genq = state
+        app.state.batch = batches = BatchRuntime(state)
         runtime.tune_gc()
         receiver = asyncio.create_task(router.run(), name="pubsub-router")
         sweep = DeadlineSweep(settings, client, scripts, keys)
@@ -86,10 +90,12 @@ def create_app(
             asyncio.create_task(state.presence.run(), name="gateway-presence"),
         ]
         groups = await queues.start(client, keys, settings.queue_models)
+        batches.start()
         try:
             yield
         finally:
             state.draining = True
+            await batches.stop()
             await queues.stop(groups)
             await router.close()
             for task in background:
@@ -115,12 +121,13 @@ def create_app(
     app.include_router(jobs.router)
     app.include_router(openai_routes.router)
     docs.install(app)
+    app.include_router(batch_routes.router)
     return app
 
 
 def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:
     """Outermost first: CORS (a preflight needs no key), the API key, the body limit."""
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, uploads=settings.file_max_bytes)
     app.add_middleware(Authenticate, settings=settings)
     if settings.cors_origins:
         app.add_middleware(

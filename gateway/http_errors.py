@@ -190,6 +190,11 @@ def _clean_loc(e: Any) -> tuple[list[str | int], str]:
     return out, root
 
 
+def field_of(e: Any) -> str:
+    """A pydantic error's field as a person wrote it (`prompt`, `messages.2.content`), or ''."""
+    return ".".join(str(x) for x in _clean_loc(e)[0])
+
+
 def _param(e: Any) -> str:
     ctx = e.get("ctx") or {}
     if isinstance(ctx.get("param"), str):  # a model-level check that names the field itself

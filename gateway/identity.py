@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from shared.records import ANONYMOUS, JobRecord
+from shared.records import ANONYMOUS
+
+
+class Owned(Protocol):
+    @property
+    def owner(self) -> str | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,7 +22,7 @@ class Identity:
     keyed: bool = False
     """API keys are configured: per-key quotas and rate limits apply."""
 
-    def may_see(self, record: JobRecord) -> bool:
+    def may_see(self, record: Owned) -> bool:
         """A job is its owner's (and the admins'). One recorded before owners were (no
         owner) stays visible to every caller, as it was, for the rest of its retention."""
         return self.admin or record.owner is None or record.owner == self.owner

@@ -7,7 +7,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,12 +26,14 @@ from shared.records import JOB_ID, ControlMessage, IdempotencyClaim, JobRecord, 
 from shared.schemas import MAX_METADATA_DEPTH, JobCreate, JobSpec, JobView, json_depth
 from shared.settings import GatewaySettings
 from shared.transitions import (
+    Call,
     CancelEnded,
     CancelQueued,
     CancelRunning,
     Limited,
     Queued,
     ScriptRunner,
+    SubmitReply,
     Transitions,
 )
 
@@ -43,6 +45,12 @@ _SUBMIT_TRIES = 3
 """An idempotency key whose job expired is freed and claimed again; past this, a 409."""
 _CANCEL_TRIES = 3
 """A queued job a worker starts while it is being cancelled is cancelled as a running one."""
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    call: Call[SubmitReply]
+    record: JobRecord
 
 
 @dataclass(slots=True)
@@ -180,16 +188,46 @@ class JobService:
         earlier job (or a 422 for another body). `part` and `fingerprint`: for a request
         that makes several jobs under one key (the fingerprint then is the request's)."""
         spec = spec or await self.prepare(body)
-        fingerprint = fingerprint or _fingerprint(body)
         idem = None
         if idempotency_key is not None:
             idem = self.keys.idempotency(caller.owner, check_idempotency_key(idempotency_key), part)
+        submission = self.submission(body, spec, idem, caller=caller, fingerprint=fingerprint)
+        for _ in range(_SUBMIT_TRIES):
+            reply = await self.scripts.run(submission.call)
+            if isinstance(reply, Queued):
+                return Submitted(submission.record.view(), replayed=False)
+            if isinstance(reply, Limited):
+                raise self.admission.refusal(caller, spec, reply)
+            assert idem is not None
+            earlier = await self._earlier(idem, reply.claim, submission.record.fingerprint or "")
+            if earlier is not None:
+                return Submitted(earlier, replayed=True)
+        raise Conflict(
+            "Idempotency-Key is being claimed concurrently; retry", param="Idempotency-Key"
+        )
+
+    def submission(
+        self,
+        body: JobCreate,
+        spec: JobSpec,
+        idempotency: str | None,
+        *,
+        caller: Identity,
+        fingerprint: str | None = None,
+        idempotency_ttl_s: int | None = None,
+        done_stream: str | None = None,
+    ) -> Submission:
+        """The SUBMIT call of a prepared job for `caller`, claiming the Redis key
+        `idempotency` (if any); nothing is written until it runs. Callers that queue many
+        jobs pipeline these."""
+        fingerprint = fingerprint or _fingerprint(body)
         record = JobRecord(
             spec=spec,
             status="queued",
             metadata=body.metadata,
             fingerprint=fingerprint,
             owner=caller.owner,
+            done_stream=done_stream,
         )
         prompt_tokens = len(spec.input_ids)
         queued = QueuedEvent(
@@ -200,24 +238,12 @@ class JobService:
             record,
             queued_event=events.encode(queued),
             entry=QueueEntry(job=spec.id, tokens=admission.tokens, owner=caller.owner),
-            idempotency_key=idem,
+            idempotency_key=idempotency,
             idempotency_claim=IdempotencyClaim(job=spec.id, fingerprint=fingerprint).encode(),
-            idempotency_ttl_s=self.settings.idempotency_ttl_s,
+            idempotency_ttl_s=idempotency_ttl_s or self.settings.idempotency_ttl_s,
             admission=admission,
         )
-        for _ in range(_SUBMIT_TRIES):
-            reply = await self.scripts.run(call)
-            if isinstance(reply, Queued):
-                return Submitted(record.view(), replayed=False)
-            if isinstance(reply, Limited):
-                raise self.admission.refusal(caller, spec, reply)
-            assert idem is not None
-            earlier = await self._earlier(idem, reply.claim, fingerprint)
-            if earlier is not None:
-                return Submitted(earlier, replayed=True)
-        raise Conflict(
-            "Idempotency-Key is being claimed concurrently; retry", param="Idempotency-Key"
-        )
+        return Submission(call, record)
 
     async def _earlier(self, idem: str, claim_text: str, fingerprint: str) -> JobView | None:
         """The job an idempotency key names; None once the key is freed (its job expired)."""
@@ -319,10 +345,13 @@ class JobService:
 
     async def _cancel_queued(self, job_id: str, seen: CancelQueued, reason: str) -> bool:
         """End a queued job `cancelled`, unless a worker took it meanwhile."""
+        return await self.scripts.run(self._settle_cancelled(job_id, seen, reason))
+
+    def _settle_cancelled(self, job_id: str, seen: CancelQueued, reason: str) -> Call[bool]:
         s = self.settings
         seq = seen.last_seq + 1
         event = CancelledEvent(seq=seq, attempt=seen.attempt, reason=reason)
-        call = self.transitions.settle(
+        return self.transitions.settle(
             job_id,
             status="queued",
             attempt=seen.attempt,
@@ -332,7 +361,29 @@ class JobService:
             maxlen=s.event_log_maxlen,
             retention_s=s.retention_s,
         )
-        return await self.scripts.run(call)
+
+    async def cancel_many(self, job_ids: Sequence[str], reason: str) -> None:
+        """Cancel many jobs in a few pipelines (a batch's): queued ones end at once, running
+        ones are told to stop, ended or missing ones are left alone. Best effort, as `cancel`
+        tries again: a queued job that a worker starts meanwhile is asked to stop once more."""
+        pending = list(job_ids)
+        for _ in range(_CANCEL_TRIES):
+            if not pending:
+                return
+            calls = [self.transitions.request_cancel(j, reason=reason) for j in pending]
+            replies = await self.scripts.run_all(calls)
+            pipe = self.redis.pipeline(transaction=False)
+            queued: list[tuple[str, CancelQueued]] = []
+            for job_id, reply in zip(pending, replies, strict=True):
+                if isinstance(reply, CancelRunning):
+                    msg = ControlMessage(cancel=job_id, attempt=reply.attempt, reason=reason)
+                    pipe.publish(self.keys.control(reply.worker), msg.encode())
+                elif isinstance(reply, CancelQueued):
+                    queued.append((job_id, reply))
+            await pipe.execute()
+            settles = [self._settle_cancelled(j, seen, reason) for j, seen in queued]
+            settled = await self.scripts.run_all(settles)
+            pending = [j for (j, _), ok in zip(queued, settled, strict=True) if ok is not True]
 
 
 _SAMPLING_FIELDS = {

@@ -38,27 +38,41 @@ class Authenticate:
         await self.app(scope, receive, send)
 
 
+UPLOAD_PATH = "/v1/files"
+UPLOAD_FORM_BYTES = 64 * 1024
+"""Room for a body's framing beyond its limit (a multipart form's boundaries and fields): the
+upload's own check (gateway/batch) counts the file's bytes exactly."""
+
+
 class BodyLimit:
     """A body over `limit` bytes is refused with 413: at once when Content-Length says so, else
     as soon as the bytes received pass it (a chunked body), before the rest is read."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, uploads: int) -> None:
         self.app = app
         self.limit = limit
+        self.uploads = uploads
+        """A file upload's limit (POST /v1/files: GENQ_FILE_MAX_BYTES, its own 413 besides)."""
 
-    def _too_large(self) -> PayloadTooLarge:
+    def _limit_of(self, scope: Scope) -> tuple[int, int, str]:
+        """(bytes allowed, the limit to name, its setting)."""
+        if scope.get("method") == "POST" and scope.get("path") == UPLOAD_PATH:
+            return self.uploads + UPLOAD_FORM_BYTES, self.uploads, "GENQ_FILE_MAX_BYTES"
+        return self.limit, self.limit, "GENQ_MAX_BODY_BYTES"
+
+    def _too_large(self, limit: int, setting: str) -> PayloadTooLarge:
         return PayloadTooLarge(
-            f"the request body is over {self.limit} bytes, the limit (GENQ_MAX_BODY_BYTES)",
-            param="body",
+            f"the request body is over {limit} bytes, the limit ({setting})", param="body"
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        allowed, limit, setting = self._limit_of(scope)
         declared = Request(scope).headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.limit:
-            await error_response(self._too_large())(scope, receive, send)
+        if declared.isdigit() and int(declared) > allowed:
+            await error_response(self._too_large(limit, setting))(scope, receive, send)
             return
         received = 0
         started = False
@@ -68,8 +82,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise self._too_large()
+                if received > allowed:
+                    raise self._too_large(limit, setting)
             return message
 
         async def watching_send(message: Message) -> None:

@@ -1,4 +1,4 @@
-"""The `genq` command: serve, gateway, worker, submit, bench (and the engine's extras)."""
+"""The `genq` command: serve, gateway, worker, submit, batch, bench (and the engine's extras)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, TypeVar, get_args
 from pydantic import ValidationError
 from pydantic_core import PydanticUndefined
 
+from genq import batch as batch_cli
 from shared import __version__, logs
 from shared.settings import GatewaySettings, LogLevel, RedisSettings, Settings, WorkerSettings
 
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="route: native POST /v1/jobs, openai /v1/completions, chat /v1/chat/completions",
     )
 
+    batch_cli.add_parser(sub)
+
     p = sub.add_parser("synth-model", help="write a random-weight Llama model (tests, planning)")
     p.add_argument("dir", help="folder to write (a new one, or an earlier synth-model folder)")
     p.add_argument("--shape", choices=["tiny", "1b", "8b"], default="tiny", help="model shape")
@@ -258,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         from genq.bench import main as bench
 
         return bench(args)
+    if args.command == "batch":
+        return batch_cli.main(args)
     if args.command == "synth-model":
         return _synth_model(args)
     return 2

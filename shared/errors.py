@@ -10,6 +10,7 @@ GenqError
 ├── MethodNotAllowed      405
 ├── Conflict              409  e.g. cancelling a finished job
 ├── PayloadTooLarge       413  a request body over GENQ_MAX_BODY_BYTES
+│   └── TooLarge          413  an upload over a size or line limit
 ├── Unprocessable         422  e.g. an idempotency key reused with another body
 ├── TooManyRequests       429  a queue limit, a key's quota or request rate
 └── Unavailable           503  Redis unreachable or nearly full, no worker for the model
@@ -101,6 +102,10 @@ class Conflict(GenqError):
 class PayloadTooLarge(GenqError):
     status = 413
     code = "payload_too_large"
+
+
+class TooLarge(PayloadTooLarge):
+    code = "too_large"
     type = "invalid_request_error"
 
 

@@ -1,7 +1,8 @@
 """Every Redis key genq uses is built here, and only here.
 
-Keys of one job carry the job id as a Cluster hash tag (`{id}`) so they share a slot; the
-admission keys (counters of admitted jobs, see shared/quotas.py) share the tag `{admission}`.
+Keys of one job carry the job id as a Cluster hash tag (`{id}`) so they share a slot; so do
+the keys of one file (`{file-…}`) and of one batch (`{batch_…}`); the admission keys
+(counters of admitted jobs, see shared/quotas.py) share the tag `{admission}`.
 """
 
 from __future__ import annotations
@@ -118,6 +119,53 @@ class Keys:
         """String with TTL: a client resumed the job through its events route; a dead
         gateway's sweep leaves it running."""
         return f"{self.prefix}resumed:{{{job_id}}}"
+
+    # ---- files and batches (OpenAI Files and Batches API): tagged per file, per batch ----
+
+    def file(self, file_id: str) -> str:
+        """Hash: a file's record (shared.batches.FileRecord)."""
+        return f"{self.prefix}file:{{{file_id}}}"
+
+    def file_data(self, file_id: str) -> str:
+        """List: a file's content, in chunks of whole lines."""
+        return f"{self.prefix}filedata:{{{file_id}}}"
+
+    def file_upload(self, file_id: str, token: str) -> str:
+        """List: content being written; renamed to `file_data` once whole (short TTL)."""
+        return f"{self.prefix}fileupload:{{{file_id}}}:{token}"
+
+    def files(self) -> str:
+        """Sorted set: file ids scored by creation time (the listing)."""
+        return f"{self.prefix}files"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: a batch's record (shared.batches.BatchRecord)."""
+        return f"{self.prefix}batch:{{{batch_id}}}"
+
+    def batch_results(self, batch_id: str, kind: str) -> str:
+        """Hash: line number → its output line (`out`) or error line (`err`), until the
+        batch's files are written."""
+        return f"{self.prefix}batch{kind}:{{{batch_id}}}"
+
+    def batch_done(self, batch_id: str) -> str:
+        """Stream + consumer group: ids of the batch's jobs that ended (JobRecord.done_stream)."""
+        return f"{self.prefix}batchdone:{{{batch_id}}}"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """String with TTL: the process driving the batch (queueing, cancel, finalizing)."""
+        return f"{self.prefix}batchlease:{{{batch_id}}}"
+
+    def batch_line(self, batch_id: str, line: int) -> str:
+        """String with TTL: the idempotency claim that makes one line one job, once."""
+        return f"{self.prefix}batchline:{{{batch_id}}}:{line}"
+
+    def batches(self) -> str:
+        """Sorted set: batch ids scored by creation time (the listing)."""
+        return f"{self.prefix}batches"
+
+    def active_batches(self) -> str:
+        """Sorted set: ids of batches not yet ended, scored by their deadline."""
+        return f"{self.prefix}batches:active"
 
 
 def scope_fields(priority: Priority, model: str, owner: str | None = None) -> tuple[str, str]:

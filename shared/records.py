@@ -152,6 +152,9 @@ class JobRecord(HashModel):
     owner: str | None = None
     """Who submitted it (`owner_of` its API key, or ANONYMOUS); None on records written
     before owners were recorded."""
+    done_stream: str | None = None
+    """A stream told the job's id in the step that ends it (EMIT of a final event, SETTLE):
+    a batch's, so that its tracker learns which lines finished without polling them."""
 
     def view(self) -> JobView:
         result = self.result

@@ -344,6 +344,69 @@ class GatewaySettings(JobSettings):
         default=10.0, gt=0, description="how often a gateway process runs those checks"
     )
 
+    # OpenAI Files and Batches API
+    file_max_bytes: int = Field(
+        default=200 * 1024 * 1024,
+        ge=1,
+        description="largest file upload, in bytes (OpenAI's: 200 MB); 413 beyond it",
+    )
+    batch_max_lines: int = Field(
+        default=50_000,
+        ge=1,
+        description="most requests in a batch input file (OpenAI's: 50,000); 413 beyond it",
+    )
+    file_ttl_s: int = Field(
+        default=30 * 86_400, ge=60, description="how long files are kept (OpenAI: 30 days)"
+    )
+    batch_ttl_s: int = Field(
+        default=30 * 86_400, ge=60, description="how long a batch's record is kept once it ended"
+    )
+    file_chunk_bytes: int = Field(
+        default=256 * 1024,
+        ge=1024,
+        description="files are stored in chunks of whole lines of about this size; a batch is "
+        "queued a chunk at a time",
+    )
+    batch_max_in_flight: int = Field(
+        default=10_000,
+        ge=1,
+        description="most jobs of one batch queued or running at once; its other lines wait "
+        "in its input file (bounds Redis memory per batch)",
+    )
+    batch_lease_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a gateway driving a batch (queueing, cancelling, finalizing) that is "
+        "silent this long loses it to another gateway",
+    )
+    batch_loops: bool = Field(
+        default=True,
+        description="this gateway moves batches on (queueing, results, finalizing); off, it "
+        "only serves the API (every batch route works either way): run the loops in "
+        "gateways of their own to keep their CPU away from interactive requests",
+    )
+    batch_poll_s: float = Field(
+        default=0.5, gt=0, description="how often each gateway looks for batch work"
+    )
+    batch_sweep_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="a batch that made no progress this long has its open lines' jobs looked "
+        "at directly (a safety net under the job-end notifications)",
+    )
+    batch_claim_idle_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="job-end notifications read by a gateway that died are taken over by "
+        "another after this long",
+    )
+    batch_job_retention_s: int = Field(
+        default=60,
+        ge=1,
+        description="a batch's job keeps its record and event log this long once its result "
+        "is in the batch (instead of GENQ_RETENTION_S): about 8 KB a job while kept",
+    )
+
     _default_template = field_validator("default_chat_template")(_template_text)
     _split_keys = field_validator("api_keys", "admin_keys", "cors_origins", mode="before")(
         _key_list

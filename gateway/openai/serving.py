@@ -7,6 +7,7 @@ Phases of a request:
 
   admit    the model is known (404), some live worker serves it (503), Redis has room (503),
            its queue and the key's quota have room (429)
+  check    what no model could run: parameters genq cannot honour (400)
   prepare  build each job (chat: render the template) and validate it; nothing is written yet
   start    subscribe each job's channel, then queue it
   output   follow every job's events: SSE chunks, or one response when all have ended
@@ -19,6 +20,10 @@ own fingerprint, so a request sent again with the key (or twenty at once) makes 
 and follows the same jobs from their start: the same completion, the same stream. Such a
 request is never cancelled by genq (not on disconnect, not when a later job of it is refused):
 its key says the client will come back for it.
+
+`plan`, `refuse` and `prepare_jobs` are the whole validation of a request body: the batch API
+(gateway/batch) runs every line of an input file through the same three, so a batch line is
+refused exactly where the live endpoint would refuse it.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 from fastapi import Request
@@ -100,12 +105,143 @@ class Sender:
         return cls(identity, check_idempotency_key(key), _fingerprint(kind, req))
 
 
+# ---- plan and prepare: the validation the live endpoints and the batch API share ----------
+
+
+OpenAIBody = CompletionRequest | ChatCompletionRequest
+
+
+# ---- plan and prepare: the validation the live endpoints and the batch API share ----------
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A request body checked as far as it can be without its model's card."""
+
+    kind: Literal["cmpl", "chatcmpl"]
+    req: OpenAIBody
+    prompts: list[Prompt]
+    """Completions: the prompts. Chat: none yet (its one prompt is rendered from the card)."""
+    max_tokens: int | None
+    logprobs: int | None
+
+    @property
+    def jobs(self) -> int:
+        """Jobs the request starts: n per prompt."""
+        return max(len(self.prompts), 1) * self.req.n
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.kind == "chatcmpl" else "prompt"
+
+    @property
+    def want_logprobs(self) -> bool:
+        if isinstance(self.req, ChatCompletionRequest):
+            return bool(self.req.logprobs)
+        return self.req.logprobs is not None
+
+    def output_format(self) -> OutputFormat:
+        if isinstance(self.req, ChatCompletionRequest):
+            return ChatFormat(self.want_logprobs)
+        return CompletionFormat(self.want_logprobs)
+
+
+def plan(req: OpenAIBody) -> Plan:
+    """The request's prompts and limits; 400 for an empty prompt."""
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return Plan("chatcmpl", req, [], req.completion_limit, logprobs)
+    return Plan("cmpl", req, _completion_prompts(req), req.max_tokens, req.logprobs)
+
+
+def refuse(p: Plan) -> None:
+    """400 for what no model could run: parameters genq cannot honour."""
+    _refuse_unsupported(p.req)
+    req = p.req
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+async def prepare_jobs(
+    state: GatewayState, p: Plan, loaded: LoadedCard, priority: Priority
+) -> tuple[RequestState, list[tuple[JobCreate, JobSpec]]]:
+    """Render (chat), validate and tokenize every prompt once against the model's card (400
+    for a prompt that cannot run: too long, a template that refuses it); one job per
+    (prompt, choice). Nothing is written yet."""
+    req = p.req
+    prompts = p.prompts
+    if isinstance(req, ChatCompletionRequest):
+        prompts = [await _render(state, loaded, req)]
+    request_id = uuid.uuid4().hex
+    run = RequestState(f"{p.kind}-{request_id}", int(time.time()), req.model, [], [])
+    jobs: list[tuple[JobCreate, JobSpec]] = []
+    for i, prompt in enumerate(prompts):
+        body = _job_body(req, prompt, p.max_tokens, p.logprobs, p.prompt_param, priority)
+        spec = await state.jobs.prepare(body)
+        run.prompt_tokens.append(len(spec.input_ids))
+        for j in range(req.n):
+            index = len(jobs)
+            job_id = request_id if index == 0 else uuid.uuid4().hex
+            seed = None if req.seed is None else (req.seed + j) % (MAX_SEED + 1)
+            meta = _metadata(p.kind, run.id, index, req.user)
+            jobs.append(
+                (
+                    body.model_copy(update={"seed": seed, "metadata": meta}),
+                    spec.model_copy(
+                        update={
+                            "id": job_id,
+                            "sampling": spec.sampling.model_copy(update={"seed": seed}),
+                        }
+                    ),
+                )
+            )
+            run.choices.append(ChoiceState(index, job_id, i))
+    return run, jobs
+
+
+async def _render(state: GatewayState, loaded: LoadedCard, req: ChatCompletionRequest) -> str:
+    """The chat as prompt text: its size checked first, then rendered off the event loop (a
+    template over thousands of messages is seconds of pure Python)."""
+    settings = state.settings
+    card = loaded.card
+    template = card.chat_template or settings.default_chat_template
+    if template is None:
+        raise BadRequest(
+            f"model '{card.name}' has no chat template (and no GENQ_DEFAULT_CHAT_TEMPLATE is "
+            "configured); use /v1/completions with a formatted prompt",
+            param="messages",
+            code="chat_template_missing",
+        )
+    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    chars = sum(len(m.get("content") or "") for m in messages)
+    if chars > settings.max_prompt_chars:
+        raise BadRequest(
+            f"the messages' content is {chars} characters; the limit "
+            f"(GENQ_MAX_PROMPT_CHARS) is {settings.max_prompt_chars}",
+            param="messages",
+        )
+    text = await state.jobs.off_loop(
+        functools.partial(
+            render_chat,
+            template,
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            bos_token=card.bos_token,
+            eos_token=card.eos_token,
+        )
+    )
+    if card.add_bos and card.bos_token and text.startswith(card.bos_token):
+        text = text[len(card.bos_token) :]  # JobService adds the BOS token itself
+    return text
+
+
+# ---- the live endpoints -------------------------------------------------------------------
+
+
 class OpenAIServing:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
         self.settings = state.settings
-
-    # ---- endpoints ------------------------------------------------------------------------
 
     async def completions(
         self,
@@ -114,15 +250,9 @@ class OpenAIServing:
         identity: Identity,
         idempotency_key: str | None = None,
     ) -> Response:
-        sender = Sender.of(identity, idempotency_key, "cmpl", req)
-        prompts = _completion_prompts(req)
-        await self._admit(req.model, len(prompts) * req.n, sender, req.priority)
-        _refuse_unsupported(req)  # after the model: one genq does not serve is a 404 first
-        run, jobs = await self._prepare(
-            "cmpl", req, prompts, req.max_tokens, req.logprobs, "prompt"
+        return await self._serve(
+            plan(req), request, Sender.of(identity, idempotency_key, "cmpl", req)
         )
-        fmt = CompletionFormat(req.logprobs is not None)
-        return await self._respond(req, request, sender, run, jobs, fmt)
 
     async def chat(
         self,
@@ -132,18 +262,13 @@ class OpenAIServing:
         idempotency_key: str | None = None,
     ) -> Response:
         sender = Sender.of(identity, idempotency_key, "chatcmpl", req)
-        loaded = await self._admit(req.model, req.n, sender, req.priority)
-        _refuse_unsupported(req)  # after the model: one genq does not serve is a 404 first
-        if req.top_logprobs is not None and not req.logprobs:
-            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-        prompt = await self._render(loaded, req)
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        limit = req.completion_limit
-        run, jobs = await self._prepare("chatcmpl", req, [prompt], limit, logprobs, "messages")
-        fmt = ChatFormat(bool(req.logprobs))
-        return await self._respond(req, request, sender, run, jobs, fmt)
+        return await self._serve(plan(req), request, sender)
 
-    # ---- admit and prepare ----------------------------------------------------------------
+    async def _serve(self, p: Plan, request: Request, sender: Sender) -> Response:
+        loaded = await self._admit(p.req.model, p.jobs, sender, p.req.priority)
+        refuse(p)  # after the model: one genq does not serve is a 404 first
+        run, jobs = await prepare_jobs(self.state, p, loaded, p.req.priority)
+        return await self._respond(p.req, request, sender, run, jobs, p.output_format())
 
     async def _admit(
         self, model: str, jobs: int, sender: Sender, priority: Priority = "interactive"
@@ -171,76 +296,6 @@ class OpenAIServing:
         else:  # a replay is answered whatever the limits say now: SUBMIT checks them after
             await state.admission.check_memory()
         return loaded
-
-    async def _render(self, loaded: LoadedCard, req: ChatCompletionRequest) -> str:
-        """The chat as prompt text: its size checked first, then rendered off the event loop
-        (a template over thousands of messages is seconds of pure Python)."""
-        card = loaded.card
-        template = card.chat_template or self.settings.default_chat_template
-        if template is None:
-            raise BadRequest(
-                f"model '{card.name}' has no chat template (and no GENQ_DEFAULT_CHAT_TEMPLATE is "
-                "configured); use /v1/completions with a formatted prompt",
-                param="messages",
-                code="chat_template_missing",
-            )
-        messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
-        chars = sum(len(m.get("content") or "") for m in messages)
-        if chars > self.settings.max_prompt_chars:
-            raise BadRequest(
-                f"the messages' content is {chars} characters; the limit "
-                f"(GENQ_MAX_PROMPT_CHARS) is {self.settings.max_prompt_chars}",
-                param="messages",
-            )
-        text = await self.state.jobs.off_loop(
-            functools.partial(
-                render_chat,
-                template,
-                messages,
-                add_generation_prompt=req.add_generation_prompt,
-                bos_token=card.bos_token,
-                eos_token=card.eos_token,
-            )
-        )
-        if card.add_bos and card.bos_token and text.startswith(card.bos_token):
-            text = text[len(card.bos_token) :]  # JobService adds the BOS token itself
-        return text
-
-    async def _prepare(
-        self,
-        kind: str,
-        req: SamplingParams,
-        prompts: list[Prompt],
-        max_tokens: int | None,
-        logprobs: int | None,
-        prompt_param: str,
-    ) -> tuple[RequestState, Jobs]:
-        """Validate and tokenize every prompt once; one job per (prompt, choice)."""
-        request_id = uuid.uuid4().hex
-        run = RequestState(f"{kind}-{request_id}", int(time.time()), req.model, [], [])
-        jobs: Jobs = []
-        for p, prompt in enumerate(prompts):
-            body = _job_body(req, prompt, max_tokens, logprobs, prompt_param)
-            spec = await self.state.jobs.prepare(body)
-            run.prompt_tokens.append(len(spec.input_ids))
-            for j in range(req.n):
-                index = len(jobs)
-                job_id = request_id if index == 0 else uuid.uuid4().hex
-                seed = None if req.seed is None else (req.seed + j) % (MAX_SEED + 1)
-                meta = _metadata(kind, run.id, index, req.user)
-                jobs.append(
-                    (
-                        body.model_copy(update={"seed": seed, "metadata": meta}),
-                        spec.model_copy(
-                            update={
-                                "id": job_id,
-                                "sampling": spec.sampling.model_copy(update={"seed": seed}),
-                            }
-                        ),
-                    )
-                )
-                run.choices.append(ChoiceState(index, job_id, p))
-        return run, jobs
 
     # ---- start and output -----------------------------------------------------------------
 
@@ -493,11 +548,12 @@ def _job_body(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_param: str,
+    priority: Priority,
 ) -> JobCreate:
     fields: dict[str, Any] = {
         "model": req.model,
         "max_tokens": max_tokens,
-        "priority": req.priority,
+        "priority": priority,
         "stop": req.stop_list,
         "logprobs": logprobs,
     }

@@ -13,5 +13,8 @@ local last = append(KEYS[2], KEYS[3], ARGV[3], 7, to)
 if last then return {-1, last} end
 set_fields(KEYS[1], to + 1)
 retain(KEYS[1], KEYS[2], ARGV[4], ARGV[5])
-if tonumber(ARGV[4]) > 0 then release(KEYS[4], KEYS[5], KEYS[6], KEYS[1]) end
+if tonumber(ARGV[4]) > 0 then  -- a retention: the job ended
+  release(KEYS[4], KEYS[5], KEYS[6], KEYS[1])
+  tell_done(KEYS[1], ARGV[5])
+end
 return {1, redis.call('HGET', KEYS[1], 'cancel') or ''}

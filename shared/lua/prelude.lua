@@ -109,3 +109,12 @@ local function release(counts, jobs, checks, job)
   redis.call('ZREM', checks, job)
   return 1
 end
+
+-- A job that ended tells the stream its record names in `done_stream` (a batch's), in the
+-- step that ends it, so a tracker of the batch cannot miss it. That stream lives in its
+-- batch's slot, not the job's: with SUBMIT, the seam for Cluster (which lets a script touch
+-- only keys it is handed).
+local function tell_done(job, job_id)
+  local stream = redis.call('HGET', job, 'done_stream')
+  if stream then redis.call('XADD', stream, '*', 'job', job_id) end
+end

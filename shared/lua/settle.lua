@@ -14,4 +14,5 @@ redis.call('HDEL', KEYS[1], 'worker')
 set_fields(KEYS[1], 9)
 retain(KEYS[1], KEYS[2], ARGV[5], ARGV[6])
 release(KEYS[4], KEYS[5], KEYS[6], KEYS[1])
+tell_done(KEYS[1], ARGV[6])
 return 1

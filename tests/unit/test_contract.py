@@ -13,6 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared import events
+from shared.batches import BatchRecord, BatchStatus
 from shared.events import EVENT_FIELD, CancelledEvent, ErrorEvent, EventError, TokenEvent
 from shared.keys import Keys
 from shared.quotas import Admission, QuotaCalls
@@ -141,17 +142,22 @@ def test_events_round_trip_and_peek() -> None:
 
 
 def test_the_lua_scripts_build_no_events_and_name_only_record_fields() -> None:
-    """The record's field names and status values the scripts use are the model's own."""
+    """The record's field names and status values the scripts use are the model's own (a
+    job's; a batch's for the batch_* scripts)."""
     sources = _lua_sources()
-    known = set(JobRecord.model_fields) | set(typing.get_args(JobStatus))
+    jobs = set(JobRecord.model_fields) | set(typing.get_args(JobStatus))
+    batches = set(BatchRecord.model_fields) | set(typing.get_args(BatchStatus))
     record_call = re.compile(r"'(?:HGET|HSET|HSETNX|HMGET|HINCRBY|HDEL)', KEYS\[1\], ([^)]*)")
     for name, source in sources.items():
         assert "cjson" not in source, f"{name} builds JSON itself"
         if name in _SCRIPTS_OF_NO_JOB:
             continue
+        known, model = (
+            (batches, "BatchRecord") if name.startswith("batch_") else (jobs, "JobRecord")
+        )
         for call in record_call.finditer(source):
             named = set(re.findall(r"'([a-z_]+)'", call.group(1)))
-            assert named <= known, f"{name}: {named - known} not in JobRecord"
+            assert named <= known, f"{name}: {named - known} not in {model}"
         for field in re.findall(r"'0-' \.\. [^,]+, '([a-z]+)'", source):
             assert field == EVENT_FIELD
 

@@ -1,0 +1,67 @@
+"""OpenAI's list pages over a sorted-set index (id scored by creation time): `after` is the
+last id of the previous page. Ids whose record has expired leave the index as they are met."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+
+from shared.batches import ObjectList
+from shared.errors import BadRequest
+
+T = TypeVar("T")
+_SCAN = 100
+"""Index entries read per round while filling a page."""
+
+
+async def page(
+    redis: aioredis.Redis,
+    index: str,
+    load: Callable[[Sequence[str]], Awaitable[list[T | None]]],
+    view: Callable[[T], Any],
+    *,
+    after: str | None,
+    limit: int,
+    newest_first: bool = True,
+    keep: Callable[[T], bool] = lambda _: True,
+) -> ObjectList:
+    """Up to `limit` objects after `after`, in creation order (newest first by default)."""
+    start = 0
+    if after is not None:
+        rank = await (redis.zrevrank(index, after) if newest_first else redis.zrank(index, after))
+        if rank is None:
+            raise BadRequest(
+                f"after: no object '{after[:64]}' (unknown, or expired)", param="after"
+            )
+        start = rank + 1
+    items: list[Any] = []
+    has_more = False
+    while len(items) <= limit:
+        ids = await (redis.zrevrange if newest_first else redis.zrange)(
+            index, start, start + _SCAN - 1
+        )
+        if not ids:
+            break
+        start += len(ids)
+        gone = []
+        for object_id, obj in zip(ids, await load(ids), strict=True):
+            if obj is None:
+                gone.append(object_id)
+            elif keep(obj):
+                if len(items) == limit:
+                    has_more = True
+                    break
+                items.append(view(obj))
+        if gone:
+            await redis.zrem(index, *gone)
+            start -= len(gone)
+        if has_more:
+            break
+    return ObjectList(
+        data=items,
+        first_id=items[0].id if items else None,
+        last_id=items[-1].id if items else None,
+        has_more=has_more,
+    )

@@ -1,0 +1,81 @@
+"""`genq batch` against the real `genq serve`: submit --wait writes the results and the
+errors beside them; Ctrl-C while waiting leaves the batch running; status, list, cancel."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+
+from tests.batch.conftest import (
+    POISON,
+    Serve,
+    chat_line,
+    completion_line,
+    jsonl,
+    wait_ended,
+)
+
+CLI_S = 60.0
+INTERRUPTED = 130
+
+
+def _genq(*args: str, url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "genq", "batch", *args, "--url", url],
+        capture_output=True,
+        text=True,
+        timeout=CLI_S,
+    )
+
+
+def test_submit_wait_writes_results_and_errors(genq: Serve, tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    lines = [completion_line(f"r{i}", f"p {i}") for i in range(20)]
+    lines.append(completion_line("bad", f"{POISON} p"))
+    source.write_bytes(jsonl(lines))
+    out = tmp_path / "results.jsonl"
+    done = _genq("submit", str(source), "--wait", "-o", str(out), url=genq.url)
+    assert done.returncode == 0, done.stderr
+    assert "21/21 done (1 failed)" in done.stderr and "completed" in done.stderr
+    results = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(x["custom_id"] for x in results) == sorted(f"r{i}" for i in range(20))
+    errors = [json.loads(x) for x in (tmp_path / "results.errors.jsonl").read_text().splitlines()]
+    assert [x["custom_id"] for x in errors] == ["bad"]
+    batch_id = done.stderr.split()[1].rstrip(":")  # "batch <id>: 21 requests"
+    status = _genq("status", batch_id, url=genq.url)
+    assert status.returncode == 0 and "completed" in status.stdout and "21/21" in status.stdout
+    assert batch_id in _genq("list", url=genq.url).stdout
+    fetched = _genq("results", batch_id, "--errors", url=genq.url)
+    assert json.loads(fetched.stdout)["custom_id"] == "bad"
+
+
+def test_ctrl_c_while_waiting_leaves_the_batch_running(
+    genq: Serve, tmp_path: Path, client: openai.OpenAI
+) -> None:
+    source = tmp_path / "long.jsonl"
+    source.write_bytes(jsonl([chat_line(f"l{i}", f"x {i}", max_tokens=64) for i in range(300)]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "genq", "batch", "submit", str(source), "--wait", "--url", genq.url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=tmp_path,
+    )
+    assert proc.stderr is not None
+    first = proc.stderr.readline()  # "batch <id>: 300 requests": created, now waiting
+    batch_id = first.split()[1].rstrip(":")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=CLI_S)
+    assert proc.returncode == INTERRUPTED, err
+    assert f"genq batch status {batch_id}" in err and "keeps running" in err
+    assert client.batches.retrieve(batch_id).status in ("validating", "in_progress")
+    cancelled = _genq("cancel", batch_id, url=genq.url)
+    assert cancelled.returncode == 0 and batch_id in cancelled.stdout
+    assert wait_ended(client, batch_id).status == "cancelled"
