@@ -66,7 +66,7 @@ class _Shape:
 
 
 def sampler_fields(s: Sampling) -> dict[str, Any]:
-    """Every `ExLlamaV2Sampler.EngineSettings` field, set explicitly: exllamav2's own defaults
+    """Every `ExLlamaV2Sampler.Settings` field, set explicitly: exllamav2's own defaults
     (temperature 0.8, top_k 50, top_p 0.8, repetition penalty 1.025) are not neutral."""
     greedy = s.temperature == 0.0
     return {
@@ -333,7 +333,7 @@ def _job_factory(on_gpu: bool) -> Callable[..., Any]:
         return job_cls(
             input_ids=torch.tensor([ids], dtype=torch.long),
             max_new_tokens=max_new,
-            gen_settings=ExLlamaV2Sampler.EngineSettings(**sampler_fields(sampling)),
+            gen_settings=ExLlamaV2Sampler.Settings(**sampler_fields(sampling)),
             seed=seed,
             stop_conditions=stops or None,
             decode_special_tokens=False,
