@@ -559,6 +559,12 @@ class WorkerSettings(JobSettings, EngineSettings):
     batch_share: int = Field(
         default=4, ge=1, description="when both queues have work, every Nth claim takes a batch job"
     )
+    interactive_reserve: int = Field(
+        default=16,
+        ge=0,
+        description="batch slots a worker keeps free for interactive jobs (at most a quarter "
+        "of its batch), so one arriving behind a batch backlog starts at once",
+    )
     overflow_share: int = Field(
         default=4,
         ge=1,

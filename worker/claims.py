@@ -32,6 +32,9 @@ from worker.state import LOOP_RESTART_S, WorkerState
 
 log = logging.getLogger(__name__)
 
+RESERVE_SHARE = 4
+"""The interactive reserve is at most 1/RESERVE_SHARE of a worker's slots."""
+
 Sent = dict[str, tuple[list[int], list[str]]]
 """Per retried job: the token ids and text an earlier attempt already published."""
 
@@ -78,13 +81,18 @@ class Claimer:
 
         Each priority has two lanes: its queue, and its overflow (owners past their fair
         share in flight). The queue goes first, except every `overflow_share`-th claim of a
-        priority whose overflow has work, so a large owner's backlog still progresses."""
+        priority whose overflow has work, so a large owner's backlog still progresses. Batch
+        work never takes the last `interactive_reserve` slots: an interactive job arriving
+        into a full batch backlog starts at once instead of waiting for a batch job to end."""
         st = self.st
         batch_turn = self._claims_since_batch >= st.settings.batch_share
         order: tuple[Priority, ...] = ("batch", "interactive") if batch_turn else PRIORITIES
+        batch_room = free - self._reserve()
         claims: list[Claim] = []
         for priority in order:
             budget = 1 if priority == "batch" and batch_turn else free - len(claims)
+            if priority == "batch":
+                budget = min(budget, batch_room)
             for lane, cap in self._lanes(priority):
                 want = min(budget, free - len(claims), cap or free)
                 if want > 0:
@@ -92,11 +100,21 @@ class Claimer:
                     claims += got
                     budget -= len(got)
         if not claims:
-            streams = {k: ">" for k in st.streams()}
+            lanes = st.streams() if batch_room > 0 else self._interactive_lanes()
+            streams = {k: ">" for k in lanes}
             claims = await self._read(streams, 1, block=st.settings.claim_block_ms)
         for c in claims:
             self._count(c)
         return claims
+
+    def _reserve(self) -> int:
+        """Slots kept from batch work: the setting, at most a quarter of the batch (a worker
+        of one slot, an unpaged exllamav2, keeps none)."""
+        st = self.st
+        return min(st.settings.interactive_reserve, st.engine.max_batch // RESERVE_SHARE)
+
+    def _interactive_lanes(self) -> list[str]:
+        return [self.st.queues["interactive"], self.st.overflow["interactive"]]
 
     def _lanes(self, priority: Priority) -> list[tuple[str, int | None]]:
         """(stream, most to take from it) in the order to read them."""
