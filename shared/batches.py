@@ -70,6 +70,13 @@ def result_file_id(batch_id: str, kind: ResultKind) -> str:
     return f"file-{hashlib.sha256(f'{batch_id}:{kind}'.encode()).hexdigest()[:32]}"
 
 
+WINDOW_PATTERN = (
+    r"^(?:(?:[1-9]|1[0-9]|2[0-4])h|(?:[1-9][0-9]{0,2}|1[0-3][0-9]{2}|14[0-3][0-9]|1440)m"
+    r"|(?:[1-9][0-9]{0,3}|[1-7][0-9]{4}|8[0-5][0-9]{3}|86[0-3][0-9]{2}|86400)s)$"
+)
+"""A completion window as the API document says it: a whole number of h, m or s, at most 24 h."""
+
+
 def window_seconds(window: str) -> int:
     """Seconds of a completion window: `24h`, or shorter (`90m`, `30s`); ValueError if not."""
     m = _WINDOW.fullmatch(window)

@@ -9,7 +9,6 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 
 from shared.batches import ObjectList
-from shared.errors import BadRequest
 
 T = TypeVar("T")
 _SCAN = 100
@@ -31,10 +30,8 @@ async def page(
     start = 0
     if after is not None:
         rank = await (redis.zrevrank(index, after) if newest_first else redis.zrank(index, after))
-        if rank is None:
-            raise BadRequest(
-                f"after: no object '{after[:64]}' (unknown, or expired)", param="after"
-            )
+        if rank is None:  # expired (or never was): nothing is known to follow it
+            return ObjectList(data=[], first_id=None, last_id=None, has_more=False)
         start = rank + 1
     items: list[Any] = []
     has_more = False

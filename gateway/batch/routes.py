@@ -5,16 +5,38 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import StreamingResponse
 
 from gateway.batch.files import FileService
 from gateway.batch.runtime import BatchRuntime
 from gateway.batch.service import BatchService, CreateBatch
 from gateway.deps import Authorized, Caller, RateLimited
-from shared.batches import BatchObject, FileDeleted, FileObject, ObjectList
+from gateway.http_errors import error_responses
+from shared.batches import (
+    BATCH_ID,
+    FILE_ID,
+    BatchObject,
+    FileDeleted,
+    FileObject,
+    FilePurpose,
+    ObjectList,
+)
 
-router = APIRouter(prefix="/v1", tags=["batch"], dependencies=[Authorized, RateLimited])
+router = APIRouter(
+    prefix="/v1",
+    tags=["batch"],
+    dependencies=[Authorized, RateLimited],
+    responses=error_responses(400, 401, 404, 409, 413, 422, 429, 503),
+)
+FileId = Annotated[str, Path(pattern=f"^{FILE_ID.pattern}$", description="file-<32 hex>")]
+BatchId = Annotated[str, Path(pattern=f"^{BATCH_ID.pattern}$", description="batch_<32 hex>")]
+AfterFile = Annotated[
+    str | None, Query(pattern=f"^{FILE_ID.pattern}$", description="the last id of the page before")
+]
+AfterBatch = Annotated[
+    str | None, Query(pattern=f"^{BATCH_ID.pattern}$", description="the last id of the page before")
+]
 
 MAX_FILES_PAGE = 10_000
 MAX_BATCHES_PAGE = 100
@@ -49,10 +71,10 @@ async def upload_file(request: Request, files: Files, caller: Caller) -> FileObj
 async def list_files(
     files: Files,
     caller: Caller,
-    after: str | None = None,
+    after: AfterFile = None,
     limit: Annotated[int, Query(ge=1, le=MAX_FILES_PAGE)] = MAX_FILES_PAGE,
     order: Literal["asc", "desc"] = "desc",
-    purpose: str | None = None,
+    purpose: FilePurpose | None = None,
 ) -> ObjectList:
     return await files.listing(
         caller, after=after, limit=limit, newest_first=order == "desc", purpose=purpose
@@ -60,18 +82,18 @@ async def list_files(
 
 
 @router.get("/files/{file_id}")
-async def get_file(file_id: str, files: Files, caller: Caller) -> FileObject:
+async def get_file(file_id: FileId, files: Files, caller: Caller) -> FileObject:
     return await files.get(file_id, caller)
 
 
 @router.get("/files/{file_id}/content")
-async def file_content(file_id: str, files: Files, caller: Caller) -> StreamingResponse:
+async def file_content(file_id: FileId, files: Files, caller: Caller) -> StreamingResponse:
     content = await files.content(file_id, caller)
     return StreamingResponse(content, media_type="application/octet-stream")
 
 
 @router.delete("/files/{file_id}")
-async def delete_file(file_id: str, files: Files, caller: Caller) -> FileDeleted:
+async def delete_file(file_id: FileId, files: Files, caller: Caller) -> FileDeleted:
     return await files.delete(file_id, caller)
 
 
@@ -84,17 +106,17 @@ async def create_batch(body: CreateBatch, batches: Batches, caller: Caller) -> B
 async def list_batches(
     batches: Batches,
     caller: Caller,
-    after: str | None = None,
+    after: AfterBatch = None,
     limit: Annotated[int, Query(ge=1, le=MAX_BATCHES_PAGE)] = DEFAULT_BATCHES_PAGE,
 ) -> ObjectList:
     return await batches.listing(caller, after=after, limit=limit)
 
 
 @router.get("/batches/{batch_id}")
-async def get_batch(batch_id: str, batches: Batches, caller: Caller) -> BatchObject:
+async def get_batch(batch_id: BatchId, batches: Batches, caller: Caller) -> BatchObject:
     return await batches.get(batch_id, caller)
 
 
 @router.post("/batches/{batch_id}/cancel")
-async def cancel_batch(batch_id: str, batches: Batches, caller: Caller) -> BatchObject:
+async def cancel_batch(batch_id: BatchId, batches: Batches, caller: Caller) -> BatchObject:
     return await batches.cancel(batch_id, caller)

@@ -20,6 +20,7 @@ from shared.batch_transitions import BatchTransitions
 from shared.batches import (
     BATCH_ID,
     ENDPOINTS,
+    WINDOW_PATTERN,
     BatchEndpoint,
     BatchObject,
     BatchRecord,
@@ -51,9 +52,11 @@ class CreateBatch(BaseModel):
     """Body of `POST /v1/batches`."""
 
     input_file_id: str = Field(min_length=1, max_length=128)
-    endpoint: str
+    endpoint: BatchEndpoint
     completion_window: str = Field(
-        default="24h", description="24h, or shorter (a genq extension): 90m, 30s, …"
+        default="24h",
+        pattern=WINDOW_PATTERN,
+        description="24h, or shorter (a genq extension): 90m, 30s, …",
     )
     metadata: dict[str, str] | None = None
     output_expires_after: OutputExpiresAfter | None = None

@@ -142,9 +142,9 @@ def test_bad_batch_requests(client: openai.OpenAI, db: redis.Redis, genq: Serve)
     cases: list[tuple[dict[str, Any], type[openai.APIStatusError], str]] = [
         ({"input_file_id": "file-" + "0" * 32}, openai.NotFoundError, "input_file_id"),
         ({"endpoint": "/v1/completions"}, openai.BadRequestError, "endpoint"),
-        ({"endpoint": "/v1/embeddings"}, openai.BadRequestError, "endpoint"),
-        ({"completion_window": "48h"}, openai.BadRequestError, "completion_window"),
-        ({"completion_window": "soon"}, openai.BadRequestError, "completion_window"),
+        ({"endpoint": "/v1/embeddings"}, openai.UnprocessableEntityError, "endpoint"),
+        ({"completion_window": "48h"}, openai.UnprocessableEntityError, "completion_window"),
+        ({"completion_window": "soon"}, openai.UnprocessableEntityError, "completion_window"),
         ({"metadata": {"k" * 65: "v"}}, openai.BadRequestError, "metadata"),
     ]
     for change, error, param in cases:
