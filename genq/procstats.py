@@ -45,6 +45,14 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
+def command_line(pid: int) -> str:
+    """The process's command line, space-joined; "" once it is gone."""
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ""
+
+
 def pids_named(name: str) -> list[int]:
     """Live processes whose command name is `name` (e.g. "redis-server")."""
     return [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == name]

@@ -40,7 +40,7 @@ from genq.embedded_redis import private_redis
 from shared import logs, runtime
 from shared.redisconn import connect
 from shared.settings import Settings
-from worker.process import build_engine, install_signals
+from worker.process import install_signals, open_engine
 from worker.service import Worker
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def _client(settings: Settings) -> aioredis.Redis:
 async def _serve_single(
     settings: Settings, client: aioredis.Redis, sock: socket.socket, url: str
 ) -> int:
-    worker = Worker(settings, build_engine(settings), redis=client)
+    worker = Worker(settings, await open_engine(settings), redis=client)
     app = create_app(settings, redis=client, raw_pubsub=settings.redis_url is not None)
     config = uvicorn.Config(
         app,

@@ -31,7 +31,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from shared.model_format import folder_format
-from worker.process import require_gpu_extra
+from worker.engines import require_gpu_extra
 
 INIT_STD = 0.02
 """Standard deviation of every non-norm weight (the usual Llama initialisation)."""

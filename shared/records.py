@@ -227,6 +227,22 @@ class Heartbeat(HashModel):
     tokens_per_s: float
     started_at: float
     draining: bool = False
+    engine_pid: int | None = None
+    """The worker's engine process; None while it restarts, or with the engine in-process."""
+    engine_down: str | None = None
+    """Why the engine cannot take jobs now (its process died or stalled and restarts)."""
+    engine_restarts: int = 0
+    engine_step_ms: float = 0.0
+    """Mean time of the engine's own step since the last beat, in the engine process."""
+    worker_step_ms: float = 0.0
+    """Mean time from one step's outputs to the next's as the worker received them, since the
+    last beat: less `engine_step_ms`, what the engine boundary costs a step."""
+    steps: int = 0
+    engine_step_s: float = 0.0
+    worker_steps: int = 0
+    worker_step_s: float = 0.0
+    """Cumulative (tools take deltas): steps and their engine seconds; steps timed as the
+    worker saw them (those that followed another without a pause) and their seconds."""
 
 
 class ControlMessage(BaseModel):

@@ -571,6 +571,28 @@ class WorkerSettings(JobSettings, EngineSettings):
         description="when a priority's queue and its overflow (owners past their fair share) "
         "both have work, every Nth claim of it takes from the overflow",
     )
+    engine_process: bool = Field(
+        default=True,
+        description="run the engine in a process of its own, beside the worker's I/O process "
+        "(false: on a thread of the worker process, sharing its interpreter: tests, debugging)",
+    )
+    engine_stall_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="an engine process that holds jobs and sends no step for this long is "
+        "killed and restarted (its jobs handed back, as when it dies)",
+    )
+    detokenize: Literal["engine", "worker"] = Field(
+        default="engine",
+        description="where a job's text is made and its stop strings matched: in the engine, "
+        "or in the worker's I/O process from the token ids (the engine stops on stop tokens "
+        "and lengths; a stop string found by the worker cancels the job in the engine)",
+    )
+    engine_gc_in_steps: bool = Field(
+        default=True,
+        description="the engine process's garbage collector runs while it steps (false: "
+        "only while it has no job)",
+    )
     metrics_port: int | None = Field(
         default=None,
         ge=1,

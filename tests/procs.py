@@ -16,6 +16,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
+
+
+def engine_processes(worker_pid: int) -> list[psutil.Process]:
+    """A worker's live engine processes (`python -m worker.engine_process`; a killed one not
+    reaped yet is left out)."""
+    out = []
+    for c in psutil.Process(worker_pid).children():
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and "worker.engine_process" in c.cmdline():
+                out.append(c)
+        except psutil.Error:
+            continue
+    return out
 
 
 def free_port() -> int:

@@ -1,13 +1,34 @@
-"""The boundary between the worker loop and an engine (sim, exllamav2, exllamav3).
+"""The boundary between the worker and an engine (sim, exllamav2, exllamav3).
 
-An engine is owned by one thread (the runner); only that thread calls `add`, `cancel` and
-`step`. `free_slots` and `card` may be read from any thread.
+An engine is owned by one thread: in its engine process (worker/engine_process.py, the
+default) or, for tests, a thread of the worker (worker/runner.py). Only that thread calls
+anything on it after construction; the worker's I/O side sees the engine through an
+`EngineLink` (worker/link.py), which keeps its own copy of what admission needs.
+
+How an engine plugs in:
+1. A class with the members of `Engine` below. `card` and `tokenizer_json` are read once,
+   after construction; `page_size`, `total_pages` and `max_batch` too. `free_pages()` is
+   asked after every `add`, `cancel` and `step` and sent to the worker with the step's
+   outputs: the worker admits jobs against it (worker/admission.py), never asking the engine.
+   An engine that holds pages for more than prompt + max new tokens per job says how many
+   tokens more in an optional `reserved_tokens` (exllamav3: 1; `reserved_tokens()` reads it).
+2. A branch in `worker.process.build_engine` that builds it from `EngineSettings` (import
+   its library lazily there: a CPU install has no torch).
+3. Nothing else: the engine process, the attempts, cancels, text (when the worker makes it)
+   and failures are handled around it. `step` may raise: every job is failed (handed back
+   for another attempt) and `reset` is called.
+
+Jobs arrive with `EngineJob.text`: when False the worker makes the job's text from its token
+ids and matches its stop strings itself (GENQ_DETOKENIZE=worker); the engine emits token ids
+only, ignores `sampling.stop`, and stops on stop tokens and lengths alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+import msgspec
 
 from shared.schemas import FinishReason, ModelCard, Sampling
 
@@ -21,26 +42,32 @@ class EngineJob:
     seed: int
     resume_ids: list[int] = field(default_factory=list)
     """Tokens already sent to the client by an earlier attempt: prefilled, not re-emitted."""
+    text: bool = True
+    """Whether the engine makes the text and matches `sampling.stop`; False: token ids only."""
 
 
-@dataclass(frozen=True, slots=True)
-class Stop:
+# The two structs below cross the engine process's socket (worker/wire.py): msgspec, encoded
+# as arrays (field order is the format). gc=False: they never take part in a reference cycle,
+# so the collector need not track the thousands a busy step makes.
+
+
+class Stop(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Why the worker stops a job in the engine. It travels with the cancel command and comes
     back on the job's last output, so the job ends the way it was stopped."""
 
     kind: Literal["cancelled", "expired", "dropped"]
     """cancelled: by its client (ends `cancelled`); expired: past its deadline (ends
-    `expired`); dropped: the job left this worker (fenced, handed back): nothing to write."""
+    `expired`); dropped: the job left this worker (fenced, handed back) or ended here already
+    (a stop string the worker matched): nothing to write."""
     reason: str = ""
 
 
-@dataclass(slots=True)
-class StepOutput:
+class StepOutput(msgspec.Struct, array_like=True, gc=False):
     """What one engine step produced for one job."""
 
     job_id: str
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = []
     logprobs: list[dict[str, Any]] | None = None
     finish_reason: FinishReason | None = None
     """Set when the job finished in the engine (stop token or string, or max tokens)."""
@@ -49,9 +76,9 @@ class StepOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     attempt: int = 0
-    """The attempt this output belongs to (set by the runner, not the engine)."""
+    """The attempt this output belongs to (set around the engine, not by it)."""
     stopped: Stop | None = None
-    """Set by the runner on the output that confirms a `cancel`."""
+    """Set on the output that confirms a cancel (set around the engine, not by it)."""
 
 
 class Engine(Protocol):
@@ -61,11 +88,22 @@ class Engine(Protocol):
     @property
     def max_batch(self) -> int: ...
 
-    def fits(self, need_tokens: int, active: int) -> bool:
-        """Whether a job of `need_tokens` (prompt + max new) could start now beside `active`."""
+    @property
+    def page_size(self) -> int:
+        """Tokens per cache page; 0: the engine counts no pages (batch slots alone limit it)."""
         ...
 
-    def add(self, job: EngineJob) -> None: ...
+    @property
+    def total_pages(self) -> int: ...
+
+    def free_pages(self) -> int:
+        """Pages a new job could take now: free ones less what jobs waiting inside the engine
+        will take when they start. 0 when `page_size` is 0."""
+        ...
+
+    def add(self, job: EngineJob) -> None:
+        """Start a job; raise (ValueError) to refuse it (it fails alone, with that message)."""
+        ...
 
     def cancel(self, job_id: str) -> bool:
         """Stop a job and free its resources; True if it was running."""
@@ -82,3 +120,8 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def reserved_tokens(engine: Engine) -> int:
+    """Tokens `engine` holds per job beyond prompt + max new (0 unless it says otherwise)."""
+    return int(getattr(engine, "reserved_tokens", 0))

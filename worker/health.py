@@ -1,8 +1,9 @@
 """A worker process's probes, served by its HTTP server (worker/http.py).
 
 /healthz: the process runs and its event loop answers. /readyz: the worker can take jobs —
-its model is loaded and its card published, its last heartbeat reached Redis within its lease,
-and it is not draining; else 503 with the reason. Orchestrators hold rollouts and disruption
+its model is loaded and its card published, its engine is up (not restarting its process),
+its last heartbeat reached Redis within its lease, and it is not draining; else 503 with the
+reason. Orchestrators hold rollouts and disruption
 budgets on readiness, so a replacement worker counts only once it can serve.
 """
 
@@ -50,6 +51,8 @@ class Health:
             return "loading model"
         if st.stopping.is_set():
             return "draining"
+        if st.engine.down is not None:
+            return f"engine {st.engine.down}"
         if not st.lease.held():
             silent = time.monotonic() - st.lease.last_ok
             return f"lease lapsed: no heartbeat reached Redis for {silent:.1f} s"

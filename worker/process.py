@@ -1,86 +1,28 @@
-"""`genq worker`: build the engine named in settings and serve until SIGTERM."""
+"""`genq worker`: start the engine named in settings (in its engine process, by default) and
+serve until SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import signal
 import sys
-from collections.abc import Sequence
-from pathlib import Path
 
 from shared import runtime
-from shared.model_format import folder_format
-from shared.settings import EngineSettings, WorkerSettings
+from shared.settings import WorkerSettings
 from worker import cpus
-from worker.engine import Engine
+from worker.engine_client import EngineProcess, EngineStartError
+from worker.engines import EXL2_MODULES, build_engine, check_engine, require_gpu_extra
 from worker.health import Health
 from worker.http import HttpServer
+from worker.link import EngineLink
+from worker.runner import EngineRunner
 from worker.service import Worker
-from worker.sim import SimEngine
 
 log = logging.getLogger(__name__)
 _SIM_GIL_SWITCH_S = 0.0005
 _DEFAULT_GIL_SWITCH_S = 0.005  # CPython's own default
-ENGINE_MODULES = {"exllamav2": ("torch", "exllamav2"), "exllamav3": ("torch", "exllamav3")}
-"""What each GPU engine imports: the gpu extra (a CPU install has none of them)."""
-UNREADABLE = {"exllamav2": "exl3", "exllamav3": "exl2"}
-"""The quantized format each engine cannot read."""
-
-
-def require_gpu_extra(what: str, modules: Sequence[str]) -> None:
-    """SystemExit with one line when a module of the gpu extra is missing."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        raise SystemExit(
-            f"genq: error: {what} needs the gpu extra: pip install 'genq[gpu]' "
-            f"(missing: {', '.join(missing)})"
-        )
-
-
-def check_engine(settings: EngineSettings) -> None:
-    """Stop with one line, before anything starts, on what would keep the engine from
-    loading: no model folder, or no gpu extra."""
-    engine = settings.engine
-    if engine == "sim":
-        return
-    if not settings.model_dir:
-        raise SystemExit(f"genq: error: --engine {engine} needs --model DIR")
-    folder = Path(settings.model_dir).expanduser()
-    if not folder.is_dir():
-        raise SystemExit(f"genq: error: no model folder at {settings.model_dir} (--model)")
-    if not (folder / "config.json").is_file():
-        raise SystemExit(
-            f"genq: error: {settings.model_dir} has no config.json: not a model folder (--model)"
-        )
-    fmt = folder_format(folder)
-    if fmt == UNREADABLE[engine]:
-        raise SystemExit(
-            f"genq: error: {settings.model_dir} is an {fmt.upper()} model, which {engine} "
-            "cannot read (--engine; left out, genq picks the engine from the folder)"
-        )
-    require_gpu_extra(f"the {engine} engine", ENGINE_MODULES[engine])
-
-
-def build_engine(settings: WorkerSettings) -> Engine:
-    check_engine(settings)
-    if settings.engine == "sim":
-        return SimEngine(
-            model_name=settings.model_name or "sim",
-            max_batch=settings.max_batch,
-            step_ms=settings.sim_step_ms,
-            prefill_ms_per_1k=settings.sim_prefill_ms_per_1k,
-            max_seq_len=settings.sim_max_seq_len,
-            poison_marker=settings.sim_poison_marker,
-        )
-    if settings.engine == "exllamav3":
-        from worker.exl3.engine import ExLlamaV3Engine  # lazy: only this engine needs torch
-
-        return ExLlamaV3Engine.from_settings(settings)
-    from worker.exl2.engine import ExLlamaV2Engine  # lazy: only this engine needs torch
-
-    return ExLlamaV2Engine.from_settings(settings)
+__all__ = ["EXL2_MODULES", "build_engine", "check_engine", "require_gpu_extra", "run"]
 
 
 def install_signals(stop: object) -> None:
@@ -90,24 +32,37 @@ def install_signals(stop: object) -> None:
 
 
 async def serve_worker(settings: WorkerSettings) -> int:
-    # The engine thread computes while this thread does Redis I/O; how often the GIL changes
-    # hands decides who waits (docs/benchmarks.md has both measurements).
+    # In-process, the engine thread computes while this thread does Redis I/O; how often the
+    # GIL changes hands decides who waits (docs/benchmarks.md has both measurements).
     interval = settings.gil_switch_interval_s
     if interval is None:
         interval = _SIM_GIL_SWITCH_S if settings.engine == "sim" else _DEFAULT_GIL_SWITCH_S
     sys.setswitchinterval(interval)
-    pinned = cpus.apply(settings.cpus)  # before torch loads: its pools size to the set
+    pinned = cpus.apply(settings.cpus)  # before torch loads (here or in the engine process)
     if pinned is not None:
         log.info("pinned to CPUs", extra={"cpus": settings.cpus, "count": pinned})
     health = Health()
     server = await _start_http(settings, health)
     try:
-        # In a thread (which inherits the CPU set): probes are answered while weights load.
-        engine = await asyncio.to_thread(build_engine, settings)
+        try:
+            engine = await open_engine(settings)  # probes are answered meanwhile
+        except EngineStartError as exc:
+            log.error("the engine did not start", extra={"error": str(exc)})
+            return 1
         return await _serve(settings, engine, health)
     finally:
         if server is not None:
             await server.close()
+
+
+async def open_engine(settings: WorkerSettings) -> EngineLink:
+    """The engine in its own process (once its model is loaded), or on a thread of this one
+    with GENQ_ENGINE_PROCESS=false."""
+    if settings.engine_process:
+        return await EngineProcess.spawn(settings)
+    # In a thread (which inherits the CPU set), so that probes are answered meanwhile.
+    engine = await asyncio.to_thread(build_engine, settings)
+    return EngineRunner(engine, detokenize=settings.detokenize == "worker")
 
 
 async def _start_http(settings: WorkerSettings, health: Health) -> HttpServer | None:
@@ -119,15 +74,14 @@ async def _start_http(settings: WorkerSettings, health: Health) -> HttpServer | 
     return server
 
 
-async def _serve(settings: WorkerSettings, engine: Engine, health: Health) -> int:
+async def _serve(settings: WorkerSettings, engine: EngineLink, health: Health) -> int:
     worker = Worker(settings, engine)
     health.attach(worker.st)
     runtime.tune_gc()
     install_signals(worker.stop)
     try:
-        await worker.run()
+        await worker.run()  # closes the engine as it leaves
     finally:
-        engine.close()
         await worker.st.redis.aclose()
     return 0 if worker.st.healthy else 1
 

@@ -1,160 +1,127 @@
-"""The engine thread: the only caller of the engine. Talks to asyncio through two queues.
+"""The engine on a thread of the worker's own process: the in-process `EngineLink`, for tests
+and tools that hold an engine object (`Worker(settings, SimEngine(...))`). Workers started
+from the command line run their engine in a process of its own (worker/engine_client.py).
 
 inbox  (asyncio → thread): jobs to add, cancels; each for one attempt of a job.
 outbox (thread → asyncio): the StepOutputs of each step, drained by the flush loop, which
     is woken at most once per drain (not once per step) so a fast engine cannot flood the loop.
-
-Engines know jobs by id; attempts are the runner's. It tags every output with the attempt
-the engine is running for that job, and applies a cancel only to the attempt it names, so
-nothing meant for one attempt can touch another: a job handed back and claimed again by
-this worker is cancelled (old attempt) and added (new one) in order, and the old attempt's
-late outputs carry its number, which the worker no longer runs.
+The attempts, cancels and failed steps are the core's (worker/core.py), as in the engine
+process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from worker.engine import Engine, EngineJob, StepOutput, Stop
+from worker.admission import Admission
+from worker.core import AddCommand, CancelCommand, Command, EngineCore
+from worker.engine import Engine, EngineJob, StepOutput, Stop, reserved_tokens
+from worker.link import EngineLink
 
-log = logging.getLogger(__name__)
-FAILURE_BACKOFF_S = 0.05
-FAILURE_BACKOFF_MAX_S = 1.0
 STOP_TIMEOUT_S = 5.0
 
 
-@dataclass(frozen=True, slots=True)
-class _Add:
-    job: EngineJob
-    attempt: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Cancel:
-    job_id: str
-    attempt: int
-    stop: Stop
-
-
-class EngineRunner:
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, wake: Callable[[], None]):
+class EngineRunner(EngineLink):
+    def __init__(self, engine: Engine, *, detokenize: bool = False) -> None:
+        admission = Admission(
+            engine.max_batch,
+            engine.page_size,
+            engine.total_pages,
+            engine.free_pages(),
+            reserved_tokens(engine),
+        )
+        super().__init__(engine.card, engine.tokenizer_json, admission, detokenize)
         self.engine = engine
-        self._loop = loop
-        self._wake = wake
-        self._inbox: collections.deque[_Add | _Cancel] = collections.deque()
+        self._core = EngineCore(engine)
+        self._inbox: collections.deque[Command] = collections.deque()
         self._outbox: collections.deque[StepOutput] = collections.deque()
         self._cond = threading.Condition()
         self._woken = False
         self._stop = False
-        self._attempts: dict[str, int] = {}
-        """Engine thread only: the attempt of each job the engine holds."""
-        self.failures = 0
-        self.tokens = 0
+        self._report = (admission.free_pages, 0)
+        """(free pages, adds applied) as the engine thread last saw them."""
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="genq-engine", daemon=True)
 
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, wake: Callable[[], None]) -> None:
+        self._loop = loop
+        self._wake = wake
         self._thread.start()
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
-    def add(self, job: EngineJob, attempt: int) -> None:
-        self._post(_Add(job, attempt))
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.stop)
+        self.engine.close()
 
-    def cancel(self, job_id: str, attempt: int, stop: Stop) -> None:
-        """Stop that attempt of the job; its last output comes back with `stopped` set."""
-        self._post(_Cancel(job_id, attempt, stop))
+    def fits(self, need_tokens: int, active: int) -> bool:
+        self.admission.report(*self._report)
+        return super().fits(need_tokens, active)
 
-    def drain(self) -> list[StepOutput]:
-        """Everything produced since the last drain (called on the asyncio side)."""
+    def _send_add(self, job: EngineJob, attempt: int) -> None:
+        self._post(AddCommand(job, attempt))
+
+    def _send_cancel(self, job_id: str, attempt: int, stop: Stop) -> None:
+        self._post(CancelCommand(job_id, attempt, stop))
+
+    def _take(self) -> list[StepOutput]:
         self._woken = False
         out = []
         while self._outbox:
             out.append(self._outbox.popleft())
         return out
 
-    def _post(self, item: _Add | _Cancel) -> None:
+    def _post(self, item: Command) -> None:
         with self._cond:
             self._inbox.append(item)
             self._cond.notify()
 
+    # ---- the engine thread ----------------------------------------------------------------
+
     def _emit(self, outputs: list[StepOutput]) -> None:
         self._outbox.extend(outputs)
-        if not self._woken:
+        if not self._woken and self._loop is not None:
             self._woken = True
             self._loop.call_soon_threadsafe(self._wake)
 
     def _run(self) -> None:
+        core = self._core
+        last_step: float | None = None
         while True:
             with self._cond:
-                while not self._stop and not self._inbox and self.engine.active() == 0:
-                    self._cond.wait()
+                if not self._stop and not self._inbox and self.engine.active() == 0:
+                    last_step = None  # idle: the next step's interval starts afresh
+                    while not self._stop and not self._inbox and self.engine.active() == 0:
+                        self._cond.wait()
                 if self._stop:
                     return
                 commands = list(self._inbox)
                 self._inbox.clear()
-            self._apply(commands)
+            outputs = core.apply(commands)
             if self.engine.active():
-                self._step()
+                outputs += core.step()
+                last_step = self._count_step(last_step)
+            self._report = (self.engine.free_pages(), core.adds)
+            self.engine_free_slots = self.engine.max_batch - self.engine.active()
+            self.failures, self.tokens = core.failures, core.tokens
+            if outputs:
+                self._emit(outputs)
 
-    def _apply(self, commands: list[_Add | _Cancel]) -> None:
-        outputs: list[StepOutput] = []
-        for c in commands:
-            if isinstance(c, _Add):
-                outputs += self._add(c)
-            elif self._attempts.get(c.job_id) == c.attempt:
-                del self._attempts[c.job_id]
-                if self.engine.cancel(c.job_id):
-                    outputs.append(StepOutput(c.job_id, attempt=c.attempt, stopped=c.stop))
-        if outputs:
-            self._emit(outputs)
-
-    def _add(self, c: _Add) -> list[StepOutput]:
-        job_id = c.job.id
-        if job_id in self._attempts:  # an older attempt still in the engine: it goes first
-            self.engine.cancel(job_id)
-        self._attempts[job_id] = c.attempt
-        try:
-            self.engine.add(c.job)
-        except Exception as exc:  # a job the engine refuses fails alone
-            del self._attempts[job_id]
-            log.warning("engine refused job", extra={"job_id": job_id, "error": str(exc)})
-            return [StepOutput(job_id, error=f"engine refused the job: {exc}", attempt=c.attempt)]
-        return []
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            self.failures += 1
-            log.exception("engine step failed", extra={"failures": self.failures})
-            self._emit(self._fail_all(exc))
-            time.sleep(min(FAILURE_BACKOFF_S * self.failures, FAILURE_BACKOFF_MAX_S))
-            return
-        self.failures = 0
-        for out in outputs:
-            out.attempt = self._attempts.get(out.job_id, 0)
-            if out.finish_reason is not None or out.error is not None:
-                self._attempts.pop(out.job_id, None)
-        if outputs:
-            self.tokens += sum(len(o.token_ids) for o in outputs)
-            self._emit(outputs)
-
-    def _fail_all(self, exc: Exception) -> list[StepOutput]:
-        """After a failed step no job's state can be trusted: end them all with an error."""
-        error = f"engine step failed: {exc}"
-        out = [
-            StepOutput(i, error=error, attempt=self._attempts.get(i, 0))
-            for i in self.engine.reset()
-        ]
-        self._attempts.clear()
-        return out
+    def _count_step(self, last_step: float | None) -> float:
+        now = time.perf_counter()
+        t = self.times
+        t.steps += 1
+        t.engine_s += self._core.last_step_s
+        if last_step is not None:
+            t.intervals += 1
+            t.interval_s += now - last_step
+        return now

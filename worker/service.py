@@ -11,6 +11,11 @@ Phases, each a task (the module that holds it):
              reclaimed); end running jobs past their deadline.
   reclaim    (upkeep.py) XCLAIM entries idle past the lease whose worker's heartbeat is gone.
   control    (control.py) the worker's control channel: cancels.
+  engine     (here) while the engine is down (its process died or stalled, and restarts),
+             claims not started yet go back to the queue at once.
+
+The engine runs in a process of its own (worker/engine_client.py) or, given an engine object,
+on a thread of this one (worker/runner.py); the phases see either as an `EngineLink`.
 
 The phases share one `WorkerState` (state.py) and let go of queue entries through
 entries.py. This module holds the lifecycle: prepare, run the phases, drain, leave.
@@ -47,6 +52,7 @@ from worker.engine import Engine
 from worker.entries import ensure_groups, hand_back, requeue_waiting
 from worker.flush import Flusher
 from worker.lease import LeaseClock
+from worker.link import EngineLink
 from worker.runner import EngineRunner
 from worker.state import LOOP_RESTART_S, WorkerState
 from worker.upkeep import Upkeep
@@ -59,11 +65,15 @@ class Worker:
     def __init__(
         self,
         settings: WorkerSettings,
-        engine: Engine,
+        engine: Engine | EngineLink,
         *,
         redis: aioredis.Redis | None = None,
         model_name: str | None = None,
     ) -> None:
+        """`engine`: an engine process's link (worker.engine_client.EngineProcess.spawn), or
+        an engine object, then run on a thread of this process."""
+        if not isinstance(engine, EngineLink):
+            engine = EngineRunner(engine, detokenize=settings.detokenize == "worker")
         model = model_name or settings.model_name or engine.card.name
         engine.card.name = model
         if settings.chat_template is not None:  # e.g. a model whose tokenizer_config lacks one
@@ -100,19 +110,26 @@ class Worker:
     async def run(self) -> None:
         """Serve until `stop()`; then stop claiming, let running jobs finish, and leave."""
         st = self.st
-        loop = asyncio.get_running_loop()
-        runner = st.runner = EngineRunner(st.engine, loop, st.flush_wanted.set)
-        await self._prepare_when_redis_answers()
+        try:
+            await self._prepare_when_redis_answers()
+        except BaseException:
+            await st.engine.aclose()
+            raise
         if st.stopping.is_set():
+            await st.engine.aclose()
             return
-        runner.start()
-        log.info("worker started", extra={"worker_id": st.id, "model": st.model})
+        st.engine.start(asyncio.get_running_loop(), st.flush_wanted.set)
+        log.info(
+            "worker started",
+            extra={"worker_id": st.id, "model": st.model, "engine_pid": st.engine.pid},
+        )
         loops: dict[str, Callable[[], Awaitable[None]]] = {
             "claim": self._claims.loop,
             "flush": self._flusher.loop,
             "heartbeat": self._upkeep.heartbeat_loop,
             "reclaim": self._upkeep.reclaim_loop,
             "control": self._control.loop,
+            "engine": self._engine_loop,
         }
         tasks = [asyncio.create_task(self._supervise(n, f), name=n) for n, f in loops.items()]
         try:
@@ -127,7 +144,7 @@ class Worker:
             _, stuck = await asyncio.wait(tasks, timeout=_TASK_STOP_TIMEOUT_S)
             if stuck:
                 log.warning("tasks did not stop", extra={"tasks": [t.get_name() for t in stuck]})
-            runner.stop()
+            await st.engine.aclose()
             with contextlib.suppress(RedisError, OSError):
                 await self._leave()
 
@@ -150,6 +167,21 @@ class Worker:
                 await asyncio.sleep(LOOP_RESTART_S)
                 self.st.flush_wanted.set()  # whatever it was doing, the next flush picks up
                 self.st.room.set()
+
+    async def _engine_loop(self) -> None:
+        """While the engine is down, claims not started yet go back to the queue (another
+        worker can start them now); once it is back, the claim loop claims again."""
+        st = self.st
+        while not st.closing:
+            await st.engine.changed.wait()
+            st.engine.changed.clear()
+            st.room.set()
+            if st.engine.down is not None:
+                log.warning(
+                    "engine down; handing back unstarted claims",
+                    extra={"worker_id": st.id, "why": st.engine.down, "claims": len(st.waiting)},
+                )
+                await requeue_waiting(st)
 
     async def _prepare_when_redis_answers(self) -> None:
         """A worker started while Redis is away waits for it (until stopped) instead of dying."""

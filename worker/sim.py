@@ -28,12 +28,13 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from shared.schemas import ModelCard
 from worker.engine import EngineJob, StepOutput
+from worker.text import first_stop, held_back
 
 SIM_NAME = "sim"
 EOS = "</s>"
@@ -80,7 +81,6 @@ class _SimJob:
     base: int
     ready_at: float
     position: int
-    generated: list[int] = field(default_factory=list)
     text: str = ""
     sent_chars: int = 0
     poisoned: bool = False
@@ -88,6 +88,11 @@ class _SimJob:
 
 class SimEngine:
     """Deterministic stand-in engine. Not a model: its card says `simulated: true`."""
+
+    # No pages: batch slots alone limit admission. Size is checked by `add`, which refuses a
+    # job over max_seq_len (admitting it to fail is better than leaving it queued forever).
+    page_size = 0
+    total_pages = 0
 
     def __init__(
         self,
@@ -137,9 +142,8 @@ class SimEngine:
                 words.append((ids[0], " " + w))
         return words
 
-    def fits(self, need_tokens: int, active: int) -> bool:
-        # Size is not checked here: a claim that never fits would wait forever; `add` refuses it.
-        return active < self._max_batch
+    def free_pages(self) -> int:
+        return 0
 
     def add(self, job: EngineJob) -> None:
         need = len(job.input_ids) + job.max_tokens
@@ -156,7 +160,7 @@ class SimEngine:
             position=len(job.resume_ids),
             poisoned=self._is_poisoned(job),
         )
-        if job.resume_ids:
+        if job.resume_ids and job.text:
             self._resume(sim)
         self._jobs[job.id] = sim
 
@@ -166,7 +170,7 @@ class SimEngine:
         strings spanning the resume point are found and held-back text is not lost."""
         s.text = "".join(self._token_at(s.base, p)[1] for p in range(s.position))
         stops = s.job.sampling.stop
-        s.sent_chars = len(s.text) - (_held_back(s.text, stops) if stops else 0)
+        s.sent_chars = len(s.text) - (held_back(s.text, stops) if stops else 0)
 
     def _is_poisoned(self, job: EngineJob) -> bool:
         if self._poison_marker is None:
@@ -195,7 +199,8 @@ class SimEngine:
         if not ready:
             time.sleep(min(s.ready_at for s in self._jobs.values()) - now)
             return []
-        time.sleep(self._step_s)  # one decode step for the whole batch; sleep(0) yields the GIL
+        if self._step_s:  # one decode step for the whole batch (0: none, as fast as it can)
+            time.sleep(self._step_s)
         outputs = [self._poison(s) if s.poisoned else self._advance(s) for s in ready]
         for out in outputs:
             if out.finish_reason is not None or out.error is not None:
@@ -206,26 +211,31 @@ class SimEngine:
         job = s.job
         token_id, piece = self._token_at(s.base, s.position)
         s.position += 1
-        s.generated.append(token_id)
-        s.text += piece
-        out = StepOutput(job_id=job.id, token_ids=[token_id], prompt_tokens=len(job.input_ids))
+        out = StepOutput(job.id, token_ids=[token_id], prompt_tokens=len(job.input_ids))
         if job.sampling.logprobs is not None:
             out.logprobs = [
                 self._logprob(s.base, s.position, token_id, piece, job.sampling.logprobs)
             ]
-        stops = job.sampling.stop
-        cut = _first_stop(s.text, stops, len(s.text) - len(piece)) if stops else -1
-        if cut >= 0:
-            s.text = s.text[:cut]
+        if job.text and self._text(s, piece):
             out.finish_reason = "stop"
         elif token_id in job.sampling.stop_token_ids:
             out.finish_reason = "stop"
         elif s.position >= job.max_tokens:
             out.finish_reason = "length"
-        hold = 0 if out.finish_reason else _held_back(s.text, stops)
-        out.text = s.text[s.sent_chars : len(s.text) - hold]
-        s.sent_chars += len(out.text)
+        if job.text:
+            hold = 0 if out.finish_reason else held_back(s.text, job.sampling.stop)
+            out.text = s.text[s.sent_chars : len(s.text) - hold]
+            s.sent_chars += len(out.text)
         return out
+
+    def _text(self, s: _SimJob, piece: str) -> bool:
+        """Add a token's text; True when a stop string ended the job (the text cut there)."""
+        s.text += piece
+        stops = s.job.sampling.stop
+        cut = first_stop(s.text, stops, len(s.text) - len(piece)) if stops else -1
+        if cut >= 0:
+            s.text = s.text[:cut]
+        return cut >= 0
 
     def _poison(self, s: _SimJob) -> StepOutput:
         return StepOutput(
@@ -266,24 +276,3 @@ def _job_base(job: EngineJob) -> int:
     }
     digest = hashlib.blake2b(json.dumps(params).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
-
-
-def _first_stop(text: str, stops: list[str], new_from: int) -> int:
-    """Index where the earliest stop string starting in the new text begins, or -1."""
-    best = -1
-    for stop in stops:
-        i = text.find(stop, max(0, new_from - len(stop) + 1))
-        if i >= 0 and (best < 0 or i < best):
-            best = i
-    return best
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that could still begin a stop string."""
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), hold, -1):
-            if stop.startswith(text[-n:]):
-                hold = n
-                break
-    return hold

@@ -12,10 +12,10 @@ import redis.asyncio as aioredis
 from shared.keys import Keys, Priority
 from shared.settings import WorkerSettings
 from shared.transitions import ScriptRunner, Transitions
-from worker.engine import Engine, Stop
+from worker.engine import Stop
 from worker.jobstate import Claim, RunningJob
 from worker.lease import LeaseClock
-from worker.runner import EngineRunner
+from worker.link import EngineLink
 
 LOOP_RESTART_S = 0.5
 EARLY_CANCELS_KEPT = 1000
@@ -25,7 +25,8 @@ EARLY_CANCEL_TTL_S = 60.0
 @dataclass(slots=True, eq=False)
 class WorkerState:
     settings: WorkerSettings
-    engine: Engine
+    engine: EngineLink
+    """The worker's side of its engine (its card, admission, commands and outputs)."""
     id: str
     model: str
     keys: Keys
@@ -52,8 +53,12 @@ class WorkerState:
     room: asyncio.Event = field(default_factory=asyncio.Event)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     closing: bool = False
-    runner: EngineRunner | None = None
     healthy: bool = True
+
+    @property
+    def runner(self) -> EngineLink:
+        """The engine, as the phases that command it and drain it name it."""
+        return self.engine
 
     def forget(self, job_id: str) -> RunningJob | None:
         """A job whose end is written (or that never reached the engine) leaves this worker."""
@@ -77,7 +82,6 @@ class WorkerState:
         engine, forgotten, and its slot offered to the claim loop."""
         run = self.running.pop(job_id, None)
         if run is not None:
-            assert self.runner is not None
             self.runner.cancel(job_id, run.attempt, Stop("dropped"))
             self.room.set()
         return run
@@ -88,7 +92,6 @@ class WorkerState:
         if run.stop is not None or run.end is not None or run.retry_error is not None:
             return
         run.stop = stop
-        assert self.runner is not None
         self.runner.cancel(run.id, run.attempt, stop)
 
     def cancel(self, job_id: str, reason: str = "cancelled") -> None:
@@ -112,4 +115,6 @@ class WorkerState:
         return [*self.queues.values(), *self.overflow.values()]
 
     def free_slots(self) -> int:
+        if self.engine.down is not None:  # nothing can start until it is back
+            return 0
         return self.engine.max_batch - len(self.running) - len(self.waiting)

@@ -21,6 +21,7 @@ from worker.engine import Stop
 from worker.entries import drop_malformed
 from worker.jobstate import Claim
 from worker.lease import reclaimable
+from worker.link import StepTimes
 from worker.repair import repair_finished
 from worker.state import WorkerState
 
@@ -36,6 +37,7 @@ class Upkeep:
         self.st = st
         self.started_at = time.time()
         self._tokens_at_beat = (time.monotonic(), 0)
+        self._times_at_beat = StepTimes()
         self.tokens_per_s = 0.0
         self._redis_run_id: str | None = None
 
@@ -71,7 +73,11 @@ class Upkeep:
         pipe = st.redis.pipeline(transaction=False)
         pipe.exists(st.keys.model_card(st.model))  # first: its reply is read below
         key = st.keys.worker(st.id)
-        pipe.hset(key, mapping=hb.to_hash())  # type: ignore[arg-type]
+        fields = hb.to_hash()
+        pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
+        unset = [f for f in Heartbeat.model_fields if f not in fields]  # e.g. engine_down, now
+        if unset:
+            pipe.hdel(key, *unset)
         pipe.pexpire(key, lease_ms)
         pipe.zadd(st.keys.workers(), {st.id: time.time() + st.settings.lease_s})
         pipe.sadd(st.keys.models(), st.model)
@@ -122,25 +128,39 @@ class Upkeep:
 
     def _heartbeat(self) -> Heartbeat:
         st = self.st
+        engine = st.engine
         now_m = time.monotonic()
-        tokens = st.runner.tokens if st.runner else 0
+        tokens = engine.tokens
         t0, n0 = self._tokens_at_beat
         if now_m > t0:
             self.tokens_per_s = (tokens - n0) / (now_m - t0)
         self._tokens_at_beat = (now_m, tokens)
+        times, before = engine.times.snapshot(), self._times_at_beat
+        self._times_at_beat = times
         return Heartbeat(
             worker_id=st.id,
             model=st.model,
-            engine=st.engine.card.engine,
+            engine=engine.card.engine,
             gpu=os.environ.get("CUDA_VISIBLE_DEVICES"),
             host=socket.gethostname(),
             pid=os.getpid(),
             version=__version__,
-            capacity=st.engine.max_batch,
+            capacity=engine.max_batch,
             active=len(st.running),
             tokens_per_s=round(self.tokens_per_s, 1),
             started_at=self.started_at,
             draining=st.stopping.is_set(),
+            engine_pid=engine.pid,
+            engine_down=engine.down,
+            engine_restarts=engine.restarts,
+            engine_step_ms=_mean_ms(times.engine_s - before.engine_s, times.steps - before.steps),
+            worker_step_ms=_mean_ms(
+                times.interval_s - before.interval_s, times.intervals - before.intervals
+            ),
+            steps=times.steps,
+            engine_step_s=round(times.engine_s, 3),
+            worker_steps=times.intervals,
+            worker_step_s=round(times.interval_s, 3),
         )
 
     async def _expire_queued(self) -> None:
@@ -246,3 +266,7 @@ class Upkeep:
             log.info("reclaimed job", extra={"job_id": claim.job_id, "worker_id": st.id})
             st.waiting.append(claim)
         st.room.set()
+
+
+def _mean_ms(seconds: float, count: int) -> float:
+    return round(seconds / count * 1000, 3) if count > 0 else 0.0

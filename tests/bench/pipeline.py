@@ -25,6 +25,10 @@ from genq.procstats import children, cpu_seconds
 from genq.stats import ms, percentile
 from tests.procs import Cluster, redis_server
 
+SETTLE_S = 5.0
+SETTLE_POLL_S = 1.1
+"""A little over the worker's heartbeat interval (1 s by default)."""
+
 
 def worker_timings(url: str, prefix: str) -> dict[str, float]:
     r = redis.Redis.from_url(url, decode_responses=True)
@@ -49,6 +53,51 @@ def worker_timings(url: str, prefix: str) -> dict[str, float]:
     }
 
 
+Counters = tuple[int, float, int, float]
+"""A heartbeat's cumulative steps, engine step seconds, worker-timed steps and their seconds."""
+
+
+def step_counters(url: str, prefix: str) -> Counters | None:
+    """The worker's counters; None from a worker that does not report them."""
+    r = redis.Redis.from_url(url, decode_responses=True)
+    for key in r.scan_iter(match=f"{prefix}worker:*"):
+        b = r.hgetall(key)
+        if "steps" in b:
+            return (
+                int(b["steps"]),
+                float(b["engine_step_s"]),
+                int(b["worker_steps"]),
+                float(b["worker_step_s"]),
+            )
+    return None
+
+
+def settled_counters(url: str, prefix: str) -> Counters | None:
+    """The counters once the engine is idle: two heartbeats that agree."""
+    last = step_counters(url, prefix)
+    deadline = time.monotonic() + SETTLE_S
+    while last is not None and time.monotonic() < deadline:
+        time.sleep(SETTLE_POLL_S)
+        now = step_counters(url, prefix)
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def step_figures(before: Counters | None, after: Counters | None) -> dict[str, float | None]:
+    """Steps the engine made in the run; the mean time of its own step, and of a step as the
+    worker saw them arrive (the difference: what the engine boundary costs per step)."""
+    if before is None or after is None or after[0] == before[0]:
+        return {"engine_steps": None}
+    d = [a - b for a, b in zip(after, before, strict=True)]
+    return {
+        "engine_steps": int(d[0]),
+        "engine_step_ms": round(d[1] / d[0] * 1000, 4),
+        "worker_step_ms": round(d[3] / d[2] * 1000, 4) if d[2] else None,
+    }
+
+
 def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | None = None) -> dict:
     prefix = f"bench:{uuid.uuid4().hex[:6]}:"
     cluster = Cluster(redis_url, tmp, prefix)
@@ -58,10 +107,13 @@ def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | No
         procs = {"gateway": gw.proc.pid, "worker": worker.proc.pid}
         if redis_pid is not None:
             procs["redis"] = redis_pid
+        for pid in children(worker.proc.pid):  # its engine process
+            procs["engine"] = pid
         if args.gateway_procs > 1:  # uvicorn's children do the work
             for i, pid in enumerate(children(gw.proc.pid)):
                 procs[f"gateway{i}"] = pid
         before = {k: cpu_seconds(p) for k, p in procs.items()}
+        counters = step_counters(redis_url, prefix)
         reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         out = subprocess.run(
@@ -94,6 +146,7 @@ def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | No
         figures["cpu_s"]["bench"] = round(bench_cpu, 2)
         figures["bench_wall_s"] = round(wall, 2)
         figures.update(worker_timings(redis_url, prefix))
+        figures.update(step_figures(counters, settled_counters(redis_url, prefix)))
         figures["step_ms"] = args.step_ms
         return figures
     finally:

@@ -8,8 +8,11 @@ import asyncio
 import signal
 import time
 
+import psutil
+
 from tests.chaos.harness import Reference, Stream, follow, stream_faults, until
 from tests.chaos.scenarios import KEYS, Env, job_body, worker_pid
+from tests.procs import engine_processes
 
 GRACE_S = 2.0
 LEASE_S = "5"  # long, so a job resumed quickly was handed back, not reclaimed after the lease
@@ -34,6 +37,7 @@ async def test_sigterm_worker_finishes_or_hands_back_and_exits_0(env: Env) -> No
     await until(streaming, TIMEOUT_S, "every stream under way")
     busy_id = await env.owner(streams[0].job_id or "")
     assert busy_id is not None and worker_pid(busy_id) == busy.proc.pid
+    [engine] = engine_processes(busy.proc.pid)
     env.worker("--step-ms", "50", wait_model=None, **slow)
     await env.wait_workers(2)
     busy.signal(signal.SIGTERM)
@@ -42,6 +46,7 @@ async def test_sigterm_worker_finishes_or_hands_back_and_exits_0(env: Env) -> No
     assert rc == 0
     assert time.monotonic() - termed_at < GRACE_S + EXIT_SLACK_S
     assert not await env.redis.exists(KEYS.worker(busy_id))
+    assert not psutil.pid_exists(engine.pid), "the engine process outlived its worker"
     await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S)
 
     reference = Reference()

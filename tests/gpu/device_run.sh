@@ -1,6 +1,7 @@
 #!/bin/bash
 # One call on the GPU machine: GPU tests on a tiny synth model, then the 8B benchmark.
 #   source .gpu/activate.sh && bash tests/gpu/device_run.sh [tests] [bench64] [sweep] [procs]
+#     [bare1] [compare] [comparewt] [comparegcoff] [compareinproc] [serveauto] [procs1] [procs2]
 # exllamav3 (issue 17): `tests3` (its GPU tests alone), `exl3conv` (the 8B synth converted to
 # EXL3 4.0 bpw; resumes where an earlier call stopped), then `exl3bench` (bare exllamav3 loop vs
 # genq's exllamav3 worker vs genq's exllamav2 worker, fp16 and EXL3, 1-256 streams) -- or its
@@ -47,7 +48,7 @@ for step in $steps; do
         python3 -m pytest -q -m gpu $W -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest \
         "${sel[@]}" > "$OUT/gpu-$step.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/gpu-$step.log"; tail -n 15 "$OUT/gpu-$step.log" ;;
-    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*)
+    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|serveauto)
       [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m genq synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
       timeout 200 python3 -m genq.benchgpu --model /tmp/m8b --streams 64 --bare --system \
@@ -123,6 +124,27 @@ for step in $steps; do
           --logs /tmp/genq-logs/exl3sched-$cd-$sc > "$OUT/exl3sched-$cd-$sc.log" 2>&1
         grep -h '"run": "system"' "$OUT/exl3sched-$cd-$sc.log" | cut -c1-200
       done; done ;;
+    compare*)  # issue 15: the bare generator, then one worker (its engine process), at 1, 8, 64
+      # and 128 streams in one call, genq's GPU sampling in both; a ratio row per level.
+      # Suffixes (A/B of the engine process's options): wt (GENQ_DETOKENIZE=worker: text and
+      # stop strings in the I/O process), gcoff (GENQ_ENGINE_GC_IN_STEPS=false), inproc
+      # (GENQ_ENGINE_PROCESS=false: the engine on a thread of the worker, as before issue 15)
+      # -- e.g. compare comparewt comparegcoff compareinproc compareexl3
+      env=""
+      [[ $step == *wt* ]] && env="$env --worker-env GENQ_DETOKENIZE=worker"
+      [[ $step == *gcoff* ]] && env="$env --worker-env GENQ_ENGINE_GC_IN_STEPS=false"
+      [[ $step == *inproc* ]] && env="$env --worker-env GENQ_ENGINE_PROCESS=false"
+      [[ $step == *exl3* ]] && env="$env --engine exllamav3"  # compareexl3: issue 17's engine
+      timeout $(left) python3 -m genq.benchgpu --model /tmp/m8b --compare 1,8,64,128 --max-batch 128 \
+        --requests-per-stream 2 $env --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step \
+        > "$OUT/$step.log" 2>&1
+      grep -h '"ratio' "$OUT/$step.log" ;;
+    serveauto)  # issue 15: `genq serve --model` defaults (--procs-per-gpu auto: 2 processes per
+      # GPU today, AUTO_MAX_PROCS in genq/launcher.py; change --workers with it) at 1..256
+      timeout $(left) python3 -m genq.benchgpu --model /tmp/m8b --sweep 1,8,64,128,256 --max-batch 256 \
+        --requests-per-stream 1 --worker-arg=--procs-per-gpu=auto --workers 2 --gateways 2 \
+        --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
+      grep -h "^{" "$OUT/$step.log" | cut -c1-400 ;;
     procs[1-4]|procs[1-4]cpu)  # N worker processes on the one GPU, total concurrency 64..256
       n=${step:5:1}; cpu=$([[ $step == *cpu ]] && echo --cpu-sampling)
       timeout 170 python3 -m genq.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \

@@ -12,9 +12,12 @@ import httpx
 import pytest
 
 from shared.schemas import Sampling
+from shared.settings import Settings
 from tests.gpu.conftest import drive
 from tests.procs import Cluster, free_port
+from worker.admission import Admission
 from worker.engine import EngineJob
+from worker.text import Detokenizer
 
 pytestmark = pytest.mark.gpu
 MAX_TOKENS = 32
@@ -95,16 +98,60 @@ def test_cancel_returns_the_free_pages_to_the_baseline(engine) -> None:  # type:
     assert engine.free_pages() == baseline
 
 
-def test_fits_follows_the_generators_pages(engine) -> None:  # type: ignore[no-untyped-def]
-    total = engine.total_pages
-    page = engine.page_size
-    assert engine.fits(total * page, active=0)
+def test_admission_follows_the_generators_pages(engine) -> None:  # type: ignore[no-untyped-def]
+    total, page = engine.total_pages, engine.page_size
+
+    def admission() -> Admission:  # as the worker holds it after the engine's last report
+        return Admission(engine.max_batch, page, total, engine.free_pages())
+
+    assert admission().fits(total * page, active=0)
     rng = random.Random(6)
     big = ejob("big", prompt(rng, engine.card.max_seq_len - 64), max_tokens=64)
-    assert engine.fits(engine.card.max_seq_len, active=0)
+    assert admission().fits(engine.card.max_seq_len, active=0)
     engine.add(big)
-    assert not engine.fits(total * page, active=1)
+    assert not admission().fits(total * page, active=1)
     assert engine.cancel("big")
+
+
+def test_a_cache_smaller_than_the_prefill_chunk_loads_and_runs(tiny_model: Path) -> None:
+    """The GPU benchmark at 1 stream (cache 768 tokens, chunk 2,048) crashed at load."""
+    from worker.exl2.engine import ExLlamaV2Engine
+
+    settings = Settings(
+        model_dir=str(tiny_model), engine="exllamav2", max_batch=1, cache_tokens=768
+    )
+    small = ExLlamaV2Engine.from_settings(settings)
+    try:
+        ids = prompt(random.Random(9), 600)
+        res = drive(small, [ejob("long", ids, max_tokens=100)])["long"]
+        assert res.error is None and res.prompt_tokens == 600 and res.token_ids
+    finally:
+        small.close()
+
+
+def test_text_made_by_the_worker_is_the_engines(engine, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    """GENQ_DETOKENIZE=worker: the text made from the token ids (DecodeStream) and the stop
+    strings matched there give what the engine itself gives."""
+    rng = random.Random(10)
+    ids = prompt(rng, 40)
+    ref = drive(engine, [ejob("e0", ids, max_tokens=64, temperature=0.0)])["e0"]
+    stop = ref.text[20:23]
+    with_stop = drive(engine, [ejob("e1", ids, max_tokens=64, temperature=0.0, stop=[stop])])
+    detok = Detokenizer((tiny_model / "tokenizer.json").read_text())
+    for stops, want in (([], ref), ([stop], with_stop["e1"])):
+        j = ejob("w", ids, max_tokens=64, temperature=0.0, stop=stops)
+        j.text = False
+        stream = detok.stream(stops, ids, [])
+        text, kept = [], []
+        engine.add(j)
+        while engine.active() and not stream.done:
+            for o in engine.step():
+                t, keep = stream.feed(o.token_ids, o.finish_reason is not None)
+                text.append(t)
+                kept += o.token_ids[:keep]
+        engine.cancel("w")
+        assert "".join(text) == want.text
+        assert kept == want.token_ids or stops  # a stop string keeps the token that ended it
 
 
 def test_a_job_larger_than_the_cache_is_refused_clearly(engine) -> None:  # type: ignore[no-untyped-def]

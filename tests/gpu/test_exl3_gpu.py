@@ -17,6 +17,8 @@ from shared.schemas import Sampling
 from tests.gpu.conftest import drive
 from tests.gpu.test_exl2_gpu import MAX_TOKENS, ejob, prompt
 from tests.procs import Cluster, free_port, wait_for
+from worker.admission import Admission
+from worker.engine import reserved_tokens
 from worker.exl3.sampling import combo_args
 
 pytestmark = pytest.mark.gpu
@@ -86,16 +88,27 @@ def test_cancel_returns_the_free_pages_to_the_baseline(exl3_engine: Any) -> None
     assert all(exl3_engine.cancel(j.id) for j in jobs)
     assert exl3_engine.active() == 0
     assert exl3_engine.free_pages() == baseline
-    assert exl3_engine.fits(exl3_engine.total_pages * exl3_engine.page_size - 1, active=0)
+    assert admission(exl3_engine).fits(exl3_engine.total_pages * exl3_engine.page_size - 1, 0)
 
 
-def test_fits_follows_the_generators_pages(exl3_engine: Any) -> None:
+def admission(engine: Any) -> Admission:  # as the worker holds it after the engine's last report
+    return Admission(
+        engine.max_batch,
+        engine.page_size,
+        engine.total_pages,
+        engine.free_pages(),
+        reserved_tokens(engine),
+    )
+
+
+def test_admission_follows_the_generators_pages(exl3_engine: Any) -> None:
     whole = exl3_engine.total_pages * exl3_engine.page_size - 1  # exllamav3 keeps one token
-    assert exl3_engine.fits(whole, active=0)
+    assert admission(exl3_engine).fits(whole, active=0)
+    assert reserved_tokens(exl3_engine) == 1
     rng = random.Random(6)
     big = ejob("big", prompt(rng, exl3_engine.card.max_seq_len - 64), max_tokens=64)
     exl3_engine.add(big)
-    assert not exl3_engine.fits(whole, active=1)
+    assert not admission(exl3_engine).fits(whole, active=1)
     assert exl3_engine.cancel("big")
 
 

@@ -137,7 +137,7 @@ class GenqServer:
     async def _stop_workers(self, tasks: list[asyncio.Task[None]]) -> None:
         """Stop every worker. Worker.run cancels its loops once; a cancel that lands inside a
         redis-py read can come back as a RedisError, which the claim loop retries, so a loop
-        may live on: cancel again until all are gone (then stop the engine threads)."""
+        may live on: cancel again until all are gone (each closes its engine as it ends)."""
         for w in self.workers.values():
             w.stop()
         _, stuck = await asyncio.wait(tasks, timeout=self.settings.shutdown_grace_s + 1)
@@ -145,9 +145,6 @@ class GenqServer:
             for t in stuck:
                 t.cancel()
             _, stuck = await asyncio.wait(stuck, timeout=POLL_S)
-        for w in self.workers.values():
-            if w.runner is not None:
-                w.runner.stop()
 
 
 async def _publish_card(client: aioredis.Redis, keys: Keys, name: str, engine: SimEngine) -> None:

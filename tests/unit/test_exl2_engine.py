@@ -1,5 +1,6 @@
-"""The exllamav2 engine's own logic — admission, cancel, results → StepOutputs — against a fake
-generator with the same methods and page accounting. No torch here (CI runs on CPU)."""
+"""The exllamav2 engine's own logic — cancel, results → StepOutputs, the pages it reports for
+the worker's admission — against a fake generator with the same methods and page accounting.
+No torch here (CI runs on CPU)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ import pytest
 
 from shared.schemas import ModelCard, Sampling
 from shared.settings import Settings
+from worker import admission
+from worker.admission import Admission
+from worker.core import AddCommand, EngineCore
 from worker.engine import EngineJob
 from worker.exl2 import loader
 from worker.exl2.engine import ExLlamaV2Engine
 from worker.exl2.loader import Backend, sampler_fields
+from worker.sim import SimEngine
 
 PAGE = 256
 EOS_ID = 2
@@ -195,56 +200,114 @@ def test_importing_the_engine_needs_no_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# ---- admission ----------------------------------------------------------------------------
+# ---- admission ------------------------------------------------------------------------------
+# The worker admits jobs against what the engine last reported (worker/admission.py); here the
+# engine's side of the boundary is the core the engine process runs, and its reports are
+# passed by hand: `send` is the worker sending an add, `deliver` the engine process applying
+# what was sent, each followed by the report its next Step message carries.
+
+
+class Boundary:
+    def __init__(self, h: Harness) -> None:
+        e = h.engine
+        self.engine = e
+        self.admission = Admission(e.max_batch, e.page_size, e.total_pages, e.free_pages())
+        self.core = EngineCore(e)
+        self._sent: list[AddCommand] = []
+
+    def fits(self, tokens: int, active: int) -> bool:
+        return self.admission.fits(tokens, active)
+
+    def send(self, j: EngineJob) -> None:
+        self.admission.sent(len(j.input_ids) + j.max_tokens)
+        self._sent.append(AddCommand(j, 1))
+
+    def deliver(self, n: int | None = None) -> list:
+        n = len(self._sent) if n is None else n
+        commands, self._sent = self._sent[:n], self._sent[n:]
+        out = self.core.apply(list(commands))
+        self.report()
+        return out
+
+    def run_to_end(self) -> list:
+        out = run_to_end(self.engine)
+        self.report()
+        return out
+
+    def report(self) -> None:
+        self.admission.report(self.engine.free_pages(), self.core.adds)
 
 
 def test_fits_counts_batch_slots() -> None:
-    h = make(pages=100, max_batch=2)
-    assert h.engine.fits(300, active=1)
-    assert not h.engine.fits(300, active=2)
+    b = Boundary(make(pages=100, max_batch=2))
+    assert b.fits(300, active=1)
+    assert not b.fits(300, active=2)
 
 
-def test_fits_reserves_pages_until_the_job_is_added() -> None:
-    h = make(pages=8)
-    e = h.engine
-    # 3 pages each (600 tokens): two fit in 8 pages, a third does not, even before any add().
-    assert e.fits(600, active=0)
-    assert e.fits(600, active=1)
-    assert not e.fits(600, active=2)
-    e.add(job("a", prompt=500, max_tokens=100))
-    e.add(job("b", prompt=500, max_tokens=100))
-    assert not e.fits(600, active=2)
-    assert e.fits(2 * PAGE, active=2)  # the 2 pages left
+def test_fits_reserves_pages_until_the_engine_reports_the_add() -> None:
+    b = Boundary(make(pages=8))
+    # 3 pages each (600 tokens): two fit in 8 pages, a third does not, even before any add.
+    assert b.fits(600, active=0)
+    assert b.fits(600, active=1)
+    assert not b.fits(600, active=2)
+    b.send(job("a", prompt=500, max_tokens=100))
+    b.send(job("b", prompt=500, max_tokens=100))
+    assert not b.fits(600, active=2)  # sent, not seen by the engine: still reserved
+    b.deliver(1)  # the engine applied "a" only: its pages are in the report, "b"'s reserved
+    assert b.admission.free_pages == 5
+    assert not b.fits(600, active=2)
+    assert b.fits(2 * PAGE, active=2)  # the 2 pages left
+    b.deliver()
+    assert b.admission.free_pages == 2
+    assert not b.fits(PAGE, active=3)  # those 2 are promised to the job just admitted
 
 
 def test_pages_come_back_when_jobs_finish() -> None:
-    h = make(pages=4)
-    e = h.engine
-    assert e.fits(4 * PAGE, active=0)
-    e.add(job("a", prompt=1000, max_tokens=24))
-    assert not e.fits(PAGE, active=1)
-    run_to_end(e)
-    assert e.free_pages() == 4
-    assert e.fits(4 * PAGE, active=0)
+    b = Boundary(make(pages=4))
+    assert b.fits(4 * PAGE, active=0)
+    b.send(job("a", prompt=1000, max_tokens=24))
+    b.deliver()
+    assert not b.fits(PAGE, active=1)
+    b.run_to_end()
+    assert b.admission.free_pages == 4
+    assert b.fits(4 * PAGE, active=0)
 
 
 def test_a_lapsed_promise_frees_its_pages(monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.exl2.engine as exl2
+    b = Boundary(make(pages=4))
+    assert b.fits(4 * PAGE, active=1)  # admitted, but START refused it: no add
+    assert not b.fits(PAGE, active=1)
+    later = time.monotonic() + admission.PROMISE_TTL_S + 1
+    monkeypatch.setattr(admission.time, "monotonic", lambda: later)
+    assert b.fits(PAGE, active=1)  # the unredeemed promise lapsed
 
-    h = make(pages=4)
-    assert h.engine.fits(4 * PAGE, active=1)  # admitted, but START refused it: no add()
-    assert not h.engine.fits(PAGE, active=1)
-    later = time.monotonic() + exl2.PROMISE_TTL_S + 1
-    monkeypatch.setattr(exl2.time, "monotonic", lambda: later)
-    assert h.engine.fits(PAGE, active=1)  # the unredeemed promise lapsed
+
+def test_a_restarted_engine_owes_no_promise() -> None:
+    b = Boundary(make(pages=4))
+    assert b.fits(2 * PAGE, active=1)
+    b.send(job("a", prompt=500, max_tokens=12))
+    assert not b.fits(3 * PAGE, active=1)
+    b.admission.restart(free_pages=4)  # the engine process died with "a"; a new one says Hello
+    assert b.fits(4 * PAGE, active=1)
 
 
 def test_job_larger_than_the_whole_cache_fails_with_a_clear_error() -> None:
-    h = make(pages=4)
-    assert h.engine.fits(5 * PAGE, active=0)  # claimed, so that it fails instead of waiting forever
+    b = Boundary(make(pages=4))
+    assert b.fits(5 * PAGE, active=0)  # claimed, so that it fails instead of waiting forever
+    b.send(job("big", prompt=5 * PAGE - 4, max_tokens=4))
+    [refused] = b.deliver()
+    assert refused.error is not None
+    assert "1280 tokens is over this worker's limit of 1024" in refused.error
+    assert b.engine.active() == 0
     with pytest.raises(ValueError, match=r"1280 tokens is over this worker's limit of 1024"):
-        h.engine.add(job("big", prompt=5 * PAGE - 4, max_tokens=4))
-    assert h.engine.active() == 0
+        b.engine.add(job("big", prompt=5 * PAGE - 4, max_tokens=4))
+
+
+def test_the_sim_engine_is_limited_by_batch_slots_alone() -> None:
+    e = SimEngine(max_batch=2)
+    a = Admission(e.max_batch, e.page_size, e.total_pages, e.free_pages())
+    assert a.fits(10**6, active=1)
+    assert not a.fits(1, active=2)
 
 
 # ---- results ------------------------------------------------------------------------------
@@ -427,3 +490,21 @@ def test_default_cache_holds_a_sequence_or_a_slice_per_slot() -> None:
     assert loader.cache_tokens(None, 8192, 256) == 256 * loader.DEFAULT_CACHE_TOKENS_PER_JOB
     assert loader.cache_tokens(1000, 8192, 256) == 1024  # the setting, in whole pages
     assert loader.cache_tokens(None, 1000, 256, paged=False) == 1024  # one sequence
+
+
+def test_the_prefill_chunk_never_exceeds_the_cache() -> None:
+    # The GPU benchmark at 1 stream: cache of 768 tokens, chunk 2,048 crashed exllamav2.
+    s = loader.forward_sizes(2048, cache_size=768, max_batch=1, max_seq_len=8192)
+    assert (s.chunk, s.max_input_len, s.max_batch) == (768, 768, 1)
+    # Room enough: the setting, and buffers for a chunk or a decode step of the whole batch.
+    s = loader.forward_sizes(2048, cache_size=256 * 1024, max_batch=256, max_seq_len=8192)
+    assert (s.chunk, s.max_input_len, s.max_batch) == (2048, 2048, 256)
+    s = loader.forward_sizes(512, cache_size=256 * 1024, max_batch=256, max_seq_len=8192)
+    assert (s.chunk, s.max_input_len) == (512, 256 * loader.MAX_Q_SIZE)
+    # More slots than a cache-sized decode step can carry: the batch is cut to fit.
+    s = loader.forward_sizes(2048, cache_size=768, max_batch=256, max_seq_len=8192)
+    assert s.max_input_len == 768 and s.max_batch * loader.MAX_Q_SIZE <= 768
+    # Nor past the sequence length (exllamav2 cuts its buffers to it at load).
+    s = loader.forward_sizes(2048, cache_size=8192, max_batch=4, max_seq_len=1000)
+    assert s.chunk == 768 and s.max_input_len == 768
+    assert all(x % loader.PAGE_TOKENS == 0 for x in (s.chunk, s.max_input_len))

@@ -16,9 +16,10 @@ import pytest
 
 from shared.schemas import ModelCard, Sampling
 from shared.settings import Settings
-from worker.engine import EngineJob, StepOutput
+from worker.admission import Admission
+from worker.core import AddCommand, EngineCore
+from worker.engine import EngineJob, StepOutput, reserved_tokens
 from worker.exl2.loader import Backend
-from worker.exl3 import admission as admission_module
 from worker.exl3 import loader
 from worker.exl3.engine import ExLlamaV3Engine
 from worker.exl3.sampling import checked_kwargs, combo_args
@@ -261,72 +262,97 @@ def by_job(outputs: list[StepOutput]) -> dict[str, list[StepOutput]]:
 
 def test_importing_the_engine_needs_no_torch() -> None:
     modules = "worker.exl3, worker.exl3.engine, worker.exl3.loader, worker.exl3.results, " + (
-        "worker.exl3.sampling, worker.exl3.admission"
+        "worker.exl3.sampling"
     )
     code = f"import sys, {modules}; assert not {{'torch', 'exllamav3'}} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # ---- admission ----------------------------------------------------------------------------
+# The worker admits jobs against what the engine reports (worker/admission.py); `Boundary` is
+# both sides, the engine process's core applying what the worker sent and reporting back.
+
+
+class Boundary:
+    def __init__(self, h: Harness) -> None:
+        e = self.engine = h.engine
+        self.admission = Admission(
+            e.max_batch, e.page_size, e.total_pages, e.free_pages(), reserved_tokens(e)
+        )
+        self.core = EngineCore(e)
+        self._sent: list[AddCommand] = []
+
+    def fits(self, tokens: int, active: int) -> bool:
+        return self.admission.fits(tokens, active)
+
+    def send(self, j: EngineJob) -> None:
+        self.admission.sent(len(j.input_ids) + j.max_tokens)
+        self._sent.append(AddCommand(j, 1))
+
+    def deliver(self) -> list[StepOutput]:
+        commands, self._sent = self._sent, []
+        out = self.core.apply(commands)
+        self.admission.report(self.engine.free_pages(), self.core.adds)
+        return out
+
+    def run_to_end(self) -> None:
+        run_to_end(self.engine)
+        self.admission.report(self.engine.free_pages(), self.core.adds)
 
 
 def test_fits_counts_batch_slots() -> None:
-    h = make(pages=100, max_batch=2)
-    assert h.engine.fits(300, active=1)
-    assert not h.engine.fits(300, active=2)
+    b = Boundary(make(pages=100, max_batch=2))
+    assert b.fits(300, active=1)
+    assert not b.fits(300, active=2)
+
+
+def test_the_engine_says_it_holds_one_token_more_than_the_job() -> None:
+    assert make().engine.reserved_tokens == 1
 
 
 def test_fits_counts_the_token_exllamav3_reserves_beyond_the_job() -> None:
-    e = make(pages=4).engine
-    assert e.fits(2 * PAGE, active=0)  # 513 tokens of pages: 3, 1 left
-    assert not e.fits(PAGE, active=1)  # 257: 2 pages
-    assert e.fits(PAGE - 1, active=1)
+    b = Boundary(make(pages=4))
+    assert b.fits(2 * PAGE, active=0)  # 513 tokens of pages: 3, 1 left
+    assert not b.fits(PAGE, active=1)  # 257: 2 pages
+    assert b.fits(PAGE - 1, active=1)
 
 
-def test_fits_reserves_pages_until_the_job_is_added() -> None:
-    e = make(pages=8).engine
-    # 3 pages each (600 + 1 tokens): two fit in 8 pages, a third does not, even before add().
-    assert e.fits(600, active=0)
-    assert e.fits(600, active=1)
-    assert not e.fits(600, active=2)
-    e.add(job("a", prompt=500, max_tokens=100))
-    e.add(job("b", prompt=500, max_tokens=100))
-    assert not e.fits(600, active=2)
-    assert e.fits(2 * PAGE - 1, active=2)  # the 2 pages left
+def test_fits_reserves_pages_until_the_engine_reports_the_add() -> None:
+    b = Boundary(make(pages=8))
+    # 3 pages each (600 + 1 tokens): two fit in 8 pages, a third does not, even before an add.
+    assert b.fits(600, active=0)
+    assert b.fits(600, active=1)
+    assert not b.fits(600, active=2)
+    b.send(job("a", prompt=500, max_tokens=100))
+    b.send(job("b", prompt=500, max_tokens=100))
+    assert not b.fits(600, active=2)  # sent, not applied: still reserved
+    b.deliver()
+    assert b.admission.free_pages == 2  # both wait inside the generator: their pages not free
+    assert not b.fits(600, active=2)
+    assert b.fits(2 * PAGE - 1, active=2)  # the 2 pages left
 
 
 def test_pages_waiting_inside_the_generator_are_not_free() -> None:
     h = make(pages=8)
     h.engine.add(job("a", prompt=500, max_tokens=100))  # pending in the generator: 3 pages
-    assert h.gen.pending_jobs and h.engine.free_pages() == 8
-    assert not h.engine.fits(6 * PAGE - 1, active=1)
-    assert h.engine.fits(5 * PAGE - 1, active=1)
+    assert h.gen.pending_jobs and h.gen.pagetable.num_unreferenced_pages() == 8
+    assert h.engine.free_pages() == 5
 
 
 def test_pages_come_back_when_jobs_finish() -> None:
-    e = make(pages=4).engine
-    assert e.fits(4 * PAGE - 1, active=0)
-    e.add(job("a", prompt=1000, max_tokens=23))
-    assert not e.fits(PAGE - 1, active=1)
-    run_to_end(e)
-    assert e.free_pages() == 4
-    assert e.fits(4 * PAGE - 1, active=0)
-
-
-def test_a_promise_lapses_on_the_admission_clock() -> None:
-    now = [0.0]
-    adm = admission_module.PageAdmission(
-        page_size=PAGE, total_pages=4, max_batch=8, reserved_tokens=1, clock=lambda: now[0]
-    )
-    assert adm.fits(4 * PAGE - 1, active=1)
-    assert not adm.fits(PAGE - 1, active=1)
-    now[0] += admission_module.PROMISE_TTL_S + 1
-    assert adm.fits(PAGE - 1, active=1)
+    b = Boundary(make(pages=4))
+    assert b.fits(4 * PAGE - 1, active=0)
+    b.send(job("a", prompt=1000, max_tokens=23))
+    b.deliver()
+    assert not b.fits(PAGE - 1, active=1)
+    b.run_to_end()
+    assert b.engine.free_pages() == 4
+    assert b.fits(4 * PAGE - 1, active=0)
 
 
 def test_a_job_larger_than_the_whole_cache_is_refused_before_it_is_enqueued() -> None:
     h = make(pages=4)
-    assert h.engine.fits(5 * PAGE, active=0)  # claimed, so that it fails instead of waiting forever
+    assert Boundary(h).fits(5 * PAGE, active=0)  # claimed, so that it fails, not waits forever
     with pytest.raises(ValueError, match=r"1024 tokens is over this worker's limit of 1023"):
         h.engine.add(job("big", prompt=4 * PAGE - 4, max_tokens=4))
     assert h.engine.active() == 0 and not h.gen.serials
@@ -413,6 +439,17 @@ def test_stop_conditions_are_eos_plus_the_jobs_own() -> None:
     assert set(h.jobs[0].stops) == {EOS_ID, 42, "END"}
 
 
+def test_a_job_whose_text_the_worker_makes_gets_token_ids_and_no_stop_strings() -> None:
+    h = make(scripts={"a": [100, 101, 102]})
+    j = job("a", max_tokens=3, stop=["101"], stop_token_ids=[42])
+    j.text = False  # GENQ_DETOKENIZE=worker: the worker matches "101" in the text it makes
+    h.engine.add(j)
+    assert set(h.jobs[0].stops) == {EOS_ID, 42}
+    out = run_to_end(h.engine)
+    assert [t for o in out for t in o.token_ids] == [100, 101, 102]
+    assert all(o.text == "" for o in out) and out[-1].finish_reason == "length"
+
+
 def test_logprobs_are_mapped_per_token() -> None:
     h = make()
     h.engine.add(job("a", max_tokens=1, logprobs=2))
@@ -497,7 +534,6 @@ def test_cancel_frees_the_pages_and_reports_running() -> None:
     assert e.cancel("a") is True
     assert h.gen.cancelled == ["a"]
     assert e.free_pages() == 8 and e.active() == 0
-    assert e.fits(8 * PAGE - 1, active=0)
     assert e.cancel("a") is False
     assert e.cancel("never-seen") is False
 

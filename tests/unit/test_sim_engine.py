@@ -7,6 +7,7 @@ import time
 import pytest
 
 from shared.schemas import Sampling
+from worker.admission import Admission
 from worker.engine import EngineJob, StepOutput
 from worker.sim import SimEngine
 
@@ -94,8 +95,9 @@ def test_resumed_job_continues_exactly() -> None:
 
 def test_batch_limit_and_context_limit() -> None:
     e = _engine(max_batch=2, max_seq_len=100)
-    assert e.fits(50, 1) and not e.fits(50, 2)
-    assert e.fits(101, 0)  # admitted, then refused by `add` with a reason: never stuck waiting
+    a = Admission(e.max_batch, e.page_size, e.total_pages, e.free_pages())
+    assert a.fits(50, 1) and not a.fits(50, 2)
+    assert a.fits(101, 0)  # admitted, then refused by `add` with a reason: never stuck waiting
     with pytest.raises(ValueError, match="over this engine's max_seq_len of 100"):
         e.add(EngineJob("big", [1] * 60, 41, Sampling(), 0))
     assert e.active() == 0
@@ -133,3 +135,18 @@ def test_cancel_and_reset() -> None:
 def test_logprobs_when_asked() -> None:
     outs = _run(_engine(), _job(max_tokens=3, logprobs=2))["j"]
     assert all(o.logprobs and len(o.logprobs[0]["top_logprobs"]) == 2 for o in outs)
+
+
+def test_step_ms_0_never_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As fast as it can: a sleep(0) per step cost ~80 us on Linux (timer slack), more than
+    the step itself at 40 jobs."""
+    import worker.sim as sim
+
+    def no_sleep(_: float) -> None:
+        raise AssertionError("slept")
+
+    e = _engine(step_ms=0)
+    e.add(_job(max_tokens=3))
+    monkeypatch.setattr(sim.time, "sleep", no_sleep)
+    while e.active():
+        e.step()

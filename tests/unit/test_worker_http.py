@@ -119,7 +119,11 @@ async def test_probes_answer_while_the_model_loads(
     prefix = test_prefix()
     port = free_port()
     settings = WorkerSettings(
-        redis_url=REDIS_URL, key_prefix=prefix, metrics_port=port, metrics_host="127.0.0.1"
+        redis_url=REDIS_URL,
+        key_prefix=prefix,
+        metrics_port=port,
+        metrics_host="127.0.0.1",
+        engine_process=False,  # the engine is built here, where the test can hold it up
     )
     loading, loaded = threading.Event(), threading.Event()
     real_build = process.build_engine

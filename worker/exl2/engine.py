@@ -1,23 +1,14 @@
-"""The engine: admission, cancel, and generator steps → StepOutputs.
+"""The engine: cancel, and generator steps → StepOutputs.
 
 It talks to the generator through the few methods and attributes it uses, so CPU tests drive
-it with a fake generator.
-
-Admission. `fits()` is asked on the asyncio side before a job is claimed from Redis; the job
-reaches `add()` on the engine thread a Redis round trip later. Free pages are therefore a
-snapshot the engine thread refreshes after every call that changes them, less the pages
-already *promised* to jobs that `fits()` admitted and `add()` has not seen yet. A promise
-not redeemed within `PROMISE_TTL_S` (the START script refused the job) lapses.
+it with a fake generator. Admission is the worker's (worker/admission.py): the engine reports
+its free pages after each call that changes them (`free_pages`).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import math
-import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shared.schemas import ModelCard
@@ -30,28 +21,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROMISE_TTL_S = 5.0
-"""How long pages admitted by `fits()` stay reserved waiting for the job's `add()`."""
-
-
-def pages_for(tokens: int, page_size: int) -> int:
-    return max(1, math.ceil(tokens / page_size))
-
 
 @dataclass
 class _Tracked:
     job: EngineJob
     handle: Any
     prompt_tokens: int
-
-
-@dataclass
-class _Admission:
-    """Free pages as last seen by the engine thread, and the pages promised since."""
-
-    free_pages: int
-    promises: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class ExLlamaV2Engine:
@@ -63,7 +38,6 @@ class ExLlamaV2Engine:
         self._max_batch = min(card.max_batch, int(self._gen.max_batch_size))
         self._jobs: dict[str, _Tracked] = {}
         self._ready: list[StepOutput] = []
-        self._admission = _Admission(free_pages=len(self._gen.unreferenced_pages))
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> ExLlamaV2Engine:
@@ -89,32 +63,13 @@ class ExLlamaV2Engine:
         return getattr(self._gen, "genq_sampler", None)
 
     def free_pages(self) -> int:
-        """Pages no job holds (prefix-cache pages count as free: the generator reuses them)."""
-        return len(self._gen.unreferenced_pages)
-
-    def fits(self, need_tokens: int, active: int) -> bool:
-        if active >= self._max_batch:
-            return False
-        need = pages_for(need_tokens, self.page_size)
-        if need > self.total_pages:
-            return True  # claim it so that add() fails it with a clear error, not leave it queued
-        adm = self._admission
-        now = time.monotonic()
-        with adm.lock:
-            if active == 0:
-                adm.promises.clear()  # nothing is between fits() and add(): no promise is live
-            while adm.promises and adm.promises[0][0] < now:
-                adm.promises.popleft()
-            promised = sum(p for _, p in adm.promises)
-            if need > adm.free_pages - promised:
-                return False
-            adm.promises.append((now + PROMISE_TTL_S, need))
-            return True
+        """Pages no job holds (prefix-cache pages count as free: the generator reuses them),
+        less what jobs waiting inside the generator will take when they start."""
+        gen = self._gen
+        waiting = sum(j.current_new_pages_required() for j in list(gen.pending_jobs))
+        return len(gen.unreferenced_pages) - waiting
 
     def add(self, job: EngineJob) -> None:
-        with self._admission.lock:
-            if self._admission.promises:
-                self._admission.promises.popleft()
         ids = [*job.input_ids, *job.resume_ids]
         remaining = job.max_tokens - len(job.resume_ids)
         self._check_size(len(ids), max(remaining, 0))
@@ -124,11 +79,11 @@ class ExLlamaV2Engine:
             )
             return
         stops: list[int | str] = [*self.card.eos_token_ids, *job.sampling.stop_token_ids]
-        stops += job.sampling.stop
+        if job.text:  # else the worker matches stop strings in the text it makes
+            stops += job.sampling.stop
         handle = self._backend.make_job(ids, remaining, job.sampling, job.seed, stops, job.id)
         self._gen.enqueue(handle)
         self._jobs[job.id] = _Tracked(job, handle, len(job.input_ids))
-        self._refresh()
 
     def cancel(self, job_id: str) -> bool:
         tracked = self._jobs.pop(job_id, None)
@@ -137,7 +92,6 @@ class ExLlamaV2Engine:
             self._ready = [o for o in self._ready if o.job_id != job_id]
             return len(self._ready) < before
         self._gen.cancel(tracked.handle)
-        self._refresh()
         return True
 
     def step(self) -> list[StepOutput]:
@@ -145,7 +99,6 @@ class ExLlamaV2Engine:
         if self._jobs:
             results = self._gen.iterate()
             outputs += [o for r in results if (o := self._result(r)) is not None]
-            self._refresh()
         return outputs
 
     def active(self) -> int:
@@ -156,9 +109,6 @@ class ExLlamaV2Engine:
         self._jobs.clear()
         self._ready.clear()
         self._gen = self._backend.make_generator()
-        with self._admission.lock:
-            self._admission.promises.clear()
-        self._refresh()
         return ids
 
     def close(self) -> None:
@@ -176,13 +126,6 @@ class ExLlamaV2Engine:
                 f"prompt ({prompt} tokens) + max_tokens ({new}) = {prompt + new} tokens is over "
                 f"this worker's limit of {limit} tokens (max sequence length and cache size)"
             )
-
-    def _refresh(self) -> None:
-        """Recompute free pages (engine thread only): unreferenced pages, less what jobs
-        waiting inside the generator will take when they start."""
-        gen = self._gen
-        waiting = sum(j.current_new_pages_required() for j in list(gen.pending_jobs))
-        self._admission.free_pages = len(gen.unreferenced_pages) - waiting
 
     def _result(self, r: dict[str, Any]) -> StepOutput | None:
         if r.get("stage") != "streaming":

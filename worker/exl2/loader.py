@@ -65,6 +65,31 @@ class _Shape:
     chunk: int
 
 
+@dataclass(frozen=True)
+class ForwardSizes:
+    max_batch: int
+    chunk: int
+    """Prefill chunk: prompt tokens forwarded (and written to the cache) at once."""
+    max_input_len: int
+    """Tokens the model's forward buffers hold: a prefill chunk, or a decode step of the batch."""
+
+
+def forward_sizes(
+    max_chunk_size: int, cache_size: int, max_batch: int, max_seq_len: int
+) -> ForwardSizes:
+    """Chunk and forward buffers never longer than the cache (nor the sequence length):
+    exllamav2 writes a whole chunk into the cache, and its automatic split forwards
+    `max_input_len` tokens through it at load, so a 2,048-token chunk over a 768-token cache
+    fails ("start (0) + length (2048) exceeds dimension size (768)"). The batch is cut to
+    what a decode step within those buffers carries (the generator needs batch ×
+    `MAX_Q_SIZE` of them); each job takes a page or more, so no more could run anyway."""
+    limit = max(PAGE_TOKENS, min(cache_size, max_seq_len) // PAGE_TOKENS * PAGE_TOKENS)
+    chunk = min(_round_up(max_chunk_size, PAGE_TOKENS), limit)
+    batch = max(1, min(max_batch, limit // MAX_Q_SIZE))
+    decode = _round_up(batch * MAX_Q_SIZE, PAGE_TOKENS)
+    return ForwardSizes(batch, chunk, min(max(chunk, decode), limit))
+
+
 def sampler_fields(s: Sampling) -> dict[str, Any]:
     """Every `ExLlamaV2Sampler.Settings` field, set explicitly: exllamav2's own defaults
     (temperature 0.8, top_k 50, top_p 0.8, repetition penalty 1.025) are not neutral."""
@@ -193,16 +218,20 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
     assert settings.model_dir is not None
     model_dir = Path(settings.model_dir)
     paged = _paged_attention()
-    max_batch = settings.max_batch if paged else 1
-    config, chunk = _model_config(settings, model_dir, max_batch)
-    cache_size = cache_tokens(settings.cache_tokens, config.max_seq_len, max_batch, paged)
+    config = _model_config(settings, model_dir)
+    wanted_batch = settings.max_batch if paged else 1
+    cache_size = cache_tokens(settings.cache_tokens, config.max_seq_len, wanted_batch, paged)
+    sizes = forward_sizes(settings.max_chunk_size, cache_size, wanted_batch, config.max_seq_len)
+    config.max_input_len = sizes.max_input_len
+    config.max_attention_size = sizes.max_input_len**2
+    max_batch = sizes.max_batch
     model, cache = _load_model(settings, config, cache_size)
     tokenizer = ExLlamaV2Tokenizer(config)
     shape = _Shape(
         paged=paged,
         max_batch=max_batch,
         max_seq_len=min(config.max_seq_len, cache_size),
-        chunk=min(chunk, config.max_input_len),
+        chunk=sizes.chunk,
     )
     make_job = _job_factory(settings.gpu_sampling)
     piece = _piece_lookup(tokenizer)
@@ -239,19 +268,14 @@ def _paged_attention() -> bool:
     return paged
 
 
-def _model_config(settings: EngineSettings, model_dir: Path, max_batch: int) -> tuple[Any, int]:
-    """The model's config with genq's sequence length and forward buffer sizes; the prefill
-    chunk size (a multiple of the page)."""
+def _model_config(settings: EngineSettings, model_dir: Path) -> Any:
+    """The model's config with genq's sequence length (forward sizes are set by the caller)."""
     from exllamav2 import ExLlamaV2Config
 
     config = ExLlamaV2Config(str(model_dir))
     if settings.max_seq_len:
         config.max_seq_len = settings.max_seq_len
-    chunk = _round_up(settings.max_chunk_size, PAGE_TOKENS)
-    # The model's forward buffers must hold a prefill chunk and one decode step of the batch.
-    config.max_input_len = max(chunk, _round_up(max_batch * MAX_Q_SIZE, PAGE_TOKENS))
-    config.max_attention_size = config.max_input_len**2
-    return config, chunk
+    return config
 
 
 def _load_model(settings: EngineSettings, config: Any, cache_size: int) -> tuple[Any, Any]:

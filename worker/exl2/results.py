@@ -44,7 +44,7 @@ def step_output(
         out.cached_tokens = min(int(r.get("cached_tokens", 0)), prompt_tokens)
     elif not text and not token_ids:
         return None  # held back (possible stop string): nothing to say yet
-    out.text = text
+    out.text = text if job.text else ""  # else the worker makes it from the ids
     out.token_ids = token_ids
     n = job.sampling.logprobs
     if n is not None and token_ids:

@@ -1,9 +1,9 @@
 """The exllamav3 engine: exllamav3's `Generator` behind genq's `Engine` protocol, for EXL3
 models and plain fp16/bf16 folders.
 
-- `engine`: admission, cancel and step → StepOutputs, talking to the generator only through
-  the few methods and attributes it uses (CPU tests drive it with a fake generator).
-- `admission`: whether a job fits, from exllamav3's own page accounting.
+- `engine`: cancel and step → StepOutputs and the free pages the worker admits jobs against,
+  talking to the generator only through the few methods and attributes it uses (CPU tests
+  drive it with a fake generator).
 - `results`: exllamav3's result dicts (stages, end reasons, per-job errors) → StepOutputs.
 - `sampling`: every job's explicit `ComboSampler`, and the check that exllamav3 takes each
   argument genq passes (its `Job` and `Generator` ignore unknown ones).

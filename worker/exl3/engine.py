@@ -1,15 +1,17 @@
-"""The engine: admission, cancel, and generator steps → StepOutputs.
+"""The engine: cancel, and generator steps → StepOutputs.
 
 It talks to exllamav3's `Generator` through the few methods and attributes it uses
 (`enqueue`, `cancel`, `iterate`, `close`, `pending_jobs`, `max_batch_size`, its `pagetable`'s
 `max_pages` and `num_unreferenced_pages()`, a job's `current_new_pages_required()`), so CPU
 tests drive it with a fake generator.
 
-Admission (`PageAdmission`) counts exllamav3's own pages: free = unreferenced pages (those
-holding a reusable prompt prefix count: the generator evicts them when it needs the room)
-less what jobs waiting in the generator will take when they start. A job that could never
-fit is refused in `add()` before anything is enqueued: left to exllamav3, it fails an
-assertion in `enqueue`, or with no `max_new_tokens` runs to the end of the cache.
+Admission is the worker's (worker/admission.py), against the pages this engine reports:
+free = unreferenced pages (those holding a reusable prompt prefix count: the generator evicts
+them when it needs the room) less what jobs waiting in the generator will take when they
+start; exllamav3 holds one token more per job than prompt + max new (`reserved_tokens`). A
+job that could never fit is refused in `add()` before anything is enqueued: left to
+exllamav3, it fails an assertion in `enqueue`, or with no `max_new_tokens` runs to the end of
+the cache.
 
 A failed `iterate()` leaves no job's state trustworthy: `reset()` closes that generator and
 builds a new one over the same model and cache (no reload); the runner fails its jobs, and
@@ -25,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 from shared.schemas import ModelCard
 from worker.engine import EngineJob, StepOutput
 from worker.exl2.loader import Backend
-from worker.exl3.admission import PageAdmission
 from worker.exl3.loader import PAGE_TOKENS, RESERVED_TOKENS, load_backend
 from worker.exl3.results import error_output, streaming_output
 
@@ -53,13 +54,6 @@ class ExLlamaV3Engine:
         """By the serial `enqueue` returned: every result names its job by it."""
         self._serials: dict[str, int] = {}
         self._ready: list[StepOutput] = []
-        self.admission = PageAdmission(
-            page_size=PAGE_TOKENS,
-            total_pages=self.total_pages,
-            max_batch=self._max_batch,
-            reserved_tokens=RESERVED_TOKENS,
-        )
-        self._refresh()
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> ExLlamaV3Engine:
@@ -79,15 +73,18 @@ class ExLlamaV3Engine:
     def total_pages(self) -> int:
         return int(self._gen.pagetable.max_pages)
 
-    def free_pages(self) -> int:
-        """Pages no job holds (prefix-cache pages count as free: the generator reuses them)."""
-        return int(self._gen.pagetable.num_unreferenced_pages())
+    @property
+    def reserved_tokens(self) -> int:
+        return RESERVED_TOKENS
 
-    def fits(self, need_tokens: int, active: int) -> bool:
-        return self.admission.fits(need_tokens, active)
+    def free_pages(self) -> int:
+        """Pages no job holds (prefix-cache pages count as free: the generator reuses them),
+        less what jobs waiting inside the generator will take when they start."""
+        gen = self._gen
+        waiting = sum(j.current_new_pages_required() for j in list(gen.pending_jobs))
+        return int(gen.pagetable.num_unreferenced_pages()) - waiting
 
     def add(self, job: EngineJob) -> None:
-        self.admission.redeem()
         ids = [*job.input_ids, *job.resume_ids]
         remaining = job.max_tokens - len(job.resume_ids)
         self._check_size(len(ids), max(remaining, 0))
@@ -97,12 +94,12 @@ class ExLlamaV3Engine:
             )
             return
         stops: list[int | str] = [*self.card.eos_token_ids, *job.sampling.stop_token_ids]
-        stops += job.sampling.stop
+        if job.text:  # else the worker matches stop strings in the text it makes
+            stops += job.sampling.stop
         handle = self._backend.make_job(ids, remaining, job.sampling, job.seed, stops, job.id)
         serial = int(self._gen.enqueue(handle))
         self._jobs[serial] = _Tracked(job, handle, len(job.input_ids))
         self._serials[job.id] = serial
-        self._refresh()
 
     def cancel(self, job_id: str) -> bool:
         serial = self._serials.pop(job_id, None)
@@ -112,7 +109,6 @@ class ExLlamaV3Engine:
             return len(self._ready) < before
         tracked = self._jobs.pop(serial)
         self._gen.cancel(tracked.handle)
-        self._refresh()
         return True
 
     def step(self) -> list[StepOutput]:
@@ -120,7 +116,6 @@ class ExLlamaV3Engine:
         if self._jobs:
             results = self._gen.iterate()
             outputs += [o for r in results if (o := self._result(r)) is not None]
-            self._refresh()
         return outputs
 
     def active(self) -> int:
@@ -136,8 +131,6 @@ class ExLlamaV3Engine:
         except Exception:  # a broken generator's buffers: the new one does not need them
             log.exception("closing the failed exllamav3 generator failed")
         self._gen = self._backend.make_generator()
-        self.admission.clear()
-        self._refresh()
         return ids
 
     def close(self) -> None:
@@ -157,13 +150,6 @@ class ExLlamaV3Engine:
                 f"prompt ({prompt} tokens) + max_tokens ({new}) = {prompt + new} tokens is over "
                 f"this worker's limit of {limit} tokens (max sequence length and cache size)"
             )
-
-    def _refresh(self) -> None:
-        """Report free pages (engine thread only): unreferenced pages, less what jobs waiting
-        inside the generator will take when they start."""
-        gen = self._gen
-        waiting = sum(j.current_new_pages_required() for j in list(gen.pending_jobs))
-        self.admission.report(self.free_pages() - waiting)
 
     def _result(self, r: dict[str, Any]) -> StepOutput | None:
         serial = r.get("serial")

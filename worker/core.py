@@ -1,0 +1,109 @@
+"""What runs around an engine on its own thread: attempts, commands, failed steps. Used by the
+engine process (worker/engine_process.py) and by the in-process runner (worker/runner.py).
+
+Engines know jobs by id; attempts are the core's. It tags every output with the attempt the
+engine is running for that job, and applies a cancel only to the attempt it names, so
+nothing meant for one attempt can touch another: a job handed back and claimed again by
+this worker is cancelled (old attempt) and added (new one) in order, and the old attempt's
+late outputs carry its number, which the worker no longer runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from worker.engine import Engine, EngineJob, StepOutput, Stop
+
+log = logging.getLogger(__name__)
+FAILURE_BACKOFF_S = 0.05
+FAILURE_BACKOFF_MAX_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class AddCommand:
+    job: EngineJob
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelCommand:
+    job_id: str
+    attempt: int
+    stop: Stop
+
+
+Command = AddCommand | CancelCommand
+
+
+class EngineCore:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._attempts: dict[str, int] = {}
+        """The attempt of each job the engine holds."""
+        self.failures = 0
+        """Consecutive failed steps."""
+        self.adds = 0
+        """Add commands applied so far (the worker's admission counts its promises by it)."""
+        self.tokens = 0
+        self.last_step_s = 0.0
+        """How long the last `step()` of the engine took."""
+
+    def apply(self, commands: list[Command]) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        for c in commands:
+            if isinstance(c, AddCommand):
+                outputs += self._add(c)
+            elif self._attempts.get(c.job_id) == c.attempt:
+                del self._attempts[c.job_id]
+                if self.engine.cancel(c.job_id):
+                    outputs.append(StepOutput(c.job_id, attempt=c.attempt, stopped=c.stop))
+        return outputs
+
+    def _add(self, c: AddCommand) -> list[StepOutput]:
+        self.adds += 1
+        job_id = c.job.id
+        if job_id in self._attempts:  # an older attempt still in the engine: it goes first
+            self.engine.cancel(job_id)
+        self._attempts[job_id] = c.attempt
+        try:
+            self.engine.add(c.job)
+        except Exception as exc:  # a job the engine refuses fails alone
+            del self._attempts[job_id]
+            log.warning("engine refused job", extra={"job_id": job_id, "error": str(exc)})
+            return [StepOutput(job_id, error=f"engine refused the job: {exc}", attempt=c.attempt)]
+        return []
+
+    def step(self) -> list[StepOutput]:
+        """One engine step, its outputs tagged. A failed step fails every job (after a pause
+        that grows with consecutive failures)."""
+        t0 = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self.last_step_s = time.perf_counter() - t0
+            self.failures += 1
+            log.exception("engine step failed", extra={"failures": self.failures})
+            failed = self._fail_all(exc)
+            time.sleep(min(FAILURE_BACKOFF_S * self.failures, FAILURE_BACKOFF_MAX_S))
+            return failed
+        self.last_step_s = time.perf_counter() - t0
+        self.failures = 0
+        attempts = self._attempts
+        for out in outputs:
+            out.attempt = attempts.get(out.job_id, 0)
+            if out.finish_reason is not None or out.error is not None:
+                attempts.pop(out.job_id, None)
+            self.tokens += len(out.token_ids)
+        return outputs
+
+    def _fail_all(self, exc: Exception) -> list[StepOutput]:
+        """After a failed step no job's state can be trusted: end them all with an error."""
+        error = f"engine step failed: {exc}"
+        out = [
+            StepOutput(i, error=error, attempt=self._attempts.get(i, 0))
+            for i in self.engine.reset()
+        ]
+        self._attempts.clear()
+        return out

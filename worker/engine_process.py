@@ -1,0 +1,193 @@
+"""The engine process: `python -m worker.engine_process --fd N`, started by its worker (see
+worker/engine_client.py), which passes it one end of a socketpair as file descriptor N.
+
+One thread, no asyncio, no Redis: it builds the engine, says Hello, then loops — take the
+commands that have arrived (waiting for one only while no job is active), apply them, step
+the engine once, send one Step message with every output of that step and the engine's free
+pages (steps quicker than `COALESCE_S` share one). Messages are worker/wire.py's.
+
+It ignores SIGINT and SIGTERM (a terminal's Ctrl-C or systemd's stop reach the whole process
+group; the worker drains first and then closes its engine) and exits when the worker's end
+of the socket closes, or with the worker itself (Linux: PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+from shared import logs
+from shared.settings import EngineSettings, RedisSettings
+from worker.core import AddCommand, CancelCommand, Command, EngineCore
+from worker.engine import Engine, StepOutput, reserved_tokens
+from worker.engines import build_engine
+from worker.wire import Add, Cancel, Channel, Close, Failed, Hello, Init, Step, ToEngine, engine_job
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+COALESCE_S = 0.001
+"""Steps quicker than this go out in one message, at most this late. A GPU step takes longer
+(a message each); the sim's at `--step-ms 0` far less, and a message per step of a few tokens
+would cost the worker a wake-up each (measured: docs/benchmarks.md, issue 15)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m worker.engine_process")
+    p.add_argument("--fd", type=int, required=True, help="this end of the worker's socketpair")
+    args = p.parse_args(argv)
+    _detach_from_signals()
+    channel = Channel(socket.socket(fileno=args.fd))
+    first = channel.receive(wait=True)
+    if not first or not isinstance(first[0], Init):
+        return 1
+    init = first[0]
+    logs.setup(RedisSettings(log_level=init.log_level, log_format=init.log_format))
+    try:
+        engine = build_engine(EngineSettings.model_validate_json(init.settings))
+    except (Exception, SystemExit) as exc:
+        log.exception("engine could not be built")
+        channel.send(Failed(str(exc) or type(exc).__name__))
+        return 1
+    # Everything loaded so far (the model, the tokenizer, the modules) lives as long as the
+    # process: never scanned by the collector again.
+    gc.collect()
+    gc.freeze()
+    try:
+        channel.send(_hello(engine))
+        serve(channel, engine, init.gc_in_steps, first[1:])
+    except (BrokenPipeError, ConnectionError):
+        pass  # the worker is gone
+    finally:
+        engine.close()
+    return 0
+
+
+def _hello(engine: Engine) -> Hello:
+    return Hello(
+        card=engine.card.model_dump_json(),
+        tokenizer=engine.tokenizer_json,
+        max_batch=engine.max_batch,
+        page_size=engine.page_size,
+        total_pages=engine.total_pages,
+        free_pages=engine.free_pages(),
+        pid=os.getpid(),
+        reserved_tokens=reserved_tokens(engine),
+    )
+
+
+class _Outbox:
+    """The Step message being put together: one step's, or a few quick ones' (`COALESCE_S`)."""
+
+    def __init__(self, channel: Channel, engine: Engine, core: EngineCore) -> None:
+        self._channel = channel
+        self._engine = engine
+        self._core = core
+        self._outputs: list[StepOutput] = []
+        self._steps = 0
+        self._step_s = 0.0
+        self._waited = True
+        self._pending = False
+        self._sent_at = 0.0
+
+    def add(self, outputs: list[StepOutput], stepped: bool) -> None:
+        self._outputs += outputs
+        if stepped:
+            self._steps += 1
+            self._step_s += self._core.last_step_s
+        self._pending = True
+
+    def waited(self) -> None:
+        """The engine had no job and waits for commands."""
+        self._waited = True
+
+    def send(self, now: bool) -> None:
+        """Send what is pending: `now`, or once `COALESCE_S` has passed since the last send."""
+        at = time.perf_counter()
+        if not self._pending or (not now and at - self._sent_at < COALESCE_S):
+            return
+        engine, core = self._engine, self._core
+        self._channel.send(
+            Step(
+                outputs=self._outputs,
+                free_pages=engine.free_pages(),
+                free_slots=engine.max_batch - engine.active(),
+                adds=core.adds,
+                steps=self._steps,
+                step_s=self._step_s,
+                failures=core.failures,
+                waited=self._waited,
+            )
+        )
+        self._outputs, self._steps, self._step_s = [], 0, 0.0
+        self._waited = self._pending = False
+        self._sent_at = at
+
+
+def serve(channel: Channel, engine: Engine, gc_in_steps: bool, early: list[ToEngine]) -> None:
+    """Until Close or the worker's end closes: commands in, one step, its message out."""
+    core = EngineCore(engine)
+    outbox = _Outbox(channel, engine, core)
+    if not gc_in_steps:
+        gc.disable()
+    garbage = False
+    received: list[ToEngine] | None = early
+    while True:
+        if received is None:
+            busy = engine.active() > 0
+            if not busy:
+                outbox.send(now=True)  # before waiting: nothing may stay behind
+                outbox.waited()
+                if garbage:  # collect while nothing waits on this process
+                    gc.collect()
+                    garbage = False
+            received = channel.receive(wait=not busy)
+            if received is None:
+                return
+        commands = _commands(received)
+        if commands is None:
+            return
+        received = None
+        outputs = core.apply(commands)
+        stepped = engine.active() > 0
+        if stepped:
+            outputs += core.step()
+            garbage = not gc_in_steps
+        if commands or stepped:
+            outbox.add(outputs, stepped)
+        outbox.send(now=engine.active() == 0)
+
+
+def _commands(received: list[ToEngine]) -> list[Command] | None:
+    """The core's commands; None on Close."""
+    out: list[Command] = []
+    for m in received:
+        if isinstance(m, Add):
+            out.append(AddCommand(engine_job(m), m.attempt))
+        elif isinstance(m, Cancel):
+            out.append(CancelCommand(m.job_id, m.attempt, m.stop))
+        elif isinstance(m, Close):
+            return None
+    return out
+
+
+def _detach_from_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        # Dies with the worker even while loading a model (when it reads no socket). The
+        # worker forks it from its event loop's thread, which lives as long as the worker.
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the worker died before prctl took effect
+            os._exit(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
