@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from gateway import http_errors, queues
+from gateway.access_log import AccessLog
 from gateway.batch import routes as batch_routes
 from gateway.batch.runtime import BatchRuntime
 from gateway.deadline_sweep import DeadlineSweep
@@ -126,7 +127,8 @@ def create_app(
 
 
 def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:
-    """Outermost first: CORS (a preflight needs no key), the API key, the body limit."""
+    """Outermost first: the access log (it sees every answer, a 401 or a preflight's too),
+    CORS (a preflight needs no key), the API key, the body limit."""
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, uploads=settings.file_max_bytes)
     app.add_middleware(Authenticate, settings=settings)
     if settings.cors_origins:
@@ -138,6 +140,8 @@ def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:
             expose_headers=EXPOSED_HEADERS,
             max_age=CORS_MAX_AGE_S,
         )
+    if settings.access_log:
+        app.add_middleware(AccessLog)
 
 
 def create_app_from_env() -> FastAPI:

@@ -14,6 +14,7 @@ from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.security.utils import get_authorization_scheme_param
 
+from gateway import access_log
 from gateway.identity import OPEN, Identity
 from gateway.state import GatewayState
 from shared.errors import Unauthorized
@@ -41,7 +42,10 @@ ApiKeyHeader = Annotated[str | None, Depends(_api_key_header)]
 async def require_key(state: State, bearer: Bearer, api_key: ApiKeyHeader) -> Identity:
     """API-key auth when GENQ_API_KEYS (or GENQ_API_KEYS_FILE, GENQ_ADMIN_KEYS) is set; open
     otherwise. The caller's identity: the owner their jobs record, and whether an admin."""
-    return identify(state.settings, bearer.credentials if bearer is not None else api_key)
+    identity = identify(state.settings, bearer.credentials if bearer is not None else api_key)
+    if identity.keyed:
+        access_log.touched_by(identity.owner)
+    return identity
 
 
 def identify(settings: GatewaySettings, token: str | None) -> Identity:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import time
 import uuid
@@ -14,6 +15,7 @@ from typing import Any, TypeVar
 import anyio
 import redis.asyncio as aioredis
 
+from gateway import access_log
 from gateway.admission import AdmissionControl
 from gateway.identity import Identity
 from gateway.registry import LoadedCard, ModelRegistry
@@ -37,6 +39,7 @@ from shared.transitions import (
     Transitions,
 )
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"
 """An Idempotency-Key: 1 to 255 visible ASCII characters (documented in the API)."""
@@ -80,6 +83,7 @@ class JobService:
     def validate_id(self, job_id: str) -> str:
         if not JOB_ID.fullmatch(job_id):
             raise JobNotFound(f"no job {shown(job_id)}", param="id")
+        access_log.touched_job(job_id)
         return job_id
 
     async def prepare(self, body: JobCreate) -> JobSpec:
@@ -195,12 +199,14 @@ class JobService:
         for _ in range(_SUBMIT_TRIES):
             reply = await self.scripts.run(submission.call)
             if isinstance(reply, Queued):
+                _log_queued(submission.record, caller)
                 return Submitted(submission.record.view(), replayed=False)
             if isinstance(reply, Limited):
                 raise self.admission.refusal(caller, spec, reply)
             assert idem is not None
             earlier = await self._earlier(idem, reply.claim, submission.record.fingerprint or "")
             if earlier is not None:
+                access_log.touched_job(earlier.id)
                 return Submitted(earlier, replayed=True)
         raise Conflict(
             "Idempotency-Key is being claimed concurrently; retry", param="Idempotency-Key"
@@ -345,7 +351,11 @@ class JobService:
 
     async def _cancel_queued(self, job_id: str, seen: CancelQueued, reason: str) -> bool:
         """End a queued job `cancelled`, unless a worker took it meanwhile."""
-        return await self.scripts.run(self._settle_cancelled(job_id, seen, reason))
+        cancelled = await self.scripts.run(self._settle_cancelled(job_id, seen, reason))
+        if cancelled:
+            fields = {"job_id": job_id, "status": "queued", "reason": reason}
+            log.info("job cancelled", extra=fields)
+        return cancelled
 
     def _settle_cancelled(self, job_id: str, seen: CancelQueued, reason: str) -> Call[bool]:
         s = self.settings
@@ -384,6 +394,22 @@ class JobService:
             settles = [self._settle_cancelled(j, seen, reason) for j, seen in queued]
             settled = await self.scripts.run_all(settles)
             pending = [j for (j, _), ok in zip(queued, settled, strict=True) if ok is not True]
+
+
+def _log_queued(record: JobRecord, caller: Identity) -> None:
+    """The job's first step; its size, never its prompt."""
+    spec = record.spec
+    fields: dict[str, object] = {
+        "job_id": spec.id,
+        "model": spec.model,
+        "priority": spec.priority,
+        "prompt_tokens": len(spec.input_ids),
+        "max_tokens": spec.max_tokens,
+    }
+    if caller.keyed:
+        fields["owner"] = caller.owner
+    log.info("job queued", extra=fields)
+    access_log.touched_job(spec.id)
 
 
 _SAMPLING_FIELDS = {

@@ -65,7 +65,7 @@ def run_gateway(settings: GatewaySettings, sock: socket.socket, processes: int) 
         factory=True,
         workers=processes,
         log_config=logs.log_config(settings),  # uvicorn applies it in each process it spawns
-        access_log=False,  # one line per request and per stream costs more than it tells
+        access_log=False,  # genq's own (gateway/access_log.py, GENQ_ACCESS_LOG) replaces it
         http=HTTP_PROTOCOL,  # streams can drop a client that stopped reading
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
         backlog=LISTEN_BACKLOG,

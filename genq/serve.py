@@ -116,7 +116,7 @@ async def _serve_single(
     config = uvicorn.Config(
         app,
         log_config=logs.log_config(settings),
-        access_log=False,  # one line per request and per stream costs more than it tells
+        access_log=False,  # genq's own (gateway/access_log.py, GENQ_ACCESS_LOG) replaces it
         http=HTTP_PROTOCOL,  # streams can drop a client that stopped reading
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import (
     BusyLoadingError,
@@ -19,6 +18,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared.redis_health import ObservedRetry
 from shared.settings import RedisSettings
 
 RETRY_ON = (RedisConnectionError, RedisTimeoutError, ConnectionResetError)
@@ -60,7 +60,10 @@ def connect(settings: RedisSettings, url: str | None = None, **overrides: Any) -
         # decode with U+FFFD and fail validation where they are read, instead of failing the
         # whole reply they came in (one bad entry would stall a queue read forever).
         encoding_errors="replace",
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), settings.redis_retries),
+        # observed: one line when Redis is lost and one when it is back (shared/redis_health)
+        retry=ObservedRetry(
+            ExponentialWithJitterBackoff(base=0.05, cap=2.0), settings.redis_retries
+        ),
         retry_on_error=list(RETRY_ON),
         health_check_interval=settings.redis_health_check_s,
         socket_timeout=settings.redis_socket_timeout_s,

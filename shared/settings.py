@@ -155,6 +155,11 @@ class JobSettings(RedisSettings):
 
 class GatewaySettings(JobSettings):
     idempotency_ttl_s: int = Field(default=86_400, ge=1)
+    access_log: bool = Field(
+        default=True,
+        description="one info line per HTTP request (method, route, status, duration, job "
+        "ids; a stream's when it ends); off at request rates where the lines cost too much",
+    )
     max_body_bytes: int = Field(
         default=16 * 2**20,
         ge=1024,
@@ -542,6 +547,12 @@ class WorkerSettings(JobSettings, EngineSettings):
         ge=0,
         description="a worker keeps the events it wrote this long, to re-send them if Redis "
         "restarts without its last writes (AOF everysec loses up to ~2 s on a host crash)",
+    )
+    log_summary_interval_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="a worker logs a summary line this often: jobs running and finished, "
+        "tokens/s, batch slots and KV cache pages in use, claims waiting; 0 = never",
     )
     flush_interval_ms: float = Field(
         default=15.0,

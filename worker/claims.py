@@ -18,6 +18,7 @@ from shared.records import JOB_ID, JobRecord, QueueEntry, RecordError
 from shared.redisconn import is_transient
 from shared.schemas import ErrorInfo, JobSpec
 from shared.transitions import Exhausted, Started, StartReply
+from worker import joblog
 from worker.engine import EngineJob
 from worker.entries import (
     ack,
@@ -270,6 +271,7 @@ class Claimer:
         with contextlib.suppress(RedisError, OSError):
             if await st.scripts.run(call):
                 await requeue(st, claim)
+                joblog.requeued(st, claim, attempt, counted=True, why=error)
 
     async def _sent_tokens(self, job_ids: list[str]) -> Sent:
         """For retried jobs: the token ids and text an earlier attempt already published."""
@@ -307,6 +309,7 @@ class Claimer:
         st.running[spec.id] = run
         st.dirty.add(spec.id)
         run.started(st.id)
+        joblog.started(st, run)
         st.urgent.add(spec.id)  # `started` (and an end at once, if any) need not wait
         if started.cancel or spec.id in st.early_cancels:
             st.early_cancels.pop(spec.id, None)

@@ -11,6 +11,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from shared.keys import CONSUMER_GROUP
 from shared.records import DeadLetter, QueueEntry
+from worker import joblog
 from worker.jobstate import Claim, RunningJob
 from worker.state import WorkerState
 
@@ -41,14 +42,18 @@ async def requeue_waiting(st: WorkerState) -> None:
             await requeue(st, claim)
 
 
-async def hand_back(st: WorkerState, run: RunningJob, *, counted: bool, error: str = "") -> None:
+async def hand_back(
+    st: WorkerState, run: RunningJob, *, counted: bool, error: str = "", why: str = ""
+) -> None:
     """Give a started job back to the queue for any worker, now (not after the lease).
-    Fenced: a job that already moved to another worker is left alone."""
+    Fenced: a job that already moved to another worker is left alone. `error`: the failed
+    attempt's (recorded); `why`: what the log line says otherwise."""
     call = st.transitions.hand_back(
         run.id, worker=st.id, attempt=run.attempt, counted=counted, error=error
     )
     if await st.scripts.run(call):
         await requeue(st, run.claim)
+        joblog.requeued(st, run.claim, run.attempt, counted=counted, why=error or why)
     else:
         log.warning("hand-back fenced: the job moved on", extra={"job_id": run.id})
 
@@ -96,4 +101,4 @@ async def dead_letter(st: WorkerState, claim: Claim, attempts: int, reason: str)
         maxlen=_DEAD_LETTERS_KEPT,
         approximate=True,
     )
-    log.warning("job dead-lettered", extra={"job_id": claim.job_id, "attempts": attempts})
+    joblog.dead_lettered(st, claim, attempts, reason)

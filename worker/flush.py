@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 
 from shared.redisconn import is_transient
 from shared.transitions import Call, EmitReply, EncodedEvent, Fenced, LostTail
+from worker import joblog
 from worker.engine import StepOutput, Stop
 from worker.entries import ack, hand_back
 from worker.jobstate import Claim, RunningJob
@@ -180,6 +181,7 @@ class Flusher:
             elif isinstance(reply, Exception):  # refused for what it is (a damaged key)
                 log.error("Redis rejected events", extra={"job_id": run.id, "error": str(reply)})
                 run.end, run.retry_error = None, f"Redis rejected the job's events: {reply}"
+                run.outcome = None
                 self._flush_soon(run.id)  # handed back (counted) at the next flush
             elif isinstance(reply, LostTail):  # Redis lost the end of the log: nothing written
                 lost_tail.append((run, events, reply.last))
@@ -189,6 +191,7 @@ class Flusher:
             elif run.end is not None:
                 run.remember(events, st.settings.log_repair_window_s)
                 st.finish(run)
+                joblog.ended(st, run)
                 ended.append(run.claim)
             else:
                 run.remember(events, st.settings.log_repair_window_s)
@@ -230,7 +233,7 @@ class Flusher:
             log.warning("job log lost beyond repair; handing back", extra={"job_id": run.id})
             st.drop(run.id)
             with contextlib.suppress(RedisError, OSError):
-                await hand_back(st, run, counted=False)
+                await hand_back(st, run, counted=False, why="its log was lost beyond repair")
             return
         log.warning("job log lost its tail; re-sending", extra={"job_id": run.id, "from": last})
         run.pending[:0] = missing + events

@@ -27,6 +27,18 @@ class Claim:
     """Who submitted the job (a hash of their key), carried into a re-queued entry."""
 
 
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a job ended here, as its end's record fields say it (for its log line)."""
+
+    status: str
+    usage: Usage
+    timings: Timings
+    finish_reason: FinishReason | None = None
+    detail: str | None = None
+    """The error code of a failed or expired job; the reason of a cancelled one."""
+
+
 @dataclass(slots=True)
 class RunningJob:
     spec: JobSpec
@@ -48,6 +60,8 @@ class RunningJob:
     acc_logprobs: list[dict[str, Any]] | None = None
     end: dict[str, str] | None = None
     """The record fields of its end (status among them), once the job has ended locally."""
+    outcome: Outcome | None = None
+    """The same end, unencoded."""
     retry_error: str | None = None
     """Set when the engine failed the job: it goes back to the queue for another attempt."""
     stop: Stop | None = None
@@ -140,6 +154,7 @@ class RunningJob:
             usage=usage,
             timings=timings,
         )
+        self.outcome = Outcome("succeeded", usage, timings, finish_reason=reason)
 
     def fail(self, status: str, code: str, message: str) -> None:
         """End with an `error` event (status 'failed' or 'expired'), keeping what it generated."""
@@ -147,7 +162,9 @@ class RunningJob:
         self.seq += 1
         self._push(ErrorEvent(seq=self.seq, attempt=self.attempt, code=code, message=message))
         error = ErrorInfo(code=code, message=message)
-        self.end = JobRecord.fields(status=status, error=error, **self._partial_fields())
+        partial = self._partial_fields()
+        self.end = JobRecord.fields(status=status, error=error, **partial)
+        self.outcome = Outcome(status, partial["usage"], partial["timings"], detail=code)
 
     def cancelled(self, reason: str) -> None:
         """End with a `cancelled` event, keeping what it generated."""
@@ -155,7 +172,9 @@ class RunningJob:
         self.seq += 1
         ev = CancelledEvent(seq=self.seq, attempt=self.attempt, reason=reason)
         self._push(ev)
-        self.end = JobRecord.fields(status="cancelled", **self._partial_fields())
+        partial = self._partial_fields()
+        self.end = JobRecord.fields(status="cancelled", **partial)
+        self.outcome = Outcome("cancelled", partial["usage"], partial["timings"], detail=reason)
 
     def _partial_fields(self) -> dict[str, Any]:
         """The record fields of a job stopped before it finished: its text so far (no finish

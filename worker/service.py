@@ -55,6 +55,7 @@ from worker.lease import LeaseClock
 from worker.link import EngineLink
 from worker.runner import EngineRunner
 from worker.state import LOOP_RESTART_S, WorkerState
+from worker.summary import Summary
 from worker.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class Worker:
         self._flusher = Flusher(self.st)
         self._upkeep = Upkeep(self.st)
         self._control = Control(self.st)
+        self._summary = Summary(self.st)
 
     @property
     def tokens_per_s(self) -> float:
@@ -131,6 +133,8 @@ class Worker:
             "control": self._control.loop,
             "engine": self._engine_loop,
         }
+        if st.settings.log_summary_interval_s > 0:
+            loops["summary"] = self._summary.loop
         tasks = [asyncio.create_task(self._supervise(n, f), name=n) for n, f in loops.items()]
         try:
             await st.stopping.wait()  # the claim loop sees it too and claims no more
@@ -214,7 +218,7 @@ class Worker:
             run = st.drop(job_id)
             assert run is not None
             with contextlib.suppress(RedisError, OSError):
-                await hand_back(st, run, counted=False)
+                await hand_back(st, run, counted=False, why="the worker is draining")
 
     async def _leave(self) -> None:
         st = self.st

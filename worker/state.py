@@ -13,6 +13,7 @@ from shared.keys import Keys, Priority
 from shared.settings import WorkerSettings
 from shared.transitions import ScriptRunner, Transitions
 from worker.engine import Stop
+from worker.joblog import StepCounts
 from worker.jobstate import Claim, RunningJob
 from worker.lease import LeaseClock
 from worker.link import EngineLink
@@ -54,6 +55,8 @@ class WorkerState:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     closing: bool = False
     healthy: bool = True
+    counts: StepCounts = field(default_factory=StepCounts)
+    """Job steps so far (worker/joblog.py), for the summary line."""
 
     @property
     def runner(self) -> EngineLink:

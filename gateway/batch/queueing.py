@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
 import time
 from itertools import accumulate
 
@@ -26,6 +27,8 @@ from shared.batch_transitions import LineResult
 from shared.batches import BatchRecord, batch_job_id
 from shared.records import ANONYMOUS
 from shared.transitions import ScriptRunner
+
+log = logging.getLogger(__name__)
 
 CHECK_GROUP = 128
 """Lines checked (or jobs built) between two yields to the event loop."""
@@ -124,6 +127,11 @@ class Queuer:
             refused = next((r for r in replies if isinstance(r, Exception)), None)
             if refused is not None:  # e.g. Redis out of memory: queue the chunk again later
                 raise refused
+        if lines:  # one line per chunk: a batch's jobs are `batch_job_id(batch, line)`
+            log.info(
+                "batch lines queued",
+                extra={"batch_id": record.id, "jobs": len(lines), "model": lines[0].spec.model},
+            )
 
 
 def _gone(batch_id: str, n: int) -> LineResult:
