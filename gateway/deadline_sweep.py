@@ -14,6 +14,7 @@ from redis.exceptions import RedisError
 
 from shared.deadlines import expire_due
 from shared.keys import Keys
+from shared.redis_health import failure_level
 from shared.settings import GatewaySettings
 from shared.transitions import ScriptRunner
 
@@ -40,7 +41,9 @@ class DeadlineSweep:
                 if await self._turn(interval):
                     await self.sweep()
             except (RedisError, OSError) as exc:
-                log.warning("deadline sweep failed", extra={"error": str(exc)})
+                log.log(
+                    failure_level(self.redis), "deadline sweep failed", extra={"error": str(exc)}
+                )
 
     async def _turn(self, interval: float) -> bool:
         """Whether this process sweeps this round: the lock lasts one interval."""

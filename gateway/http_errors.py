@@ -31,6 +31,7 @@ from shared.errors import (
     escaped,
     shown,
 )
+from shared.redis_health import failure_level
 
 log = logging.getLogger(__name__)
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
@@ -265,12 +266,15 @@ def _unparsable(cause: BaseException) -> str:
     return "the body is not valid JSON"
 
 
-def _redis_error(_: Request, exc: Exception) -> JSONResponse:
+def _redis_error(request: Request, exc: Exception) -> JSONResponse:
     if is_out_of_memory(exc):
         log.warning("redis out of memory", extra={"error": str(exc)})
         body = error_body(OUT_OF_MEMORY, "server_error", None, "redis_out_of_memory")
     else:
-        log.warning("redis unavailable", extra={"error": str(exc)})
+        # one line per request would be one per 503 during an outage: the outage is logged
+        state = getattr(request.app.state, "genq", None)
+        level = failure_level(getattr(state, "redis", None))
+        log.log(level, "redis unavailable", extra={"error": str(exc)})
         body = error_body(
             "the queue is unavailable; retry shortly", "server_error", None, "unavailable"
         )

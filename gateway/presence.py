@@ -27,6 +27,7 @@ from gateway.identity import GENQ
 from gateway.job_service import JobService
 from shared.errors import Conflict, JobNotFound
 from shared.keys import Keys
+from shared.redis_health import failure_level
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,9 @@ class Presence:
                 await self.beat()
             except (RedisError, OSError) as exc:
                 self._beating_since = None
-                log.warning("gateway heartbeat failed", extra={"error": str(exc)})
+                log.log(
+                    failure_level(self.redis), "gateway heartbeat failed", extra={"error": str(exc)}
+                )
             else:
                 try:
                     await self.sweep()

@@ -5,7 +5,8 @@
 It watches redis-py's retries (`ObservedRetry`, the retry policy `shared.redisconn.connect`
 gives every client): each command, pipeline and connect runs through `call_with_retry`. One
 failure that the retry mends at once (a connection Redis closed while idle) is no outage;
-Redis is lost when one call fails twice in a row, or gives up.
+Redis is lost when one call fails twice in a row, or gives up; it is back when a connection
+that failed succeeds again.
 """
 
 from __future__ import annotations
@@ -68,13 +69,21 @@ class RedisHealth:
 
 
 class ObservedRetry(Retry):  # type: ignore[misc]  # redis-py is untyped here (pyproject)
-    """redis-py's asyncio Retry, telling `health` what became of each call."""
+    """redis-py's asyncio Retry, telling `health` what became of each call.
+
+    redis-py gives each connection a copy of its client's retry policy, so a copy watches
+    one connection: after a failure that connection is dropped and made again before its
+    next call, so its next success proves Redis answers now. A success on a connection that
+    has not failed proves nothing while Redis is lost: a pub/sub read may return what Redis
+    sent before it went away, still buffered."""
 
     def __init__(
         self, backoff: AbstractBackoff, retries: int, health: RedisHealth | None = None
     ) -> None:
         super().__init__(backoff, retries)
         self.health = health or RedisHealth()
+        self._failed = False
+        """The last call of this copy's connection failed (it reconnects before the next)."""
 
     async def call_with_retry(
         self,
@@ -92,6 +101,7 @@ class ObservedRetry(Retry):  # type: ignore[misc]  # redis-py is untyped here (p
                 return await do()
             except self._supported_errors as exc:
                 failures += 1
+                self._failed = True
                 if failures >= LOST_AFTER_FAILURES:
                     health.failed(exc)
                 raise
@@ -104,7 +114,9 @@ class ObservedRetry(Retry):  # type: ignore[misc]  # redis-py is untyped here (p
             if failures < LOST_AFTER_FAILURES:  # gave up sooner than `attempt` would tell
                 health.failed(exc)
             raise
-        health.answered()
+        if self._failed:
+            self._failed = False
+            health.answered()
         return result
 
 
@@ -114,3 +126,10 @@ def health_of(client: object) -> RedisHealth | None:
     get_retry = getattr(client, "get_retry", None)
     retry = get_retry() if callable(get_retry) else None
     return retry.health if isinstance(retry, ObservedRetry) else None
+
+
+def failure_level(client: object, usual: int = logging.WARNING) -> int:
+    """The level of a line about a failed Redis call of `client`: `usual`, or debug while the
+    outage it belongs to is already logged (`RedisHealth.level`)."""
+    health = health_of(client)
+    return usual if health is None else health.level(usual)

@@ -15,6 +15,7 @@ from shared import events
 from shared.events import EVENT_FIELD, ErrorEvent, TokenEvent
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Priority
 from shared.records import JOB_ID, JobRecord, QueueEntry, RecordError
+from shared.redis_health import failure_level
 from shared.redisconn import is_transient
 from shared.schemas import ErrorInfo, JobSpec
 from shared.transitions import Exhausted, Started, StartReply
@@ -68,13 +69,17 @@ class Claimer:
             except asyncio.CancelledError:
                 raise
             except ResponseError as exc:
-                log.warning("claim failed; retrying", extra={"error": str(exc)})
+                log.log(
+                    failure_level(st.redis), "claim failed; retrying", extra={"error": str(exc)}
+                )
                 if "NOGROUP" in str(exc):  # Redis lost the group (restarted without AOF)
                     with contextlib.suppress(RedisError, OSError):
                         await ensure_groups(st)
                 await asyncio.sleep(LOOP_RESTART_S)
             except (RedisError, OSError) as exc:
-                log.warning("claim failed; retrying", extra={"error": str(exc)})
+                log.log(
+                    failure_level(st.redis), "claim failed; retrying", extra={"error": str(exc)}
+                )
                 await asyncio.sleep(LOOP_RESTART_S)
 
     async def _claim(self, free: int) -> list[Claim]:

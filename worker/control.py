@@ -10,6 +10,7 @@ import logging
 from redis.exceptions import RedisError
 
 from shared.records import CANCEL_FIELD, ControlMessage, RecordError
+from shared.redis_health import failure_level
 from worker.engine import Stop
 from worker.state import WorkerState
 
@@ -36,7 +37,11 @@ class Control:
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
-                log.warning("control channel failed; resubscribing", extra={"error": str(exc)})
+                log.log(
+                    failure_level(st.redis),
+                    "control channel failed; resubscribing",
+                    extra={"error": str(exc)},
+                )
                 await asyncio.sleep(_CONTROL_RETRY_S)
             finally:
                 with contextlib.suppress(Exception):

@@ -13,6 +13,7 @@ import time
 
 from redis.exceptions import RedisError
 
+from shared.redis_health import failure_level
 from shared.redisconn import is_transient
 from shared.transitions import Call, EmitReply, EncodedEvent, Fenced, LostTail
 from worker import joblog
@@ -155,11 +156,11 @@ class Flusher:
             try:
                 await ack(st, ended)
             except (RedisError, OSError) as exc:  # their entries go idle and are reclaimed
-                log.warning("ack failed", extra={"error": str(exc)})
+                log.log(failure_level(st.redis), "ack failed", extra={"error": str(exc)})
 
     async def _failed(self, order: Written, exc: Exception) -> None:
         """Nothing is lost: the events go again (the scripts skip seqs already written)."""
-        log.warning("flush failed; retrying", extra={"error": str(exc)})
+        log.log(failure_level(self.st.redis), "flush failed; retrying", extra={"error": str(exc)})
         for run, events in order:
             run.pending[:0] = events
             self.st.dirty.add(run.id)

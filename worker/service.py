@@ -43,6 +43,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys
+from shared.redis_health import failure_level
 from shared.redisconn import connect
 from shared.settings import WorkerSettings
 from shared.transitions import ScriptRunner, Transitions
@@ -194,7 +195,11 @@ class Worker:
                 await self._prepare()
                 return
             except (RedisError, OSError) as exc:
-                log.warning("Redis unreachable at start; retrying", extra={"error": str(exc)})
+                log.log(
+                    failure_level(self.st.redis),
+                    "Redis unreachable at start; retrying",
+                    extra={"error": str(exc)},
+                )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.st.stopping.wait(), self.st.settings.heartbeat_s)
 

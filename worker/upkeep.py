@@ -17,6 +17,7 @@ from shared import __version__
 from shared.deadlines import expire_due
 from shared.keys import CONSUMER_GROUP
 from shared.records import Heartbeat, QueueEntry, RecordError
+from shared.redis_health import failure_level
 from worker.engine import Stop
 from worker.entries import drop_malformed
 from worker.jobstate import Claim
@@ -50,12 +51,12 @@ class Upkeep:
                 await self.beat()
             except (RedisError, OSError) as exc:
                 st.lease.beat_failed()
-                log.warning("heartbeat failed", extra={"error": str(exc)})
+                log.log(failure_level(st.redis), "heartbeat failed", extra={"error": str(exc)})
                 continue
             try:
                 await self._expire_queued()
             except (RedisError, OSError) as exc:
-                log.warning("deadline sweep failed", extra={"error": str(exc)})
+                log.log(failure_level(st.redis), "deadline sweep failed", extra={"error": str(exc)})
 
     async def publish_card(self) -> None:
         st = self.st
@@ -191,7 +192,7 @@ class Upkeep:
                     await self._reclaim(queue)
                     await self._forget_dead(queue)
             except (RedisError, OSError) as exc:
-                log.warning("reclaim failed", extra={"error": str(exc)})
+                log.log(failure_level(st.redis), "reclaim failed", extra={"error": str(exc)})
 
     async def _forget_dead(self, queue: str) -> None:
         """A crashed worker's consumer, once it holds no entry (all reclaimed) and its lease

@@ -41,6 +41,7 @@ from gateway.batch.storage import FileStore
 from gateway.state import GatewayState
 from shared.batch_transitions import BatchTransitions
 from shared.batches import ENDED_BATCH_STATUSES, BatchError, BatchRecord
+from shared.redis_health import failure_level
 from shared.transitions import ScriptRunner
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,11 @@ class BatchDriver:
             try:
                 busy = await self.run_once()
             except (RedisError, OSError) as exc:
-                log.warning("batch driver: Redis failed; retrying", extra={"error": str(exc)})
+                log.log(
+                    failure_level(self.redis),
+                    "batch driver: Redis failed; retrying",
+                    extra={"error": str(exc)},
+                )
                 await asyncio.sleep(LOOP_RESTART_S)
             if not busy:
                 with contextlib.suppress(TimeoutError):

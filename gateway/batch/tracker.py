@@ -29,6 +29,7 @@ from shared.batch_transitions import BatchTransitions, LineResult
 from shared.batches import ENDED_BATCH_STATUSES
 from shared.events import EventError
 from shared.records import JOB_ID, JobRecord, RecordError
+from shared.redis_health import failure_level
 from shared.transitions import ScriptRunner
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,11 @@ class BatchTracker:
                     await self._ensure_groups()
                 await asyncio.sleep(LOOP_RESTART_S)
             except (RedisError, OSError) as exc:
-                log.warning("batch tracker: Redis failed; retrying", extra={"error": str(exc)})
+                log.log(
+                    failure_level(self.redis),
+                    "batch tracker: Redis failed; retrying",
+                    extra={"error": str(exc)},
+                )
                 await asyncio.sleep(LOOP_RESTART_S)
             except Exception:  # a bug or a damaged record: logged, and the loop goes on
                 log.exception("batch tracker failed; going on")
