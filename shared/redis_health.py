@@ -102,7 +102,7 @@ class ObservedRetry(Retry):  # type: ignore[misc]  # redis-py is untyped here (p
             except self._supported_errors as exc:
                 failures += 1
                 self._failed = True
-                if failures >= LOST_AFTER_FAILURES:
+                if failures >= LOST_AFTER_FAILURES or health.down:
                     health.failed(exc)
                 raise
 
@@ -111,7 +111,7 @@ class ObservedRetry(Retry):  # type: ignore[misc]  # redis-py is untyped here (p
                 attempt, fail, is_retryable, with_failure_count
             )
         except self._supported_errors as exc:
-            if failures < LOST_AFTER_FAILURES:  # gave up sooner than `attempt` would tell
+            if not health.down:  # gave up sooner than `attempt` would tell
                 health.failed(exc)
             raise
         if self._failed:
