@@ -83,6 +83,8 @@ class AccessLog:
 
 
 def _log(scope: Scope, status: int, duration_ms: float, sent: int, touched: Touched) -> None:
+    if not log.isEnabledFor(logging.INFO):
+        return
     method, route = scope["method"], route_of(scope)
     fields: dict[str, object] = {
         "method": method,
@@ -102,7 +104,12 @@ def _log(scope: Scope, status: int, duration_ms: float, sent: int, touched: Touc
         fields["jobs"] = len(ids)
     if touched.owner is not None:
         fields["owner"] = touched.owner
-    log.info("%s %s %s", method, route, status, extra=fields)
+    # made and handed over directly: `log.info` would also walk the stack for the caller's
+    # file and line, which no genq formatter shows (a sixth of the line's cost)
+    args = (method, route, status)
+    log.handle(
+        log.makeRecord(log.name, logging.INFO, __file__, 0, "%s %s %s", args, None, None, fields)
+    )
 
 
 def route_of(scope: Scope) -> str:
