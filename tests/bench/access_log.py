@@ -5,6 +5,7 @@ in turn (rounds interleaved so the box's load falls on both alike). Prints, per 
 requests/s, the gateway's CPU per request, and the log bytes per request.
 
     python -m tests.bench.access_log --requests 20000 --concurrency 32 --rounds 3 [--path /healthz]
+    python -m tests.bench.access_log --in-process --requests 20000 --rounds 3
 
 `--path /v1/jobs/<32 hex digits>` costs a Redis read per request (an unknown job: a 404 in
 the API's error shape), as a client polling its job does; /healthz is the cheapest route, where
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import logging.config
 import os
 import statistics
 import subprocess
@@ -27,6 +30,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -123,6 +127,61 @@ def measure(a: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
+async def _in_process(app: Any, path: str, requests: int) -> float:
+    """Microseconds per request of the app called directly (no server, no socket)."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"127.0.0.1")],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 80),
+    }
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        return None
+
+    t0 = time.perf_counter()
+    for _ in range(requests):
+        await app(dict(scope), receive, send)
+    return (time.perf_counter() - t0) / requests * 1e6
+
+
+def in_process(a: argparse.Namespace) -> None:
+    """The gateway app without a server or Redis (only routes that need neither, as
+    /healthz), its JSON lines to a file: what the middleware and the line cost alone."""
+    from gateway.app import create_app
+    from shared import logs
+    from shared.settings import GatewaySettings
+
+    with (
+        tempfile.TemporaryDirectory(prefix="genq-bench-access-") as tmp,
+        open(Path(tmp) / "lines.jsonl", "w") as out,
+    ):
+        config = logs.log_config(GatewaySettings(log_format="json"))
+        config["handlers"]["stderr"]["stream"] = out
+        logging.config.dictConfig(config)
+        for rnd in range(a.rounds):
+            for mode in MODES:
+                settings = GatewaySettings(
+                    redis_url="redis://127.0.0.1:1/0", access_log=mode == "on"
+                )
+                app = create_app(settings)
+                app.middleware_stack = app.build_middleware_stack()
+                us = asyncio.run(_in_process(app, a.path, a.requests))
+                row = {"round": rnd + 1, "access_log": mode, "us_per_request": round(us, 1)}
+                print(json.dumps(row), flush=True)
+
+
 def summary(rows: list[dict[str, object]]) -> None:
     for mode in MODES:
         mine = [r for r in rows if r["access_log"] == mode]
@@ -141,7 +200,14 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--path", default="/healthz")
-    summary(measure(p.parse_args()))
+    p.add_argument(
+        "--in-process", action="store_true", help="call the app directly: no server, no Redis"
+    )
+    a = p.parse_args()
+    if a.in_process:
+        in_process(a)
+    else:
+        summary(measure(a))
 
 
 if __name__ == "__main__":
