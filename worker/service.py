@@ -11,6 +11,7 @@ Phases, each a task (the module that holds it):
              reclaimed); end running jobs past their deadline.
   reclaim    (upkeep.py) XCLAIM entries idle past the lease whose worker's heartbeat is gone.
   control    (control.py) the worker's control channel: cancels.
+  summary    (summary.py) a summary line every GENQ_LOG_SUMMARY_INTERVAL_S (0: no phase).
   engine     (here) while the engine is down (its process died or stalled, and restarts),
              claims not started yet go back to the queue at once.
 
