@@ -88,6 +88,7 @@ def _ready(url: str, headers: dict[str, str]) -> None:
 def fleet(tmp_path: Path) -> Iterator[tuple[Proc, Proc]]:
     """`genq gateway` (API keys on) and `genq worker --engine sim`, separate processes."""
     env = {"GENQ_REDIS_URL": REDIS_URL, "GENQ_KEY_PREFIX": f"genqlogs:{uuid.uuid4().hex[:8]}:"}
+    env["GENQ_LOG_LEVEL"] = "debug"  # no line at any level may carry the prompt or a key
     gateway = _genq(tmp_path, "gateway", "--port", str(free_port()), GENQ_API_KEYS=API_KEY, **env)
     worker = _genq(tmp_path, "worker", "--engine", "sim", "--step-ms", "5", **env)
     try:
