@@ -223,6 +223,7 @@ class RawPubSub(asyncio.Protocol):
         self._on_message, self._on_ready = on_message, on_reconnect
         loop = asyncio.get_running_loop()
         backoff = _BACKOFF_START_S
+        failed = 0  # connects failed in a row: the first is a warning, the rest debug
         while not self._closed:
             # Made here, not in connection_made: uvloop calls that only after
             # create_connection has returned.
@@ -232,15 +233,17 @@ class RawPubSub(asyncio.Protocol):
                 await self.endpoint.connect(lambda: self)
             except (OSError, TimeoutError) as exc:
                 # A certificate refused is a misconfiguration, as a password refused is.
-                level = logging.ERROR if isinstance(exc, ssl.SSLError) else logging.WARNING
+                level = logging.WARNING if failed == 0 else logging.DEBUG
+                level = logging.ERROR if isinstance(exc, ssl.SSLError) else level
                 log.log(level, "pub/sub connect failed; retrying", extra=self._fields(exc))
+                failed += 1
             else:
                 if self._closed and self._transport is not None:  # closed while connecting
                     self._transport.close()
                     return
                 await lost
             if self._ready:  # it worked until now: make it again at once
-                backoff = _BACKOFF_START_S
+                backoff, failed = _BACKOFF_START_S, 0
             elif not self._closed:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
