@@ -510,6 +510,15 @@ class EngineSettings(BaseSettings):
         "(~/.triton/cache)",
     )
 
+    torch_threads: int = Field(
+        default=1,
+        ge=1,
+        description="exllamav3: torch's CPU threads in the engine process (torch.set_num_threads)."
+        " The generator's step is bound by the one thread launching kernels; torch's default "
+        "pool (one thread per CPU) spins beside it on the generator's small CPU tensors and "
+        "slowed a 64-stream step from 43 to 75 ms on an H200 (docs/benchmarks.md, issue 17)",
+    )
+
     # sim
     sim_step_ms: float = Field(default=20.0, ge=0)
     sim_prefill_ms_per_1k: float = Field(default=5.0, ge=0)
