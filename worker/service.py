@@ -212,7 +212,8 @@ class Worker:
         await requeue_waiting(st)  # what a reclaim in flight at SIGTERM brought in
         for job_id in list(st.running):
             run = st.drop(job_id)
-            assert run is not None
+            if run is None:  # the flush loop ended it while an earlier one was handed back
+                continue
             with contextlib.suppress(RedisError, OSError):
                 await hand_back(st, run, counted=False)
 
