@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -104,8 +105,8 @@ async def submit(http: httpx.AsyncClient, url: str, body: dict) -> Accepted:
         sent = time.monotonic()
         try:
             r = await http.post(f"{url}/v1/jobs", json=body, headers={"Idempotency-Key": key})
-            if r.status_code < 500:
-                assert r.status_code == 202, r.text
+            if r.status_code < 500:  # 200: a retry the earlier POST had queued already
+                assert r.status_code in (200, 202), r.text
                 return Accepted(str(r.json()["id"]), sent, time.monotonic())
         except httpx.TransportError:
             pass
@@ -120,13 +121,18 @@ async def failover(
     queued: int = 200,
     streams: int = 50,
     kill_after: int | None = None,
+    stall_ms: int = 0,
+    wait_timeout_ms: int | None = None,
     limit_s: float = 60.0,
 ) -> FailoverResult:
     """Kill the master once `kill_after` (default: a quarter) of the queued jobs are
-    accepted."""
+    accepted; with `stall_ms`, the replication link breaks that long before (`_cut_replica`),
+    so what the master acknowledges meanwhile is on the master only."""
     started = time.monotonic()
     result = FailoverResult(wait_replicas, queued, streams)
     env = {"GENQ_REDIS_WAIT_REPLICAS": str(wait_replicas)}
+    if wait_timeout_ms is not None:
+        env["GENQ_REDIS_WAIT_TIMEOUT_MS"] = str(wait_timeout_ms)
     limits = httpx.Limits(max_connections=500, max_keepalive_connections=100)
     async with (
         httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0), limits=limits) as http,
@@ -146,7 +152,7 @@ async def failover(
 
             await until(streaming, limit_s, "every stream under way")
             accepted, killed_at = await _submit_and_kill(
-                http, gateway.url, group, result, queued, kill_after or queued // 4
+                http, gateway.url, group, result, queued, kill_after or queued // 4, stall_ms
             )
             after = [a.at - killed_at for a in accepted if a.sent > killed_at]
             result.submit_recovery_s = min(after) if after else None
@@ -171,6 +177,7 @@ async def _submit_and_kill(
     result: FailoverResult,
     queued: int,
     kill_after: int,
+    stall_ms: int,
 ) -> tuple[list[Accepted], float]:
     """Submit `queued` jobs; SIGKILL the master while they are still arriving. The accepted
     jobs, and when the kill was."""
@@ -186,9 +193,15 @@ async def _submit_and_kill(
 
     submitters = asyncio.gather(*(one(i) for i in range(queued)))
     await enough.wait()
-    result.repl_lag_bytes = await _lag(group)
+    replica_at = await _offset(group.replica.port, "slave_repl_offset")
+    if stall_ms:
+        await _cut_replica(group, stall_ms)
+    lag = await _offset(group.master.port, "master_repl_offset") - replica_at
+    result.repl_lag_bytes = max(0, lag)  # replica read first: an upper bound
     group.master.kill()
     killed_at = time.monotonic()
+    if stall_ms:
+        group.replica.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
     promoted = asyncio.create_task(_failover_time(group, killed_at))
     await submitters
     result.failover_s = await promoted
@@ -196,16 +209,20 @@ async def _submit_and_kill(
     return accepted, killed_at
 
 
-async def _lag(group: SentinelGroup) -> int:
-    """At most this many bytes of writes were on the master only (the replica is read
-    first, so the figure is an upper bound)."""
-    async with (
-        aioredis.Redis(port=group.master.port) as m,
-        aioredis.Redis(port=group.replica.port) as r,
-    ):
-        replica = await r.info("replication")
-        master = await m.info("replication")
-    return max(0, int(master["master_repl_offset"]) - int(replica["slave_repl_offset"]))
+async def _cut_replica(group: SentinelGroup, stall_ms: int) -> None:
+    """The replica stops (SIGSTOP: it cannot reconnect) and the master drops its link
+    (CLIENT KILL): what the master writes from now on stays in its backlog, as when a
+    network partition cuts the replica off just before the master dies. SIGSTOP alone
+    would not do: the kernel's socket buffers would hold the writes for the replica."""
+    group.replica.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+    async with aioredis.Redis(port=group.master.port) as m:
+        await m.execute_command("CLIENT", "KILL", "TYPE", "replica")
+    await asyncio.sleep(stall_ms / 1000)  # the fault's length, not a wait for an event
+
+
+async def _offset(port: int, field: str) -> int:
+    async with aioredis.Redis(port=port) as r:
+        return int((await r.info("replication"))[field])
 
 
 async def _failover_time(group: SentinelGroup, killed_at: float) -> float:

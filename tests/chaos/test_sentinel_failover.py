@@ -15,6 +15,11 @@ from tests.chaos.sentinels import SentinelGroup, sentinel_binary, sentinel_group
 
 QUEUED = 200
 STREAMS = 50
+STALL_MS = 150
+"""The replica is cut off this long before the master dies: writes the master acknowledges
+meanwhile are on the master only, the window asynchronous replication leaves."""
+WAIT_TIMEOUT_MS = 500
+"""Longer than the stall, so WAIT outlasts it (GENQ_REDIS_WAIT_TIMEOUT_MS)."""
 
 
 @pytest.fixture
@@ -28,7 +33,15 @@ def group() -> Iterator[SentinelGroup]:
 async def test_a_master_killed_under_load_loses_no_accepted_job(
     group: SentinelGroup, tmp_path: Path
 ) -> None:
-    r = await failover(group, tmp_path, wait_replicas=1, queued=QUEUED, streams=STREAMS)
+    r = await failover(
+        group,
+        tmp_path,
+        wait_replicas=1,
+        queued=QUEUED,
+        streams=STREAMS,
+        stall_ms=STALL_MS,
+        wait_timeout_ms=WAIT_TIMEOUT_MS,
+    )
     print(r)
     assert r.accepted == QUEUED
     assert r.lost == [], f"{len(r.lost)} accepted jobs lost with WAIT"
@@ -37,3 +50,18 @@ async def test_a_master_killed_under_load_loses_no_accepted_job(
     assert r.stream_faults == {}
     assert r.streams_across_kill >= STREAMS // 2, "the streams ended before the kill"
     assert r.submit_recovery_s is not None and r.stream_recovery_s is not None
+
+
+async def test_without_wait_a_lagging_replica_loses_acknowledged_jobs(
+    group: SentinelGroup, tmp_path: Path
+) -> None:
+    """The control: the same failover without WAIT loses jobs clients were told were
+    accepted (what the test above shows WAIT prevents), and no job that survived sticks."""
+    r = await failover(
+        group, tmp_path, wait_replicas=0, queued=QUEUED, streams=STREAMS, stall_ms=STALL_MS
+    )
+    print(r)
+    assert r.accepted == QUEUED
+    assert r.lost, "nothing lost: the stall did not open the replication window"
+    assert r.stuck == [], f"{len(r.stuck)} jobs never ended"
+    assert r.completed == QUEUED - len(r.lost)
