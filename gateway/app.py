@@ -21,13 +21,20 @@ from gateway.middleware import Authenticate, BodyLimit
 from gateway.openai import routes as openai_routes
 from gateway.presence import Presence
 from gateway.pubsub import PubSubRouter
-from gateway.pubsub_wire import Endpoint, PubSubBackend, RawPubSub, RedisPyPubSub
+from gateway.pubsub_wire import (
+    Endpoint,
+    PubSubBackend,
+    RawPubSub,
+    RedisPyPubSub,
+    SentinelMaster,
+    Target,
+)
 from gateway.registry import ModelRegistry
 from gateway.routes import docs, health, jobs, models
 from gateway.state import GatewayState
 from shared import __version__, runtime
 from shared.keys import Keys
-from shared.redisconn import connect
+from shared.redisconn import connect, sentinels
 from shared.settings import GatewaySettings
 from shared.transitions import ScriptRunner
 
@@ -46,8 +53,9 @@ def create_app(
     """The gateway app. `redis` may be given (tests, `genq serve`); else from settings.
 
     `raw_pubsub`: stream events over genq's own hiredis pub/sub connection to
-    `settings.redis_url` (default when the app makes its own client) rather than redis-py's.
-    ValueError, before anything serves, for a URL option that connection cannot honour.
+    `settings.redis_url` or the sentinels' master (default when the app makes its own
+    client) rather than redis-py's. ValueError, before anything serves, for a URL option
+    that connection cannot honour.
     """
     use_raw = (redis is None) if raw_pubsub is None else raw_pubsub
     endpoint = (
@@ -62,8 +70,11 @@ def create_app(
         keys = Keys(settings.key_prefix)
         registry = ModelRegistry(client, keys, settings.card_cache_s)
         backend: PubSubBackend
-        if endpoint is not None:
-            backend = RawPubSub(endpoint, f"genq-gateway-pubsub-{os.getpid()}")
+        target: Endpoint | Target | None = endpoint
+        if use_raw and settings.redis_sentinels:
+            target = _sentinel_master(settings)
+        if target is not None:
+            backend = RawPubSub(target, f"genq-gateway-pubsub-{os.getpid()}")
         else:
             backend = RedisPyPubSub(client)
         router = PubSubRouter(backend, buffer_bytes=settings.stream_buffer_bytes)
@@ -103,6 +114,8 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*background)
             await state.presence.close()
+            if isinstance(target, SentinelMaster):
+                await target.aclose()
             if redis is None:
                 await client.aclose()
 
@@ -123,6 +136,18 @@ def create_app(
     docs.install(app)
     app.include_router(batch_routes.router)
     return app
+
+
+def _sentinel_master(settings: GatewaySettings) -> SentinelMaster:
+    assert settings.redis_sentinel_master is not None  # the settings refuse sentinels without
+    password = settings.redis_password
+    return SentinelMaster.of(
+        sentinels(settings),
+        settings.redis_sentinel_master,
+        settings.redis_socket_timeout_s,
+        settings.redis_username,
+        password.get_secret_value() if password else None,
+    )
 
 
 def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:

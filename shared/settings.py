@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    SecretStr,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -108,6 +109,26 @@ def _limit_pairs(text: str) -> dict[str, str]:
     return out
 
 
+WAIT_TIMEOUT_MS = 100
+"""A submit's WAIT on loopback returns in well under a millisecond (docs/benchmarks.md,
+"Redis Sentinel"); this bound only matters while a replica is slow or gone."""
+_SENTINEL_ONLY = (
+    "redis_sentinel_master",
+    "redis_sentinel_password",
+    "redis_password",
+    "redis_username",
+)
+
+
+def sentinel_address(address: str) -> tuple[str, int]:
+    """`host:port` (`[v6]:port` for IPv6) as a pair; ValueError naming a bad one."""
+    host, sep, port = address.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"sentinel {address!r} is not host:port (e.g. 10.0.0.1:26379)")
+    return host, int(port)
+
+
 class RedisSettings(BaseSettings):
     model_config = _CONFIG
 
@@ -123,6 +144,42 @@ class RedisSettings(BaseSettings):
     redis_pool_timeout_s: float = Field(
         default=10.0, gt=0, description="wait this long for a free pooled connection"
     )
+
+    # Sentinel: where the master is found instead of a URL (README "Redis Sentinel")
+    redis_sentinels: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Redis Sentinels as host:port, comma-separated (or a JSON list): every "
+        "client then asks them for the master and follows it through failovers; not with "
+        "redis_url",
+    )
+    redis_sentinel_master: str | None = Field(
+        default=None,
+        description="the master's name in the sentinels' config (`sentinel "
+        "monitor NAME …`); required with redis_sentinels",
+    )
+    redis_sentinel_password: SecretStr | None = Field(
+        default=None, description="the sentinels' own password (their requirepass), if any"
+    )
+    redis_password: SecretStr | None = Field(
+        default=None,
+        description="with redis_sentinels: the master's (and replicas') password; with "
+        "redis_url the password goes in the URL",
+    )
+    redis_username: str | None = Field(
+        default=None, description="with redis_sentinels: the master's ACL user, if not default"
+    )
+    redis_wait_replicas: int | None = Field(
+        default=None,
+        ge=0,
+        description="replicas that must hold a job before its submit is answered 2xx "
+        "(Redis WAIT after the submit); default 1 with redis_sentinels, else 0 (off)",
+    )
+    redis_wait_timeout_ms: int = Field(
+        default=WAIT_TIMEOUT_MS,
+        ge=1,
+        description="how long a submit waits for those replicas; a submit still unreplicated "
+        "then is answered anyway, with a warning logged",
+    )
     log_level: LogLevel = Field(
         default="info", description="least level logged; `--log-level` overrides it"
     )
@@ -136,6 +193,58 @@ class RedisSettings(BaseSettings):
     @classmethod
     def _lower(cls, v: object) -> object:
         return v.lower() if isinstance(v, str) else v  # GENQ_LOG_LEVEL=INFO is common
+
+    @field_validator("redis_sentinels", mode="before")
+    @classmethod
+    def _sentinel_list(cls, v: Any) -> Any:
+        return _key_list(v)
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _sentinels_are_addresses(cls, v: list[str]) -> list[str]:
+        for address in v:
+            sentinel_address(address)  # ValueError naming it
+        return v
+
+    @model_validator(mode="after")
+    def _one_way_to_redis(self) -> RedisSettings:
+        if self.redis_wait_timeout_ms >= self.redis_socket_timeout_s * 1000:
+            raise ValueError(
+                "GENQ_REDIS_WAIT_TIMEOUT_MS must be under GENQ_REDIS_SOCKET_TIMEOUT_S, or a "
+                "submit's WAIT would time out its connection"
+            )
+        if not self.redis_sentinels:
+            given = [n for n in _SENTINEL_ONLY if getattr(self, n) is not None]
+            if given:
+                names = ", ".join(f"GENQ_{n.upper()}" for n in given)
+                raise ValueError(
+                    f"{names}: only with GENQ_REDIS_SENTINELS (with GENQ_REDIS_URL, put the "
+                    "password and user in the URL: redis://USER:PASSWORD@HOST:6379/0)"
+                )
+            return self
+        if self.redis_url:
+            raise ValueError(
+                "GENQ_REDIS_URL and GENQ_REDIS_SENTINELS: give one, not both (with sentinels "
+                "the master is found through them; its password: GENQ_REDIS_PASSWORD)"
+            )
+        if not self.redis_sentinel_master:
+            raise ValueError(
+                "GENQ_REDIS_SENTINELS needs GENQ_REDIS_SENTINEL_MASTER, the name the "
+                "sentinels monitor the master under"
+            )
+        return self
+
+    @property
+    def redis_configured(self) -> bool:
+        """A shared Redis is named, by URL or through sentinels."""
+        return bool(self.redis_url or self.redis_sentinels)
+
+    @property
+    def wait_replicas(self) -> int:
+        """Replicas a submit waits for (GENQ_REDIS_WAIT_REPLICAS, or its default)."""
+        if self.redis_wait_replicas is not None:
+            return self.redis_wait_replicas
+        return 1 if self.redis_sentinels else 0
 
     @field_validator("key_prefix")
     @classmethod

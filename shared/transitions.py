@@ -370,6 +370,27 @@ class ScriptRunner:
             raw = await self._evalsha(self.redis, call)
         return call.parse(raw)
 
+    async def run_replicated(self, call: Call[R], replicas: int, timeout_ms: int) -> tuple[R, int]:
+        """One call, then WAIT for `replicas` replicas to hold it (at most `timeout_ms`):
+        its parsed reply and how many did. Both go in one pipeline, so on one connection:
+        WAIT counts the replicas that have this connection's last write."""
+        if replicas <= 0:
+            return await self.run(call), 0
+        raw, acked = await self._replicated(call, replicas, timeout_ms)
+        if isinstance(raw, NoScriptError):
+            await self.load([call.script])
+            raw, acked = await self._replicated(call, replicas, timeout_ms)
+        for r in (raw, acked):
+            if isinstance(r, Exception):
+                raise r
+        return call.parse(raw), int(acked)
+
+    async def _replicated(self, call: Call[Any], replicas: int, timeout_ms: int) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+        pipe.execute_command("WAIT", replicas, timeout_ms)
+        return list(await pipe.execute(raise_on_error=False))
+
     async def run_all(self, calls: Sequence[Call[Any]]) -> list[Any]:
         """One pipeline; each call's parsed reply, or the error Redis answered it with, in
         place (one refused call does not fail the others). Connection errors raise."""
