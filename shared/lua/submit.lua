@@ -12,10 +12,14 @@
 -- entry (field, value) pairs, then record (field, value) pairs.
 -- -> {'queued'} | {'exists', the claim the key holds}
 --  | {'limited', scope (1-based), 'jobs' or 'tokens', the count now}: nothing written
+-- A job id is new per request, so a record under it means this very submit ran already and
+-- is re-sent (redis-py re-sends a command whose reply a dropped connection lost): 'queued'
+-- again, nothing written twice.
 if KEYS[6] ~= '' then
   local earlier = redis.call('GET', KEYS[6])
   if earlier then return {'exists', earlier} end
 end
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'queued'} end
 local scopes_from = 12
 local entry_from = scopes_from + 4 * tonumber(ARGV[9])
 local over = over_limit(KEYS[7], tonumber(ARGV[7]), scopes_from, entry_from - 1)
