@@ -74,7 +74,7 @@ class JobService:
         self.scripts = scripts
         self.registry = registry
         self.keys = Keys(settings.key_prefix)
-        self.transitions = Transitions(self.keys)
+        self.transitions = Transitions(self.keys, settings.recent_jobs)
         self.admission = AdmissionControl(settings, redis, scripts, self.keys)
 
     def validate_id(self, job_id: str) -> str:
