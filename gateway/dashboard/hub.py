@@ -101,7 +101,6 @@ class DashboardHub:
                 "round": self._round,
                 "interval_s": self.settings.dashboard_interval_s,
                 "error": self._error,
-                "login": bool(self.settings.accepted_api_keys),
             },
             separators=(",", ":"),
         )

@@ -63,6 +63,19 @@ async def page() -> FileResponse:
     return FileResponse(ASSETS_DIR / "index.html", headers=PAGE_HEADERS)
 
 
+@router.get("/session")
+async def session(request: Request, state: State) -> dict[str, bool]:
+    """Whether this browser may read the data now (`authorized`), and whether a login is a
+    thing here (`login`: API keys are set). 200 either way: the page asks before it reads."""
+    try:
+        check_viewer(state.settings, request)
+    except Unauthorized:
+        authorized = False
+    else:
+        authorized = True
+    return {"authorized": authorized, "login": bool(state.settings.accepted_api_keys)}
+
+
 @router.post("/login", status_code=204)
 async def login(body: Login, request: Request, state: State) -> Response:
     """The key in a JSON body (never a URL); the cookie that opens the data to this browser."""

@@ -154,23 +154,21 @@ function connect() {
 async function checkAccess() {
   let r;
   try {
-    r = await fetch("/dashboard/snapshot", { credentials: "same-origin" });
+    r = await fetch("/dashboard/session", { credentials: "same-origin" });
   } catch {
     setState("offline", "");
     setTimeout(checkAccess, 2000);
     return;
   }
-  if (r.status === 401) {
-    showLogin("");
-  } else if (r.ok) {
-    const frame = await r.json();
-    apply(frame);
-    $("logout").hidden = !frame.login;
-    connect();
-  } else {
+  if (!r.ok) {
     setState("error", `gateway answered ${r.status}`);
     setTimeout(checkAccess, 2000);
+    return;
   }
+  const session = await r.json();
+  $("logout").hidden = !(session.login && session.authorized);
+  if (session.authorized) connect();
+  else showLogin("");
 }
 
 function showLogin(message) {
