@@ -99,8 +99,8 @@ def _stats(values: list[float]) -> str:
         return "no samples"
     p50, p99 = percentile(values, 50), percentile(values, 99)
     assert p50 is not None and p99 is not None
-    top = max(values)
-    return f"p50 {p50 * 1e3:.0f} ms  p99 {p99 * 1e3:.0f} ms  max {top * 1e3:.0f} ms  (n={len(values)})"
+    top, n = max(values), len(values)
+    return f"p50 {p50 * 1e3:.0f} ms  p99 {p99 * 1e3:.0f} ms  max {top * 1e3:.0f} ms  (n={n})"
 
 
 def _post(url: str, max_tokens: int) -> str:
