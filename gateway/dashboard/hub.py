@@ -1,10 +1,10 @@
 """One reader of the fleet per gateway process, shared by every dashboard viewer.
 
 The reader runs only while a viewer is connected. Each round it reads the fleet and the
-recent jobs, encodes each section (models, queues, workers, jobs, batches) once, and bumps the
-version of those whose JSON changed. A viewer's stream sends, per round, the sections newer
-than what it was sent last (all of them first): a slow viewer skips rounds instead of
-queueing them, so its memory is one frame whatever the rate.
+recent jobs and updates the sections (gateway/dashboard/sections.py: each row encoded once,
+when it changes). A viewer's stream sends, per round, the rows newer than what it was sent
+last (all of them first): a slow viewer skips rounds instead of queueing them, so its
+memory is one frame whatever the rate.
 """
 
 from __future__ import annotations
@@ -15,25 +15,19 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.dashboard.fleet import read_fleet
 from gateway.dashboard.recent import RecentJobs
+from gateway.dashboard.sections import KEY_OF, Section
 from shared.keys import Keys
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 RETRY_MS = 1000
 """What the stream tells EventSource to wait before it reconnects."""
-
-
-@dataclass(slots=True)
-class Section:
-    version: int
-    json: str
 
 
 class DashboardHub:
@@ -58,11 +52,13 @@ class DashboardHub:
         return self._viewers
 
     async def snapshot(self) -> str:
-        """Every section now, as JSON (`GET /dashboard/snapshot`): read for this call unless
-        the reader runs for viewers already."""
+        """Every section now, as JSON (`GET /dashboard/snapshot`), each a plain list of rows:
+        read for this call unless the reader runs for viewers already."""
         if self._task is None or self._task.done():
             await self._read()
-        return self._frame(0)
+        head = self._head()
+        parts = "".join(f',"{n}":{s.listing()}' for n, s in self._sections.items())
+        return head[:-1] + parts + "}"
 
     async def stream(self, shutdown: asyncio.Event | None = None) -> AsyncIterator[str]:
         """One viewer's SSE frames: everything first, then each round's changes. Ends when
@@ -95,17 +91,18 @@ class DashboardHub:
     def _frame(self, since: int) -> str:
         """The frame for a viewer sent everything up to round `since` (0: nothing yet), as
         JSON: the sections are spliced in as encoded once, not encoded again per viewer."""
-        head = json.dumps(
-            {
-                "now": self._now,
-                "round": self._round,
-                "interval_s": self.settings.dashboard_interval_s,
-                "error": self._error,
-            },
-            separators=(",", ":"),
-        )
-        parts = [f',"{n}":{s.json}' for n, s in self._sections.items() if s.version > since]
-        return head[:-1] + "".join(parts) + "}"
+        head = self._head()
+        parts = [(name, section.since(since)) for name, section in self._sections.items()]
+        return head[:-1] + "".join(f',"{n}":{text}' for n, text in parts if text) + "}"
+
+    def _head(self) -> str:
+        head = {
+            "now": self._now,
+            "round": self._round,
+            "interval_s": self.settings.dashboard_interval_s,
+            "error": self._error,
+        }
+        return json.dumps(head, separators=(",", ":"))
 
     def _join(self) -> None:
         self._viewers += 1
@@ -144,11 +141,11 @@ class DashboardHub:
         self._round += 1
         if jobs is None:
             return
-        for name, value in {**fleet, "jobs": jobs}.items():
-            text = json.dumps(value, separators=(",", ":"))
-            old = self._sections.get(name)
-            if old is None or old.json != text:
-                self._sections[name] = Section(self._round, text)
+        for name, values in {**fleet, "jobs": jobs}.items():
+            section = self._sections.get(name)
+            if section is None:
+                section = self._sections[name] = Section(KEY_OF[name])
+            section.update(values, self._round)
 
     def _publish(self) -> None:
         tick, self._tick = self._tick, asyncio.Event()

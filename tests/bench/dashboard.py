@@ -82,7 +82,7 @@ class Viewer(threading.Thread):
             if line.startswith("data: "):
                 data = json.loads(line[6:])
                 self.ready.set()
-                for job in data.get("jobs", []):
+                for job in data.get("jobs", {}).get("rows", {}).values():
                     self.first.setdefault(job["id"], now)
                     self.seen.setdefault((job["id"], job["status"]), now)
 

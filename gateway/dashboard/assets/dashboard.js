@@ -1,9 +1,10 @@
-// genq dashboard: one EventSource on /dashboard/events; each frame carries the sections that
-// changed (models, queues, workers, jobs, batches). Ages tick locally between frames, on the
+// genq dashboard: one EventSource on /dashboard/events; per section (models, queues, workers,
+// jobs, batches) each frame carries the rows that changed ({key: row}) and, when it changed,
+// the order of the rows' keys: the page keeps the rows and shows those the order names. Ages tick locally between frames, on the
 // gateway's clock. Every value goes in as text (textContent), never as HTML.
 "use strict";
 
-const view = { sections: {}, offsetMs: 0, lastFrame: 0, source: null };
+const view = { rows: {}, order: {}, offsetMs: 0, lastFrame: 0, source: null };
 const $ = (id) => document.getElementById(id);
 const STALE_BEATS_S = 10;
 
@@ -107,10 +108,16 @@ function apply(frame) {
   view.offsetMs = frame.now * 1000 - Date.now();
   view.lastFrame = Date.now();
   for (const name of Object.keys(render)) {
-    if (frame[name] !== undefined) {
-      view.sections[name] = frame[name];
-      render[name](frame[name]);
+    const part = frame[name];
+    if (part === undefined) continue;
+    const rows = (view.rows[name] ||= {});
+    Object.assign(rows, part.rows || {});
+    if (part.order) {
+      view.order[name] = part.order;
+      const kept = new Set(part.order);
+      for (const key of Object.keys(rows)) if (!kept.has(key)) delete rows[key];
     }
+    render[name]((view.order[name] || []).map((key) => rows[key]).filter(Boolean));
   }
   document.body.dataset.round = frame.round;
   setState(frame.error ? "error" : "live", frame.error ? `gateway: ${frame.error}` : "");
