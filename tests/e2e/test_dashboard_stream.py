@@ -62,12 +62,12 @@ def test_the_stream_follows_a_job_and_ends_with_the_gateway(cluster: Cluster) ->
         assert r.headers["content-type"].startswith("text/event-stream")
         updates = frames(r)
         first = next(updates)
-        assert [w["model"] for w in first["workers"]] == ["sim"]
+        assert [w["model"] for w in first["workers"]["rows"].values()] == ["sim"]
         job = httpx.post(
             f"{gateway.url}/v1/jobs", json={"model": "sim", "prompt": "x", "max_tokens": 30}
         ).json()
         for frame in updates:
-            row = next((j for j in frame.get("jobs", []) if j["id"] == job["id"]), None)
+            row = frame.get("jobs", {}).get("rows", {}).get(job["id"])
             if row is not None and (not statuses or statuses[-1] != row["status"]):
                 statuses.append(row["status"])
             if statuses and statuses[-1] == "succeeded":
