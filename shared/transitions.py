@@ -5,8 +5,9 @@ arguments; `ScriptRunner` runs calls, one or a pipeline of many, by EVALSHA. Eve
 touches the keys of one job (one Cluster slot) and, besides them, only: SUBMIT its queue, the
 deadlines index, the idempotency key and the admission counters; EMIT and SETTLE the
 admission counters and the deadlines index when the job ends (shared/quotas.py), and the done
-stream of a batch's job (its record names it); TOUCH the queue it checks. Those are the seam
-for Cluster (per-slot submits, indexes per slot).
+stream of a batch's job (its record names it); TOUCH the queue it checks; SUBMIT, EMIT and
+SETTLE the recent-jobs stream (the dashboard's). Those are the seam for Cluster (per-slot
+submits, indexes per slot).
 
 Who may write a job (fencing): the gateway while it is `queued` and nobody runs it (SUBMIT,
 SETTLE of a cancel), the worker the record names at the record's `attempt` while it is
