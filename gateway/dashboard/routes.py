@@ -4,6 +4,7 @@ sets its cookie, and the data (admin only): one SSE stream, or one snapshot."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated
@@ -118,5 +119,7 @@ async def events(request: Request, hub: Hub, state: State) -> EventStreamRespons
 
 
 async def _encoded(hub: DashboardHub, shutdown: asyncio.Event | None) -> AsyncIterator[bytes]:
-    async for frame in hub.stream(shutdown):
-        yield frame.encode()
+    # Closed with this generator, not when collected: the viewer leaves the hub at once.
+    async with contextlib.aclosing(hub.stream(shutdown)) as frames:
+        async for frame in frames:
+            yield frame.encode()
