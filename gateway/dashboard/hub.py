@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -60,7 +60,7 @@ class DashboardHub:
         parts = "".join(f',"{n}":{s.listing()}' for n, s in self._sections.items())
         return head[:-1] + parts + "}"
 
-    async def stream(self, shutdown: asyncio.Event | None = None) -> AsyncIterator[str]:
+    async def stream(self, shutdown: asyncio.Event | None = None) -> AsyncGenerator[str]:
         """One viewer's SSE frames: everything first, then each round's changes. Ends when
         the hub closes or `shutdown` (the server's, for this connection) is set."""
         self._join()
