@@ -88,7 +88,7 @@ class Viewer(threading.Thread):
 
 
 def _entry_times(r: redis.Redis, keys: Keys) -> dict[tuple[str, str], float]:
-    out = {}
+    out: dict[tuple[str, str], float] = {}
     for entry_id, fields in r.xrange(keys.recent_jobs()):
         out.setdefault((fields["job"], fields["status"]), int(entry_id.split("-")[0]) / 1000)
     return out
@@ -182,10 +182,14 @@ def _load(url: str, rate: float, stop: threading.Event, max_tokens: int) -> None
         time.sleep(1 / rate)
 
 
-def cpu(url: str, pid: int, args: argparse.Namespace) -> None:
+def _commands(r: redis.Redis) -> int:
+    return int(r.info("stats")["total_commands_processed"])
+
+
+def cpu(url: str, pid: int, r: redis.Redis, args: argparse.Namespace) -> None:
     proc = psutil.Process(pid)
     print(f"gateway CPU, {args.rate:g} jobs/s, {args.cpu_s:g} s each:")
-    base = None
+    base: tuple[float, float] | None = None
     for n in (0, 1, 20):
         viewers = [Viewer(url) for _ in range(n)]
         for v in viewers:
@@ -196,19 +200,23 @@ def cpu(url: str, pid: int, args: argparse.Namespace) -> None:
         load = threading.Thread(target=_load, args=(url, args.rate, stop, args.max_tokens))
         load.start()
         time.sleep(1)  # past the viewers' first, full frames
-        t0, c0 = time.monotonic(), sum(proc.cpu_times()[:2])
+        t0, c0, r0 = time.monotonic(), sum(proc.cpu_times()[:2]), _commands(r)
         b0 = sum(v.bytes for v in viewers)
         time.sleep(args.cpu_s)
         wall, used = time.monotonic() - t0, sum(proc.cpu_times()[:2]) - c0
+        commands = (_commands(r) - r0) / wall
         received = sum(v.bytes for v in viewers) - b0
         stop.set()
         load.join()
         for v in viewers:
             v.stop.set()
         share = used / wall * 100
-        base = share if base is None else base
+        base = (share, commands) if base is None else base
         per = f", {received / wall / n / 1024:.1f} KiB/s per viewer" if n else ""
-        print(f"  {n:2} viewers: {share:5.1f} % of a core ({share - base:+.1f} vs none){per}")
+        print(
+            f"  {n:2} viewers: {share:5.1f} % of a core ({share - base[0]:+.1f} vs none), "
+            f"Redis {commands:.0f} commands/s ({commands - base[1]:+.0f}){per}"
+        )
         time.sleep(1)
 
 
@@ -240,7 +248,7 @@ def main() -> None:
                 latency(gateway.url, r, Keys(prefix), args, Path(tmp))
             if "cpu" in sections:
                 assert gateway.port is not None
-                cpu(gateway.url, gateway.proc.pid, args)
+                cpu(gateway.url, gateway.proc.pid, r, args)
         finally:
             cluster.close()
 
