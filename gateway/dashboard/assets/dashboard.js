@@ -136,7 +136,8 @@ function tick() {
   for (const node of document.querySelectorAll(".age[data-at]")) {
     const at = Number(node.dataset.at);
     node.textContent = age(at);
-    node.classList.toggle("stale", node.closest(".card") !== null && nowS() - at > STALE_BEATS_S);
+    const stale = at > 0 && node.closest(".card") !== null && nowS() - at > STALE_BEATS_S;
+    node.classList.toggle("stale", stale);
   }
   if (view.lastFrame) $("updated").textContent =
     `updated ${((Date.now() - view.lastFrame) / 1000).toFixed(1)} s ago`;
