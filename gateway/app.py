@@ -15,6 +15,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from gateway import http_errors, queues
 from gateway.batch import routes as batch_routes
 from gateway.batch.runtime import BatchRuntime
+from gateway.dashboard import routes as dashboard_routes
+from gateway.dashboard.hub import DashboardHub
 from gateway.deadline_sweep import DeadlineSweep
 from gateway.job_service import JobService
 from gateway.middleware import Authenticate, BodyLimit
@@ -91,6 +93,7 @@ def create_app(
         )
         app.state.genq = state
         app.state.batch = batches = BatchRuntime(state)
+        app.state.dashboard = dashboard = DashboardHub(settings, client, keys)
         runtime.tune_gc()
         receiver = asyncio.create_task(router.run(), name="pubsub-router")
         sweep = DeadlineSweep(settings, client, scripts, keys)
@@ -106,6 +109,7 @@ def create_app(
             yield
         finally:
             state.draining = True
+            await dashboard.close()
             await batches.stop()
             await queues.stop(groups)
             await router.close()
@@ -135,6 +139,8 @@ def create_app(
     app.include_router(openai_routes.router)
     docs.install(app)
     app.include_router(batch_routes.router)
+    if settings.dashboard:
+        dashboard_routes.install(app)
     return app
 
 

@@ -76,7 +76,7 @@ class JobService:
         self.scripts = scripts
         self.registry = registry
         self.keys = Keys(settings.key_prefix)
-        self.transitions = Transitions(self.keys)
+        self.transitions = Transitions(self.keys, settings.recent_jobs)
         self.admission = AdmissionControl(settings, redis, scripts, self.keys)
         self._short_of_replicas = False
         """The last submit was answered with fewer replicas than GENQ_REDIS_WAIT_REPLICAS."""

@@ -63,6 +63,12 @@ class Keys:
         """Set: names of models that have a card."""
         return f"{self.prefix}models"
 
+    def recent_jobs(self) -> str:
+        """Stream, capped (GENQ_RECENT_JOBS): an entry (`shared.records.RecentJob`) per job
+        submitted and per job ended, in the script that does it; the dashboard's recent jobs.
+        One key for every job, like the deadlines index: part of the Cluster seam."""
+        return f"{self.prefix}recent"
+
     def deadlines(self) -> str:
         """Sorted set: ids of jobs with a timeout, scored by their deadline (unix seconds)."""
         return f"{self.prefix}deadlines"

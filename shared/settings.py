@@ -259,6 +259,12 @@ class RedisSettings(BaseSettings):
 class JobSettings(RedisSettings):
     retention_s: int = Field(default=86_400, ge=1, description="TTL of a finished job's keys")
     event_log_maxlen: int = Field(default=100_000, ge=100)
+    recent_jobs: int = Field(
+        default=1000,
+        ge=0,
+        description="entries kept in the recent-jobs stream the dashboard lists (two a job: "
+        "its submission and its end); 0: none written",
+    )
     shutdown_grace_s: float = Field(default=30.0, ge=0)
 
 
@@ -514,6 +520,20 @@ class GatewaySettings(JobSettings):
         ge=1,
         description="a batch's job keeps its record and event log this long once its result "
         "is in the batch (instead of GENQ_RETENTION_S): about 8 KB a job while kept",
+    )
+    dashboard: bool = Field(
+        default=True, description="serve /dashboard (behind an admin key when keys are set)"
+    )
+    dashboard_interval_s: float = Field(
+        default=0.5,
+        ge=0.05,
+        description="how often a gateway process reads the fleet for its dashboard viewers "
+        "(once for all of them, only while one is connected)",
+    )
+    dashboard_jobs: int = Field(default=50, ge=1, le=1000, description="recent jobs shown")
+    dashboard_batches: int = Field(default=10, ge=0, le=200, description="recent batches shown")
+    dashboard_session_s: int = Field(
+        default=43_200, ge=60, description="how long the dashboard's login cookie lasts"
     )
 
     _default_template = field_validator("default_chat_template")(_template_text)

@@ -91,7 +91,7 @@ class Worker:
             keys=keys,
             redis=client,
             scripts=ScriptRunner(client),
-            transitions=Transitions(keys),
+            transitions=Transitions(keys, settings.recent_jobs),
             queues={p: keys.queue(model, p) for p in PRIORITIES},
             overflow={p: keys.overflow(model, p) for p in PRIORITIES},
             lease=LeaseClock(settings.lease_s),
