@@ -16,14 +16,16 @@ from gateway import http_errors, queues
 from gateway.batch import routes as batch_routes
 from gateway.batch.runtime import BatchRuntime
 from gateway.deadline_sweep import DeadlineSweep
+from gateway.fleet import FleetExporter
 from gateway.job_service import JobService
+from gateway.metrics import GatewayMetrics, ResponseMetrics
 from gateway.middleware import Authenticate, BodyLimit
 from gateway.openai import routes as openai_routes
 from gateway.presence import Presence
 from gateway.pubsub import PubSubRouter
 from gateway.pubsub_wire import Endpoint, PubSubBackend, RawPubSub, RedisPyPubSub
 from gateway.registry import ModelRegistry
-from gateway.routes import docs, health, jobs, models
+from gateway.routes import docs, health, jobs, metrics, models
 from gateway.state import GatewayState
 from shared import __version__, runtime
 from shared.keys import Keys
@@ -83,7 +85,9 @@ def create_app(
         runtime.tune_gc()
         receiver = asyncio.create_task(router.run(), name="pubsub-router")
         sweep = DeadlineSweep(settings, client, scripts, keys)
+        fleet = FleetExporter(settings, client, keys, state.presence.id, app.state.metrics)
         background = [
+            asyncio.create_task(fleet.run(), name="fleet-metrics"),
             receiver,
             asyncio.create_task(sweep.run(), name="deadline-sweep"),
             asyncio.create_task(state.admission.repair_loop(), name="admission-repair"),
@@ -103,6 +107,7 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*background)
             await state.presence.close()
+            await fleet.close()
             if redis is None:
                 await client.aclose()
 
@@ -115,8 +120,10 @@ def create_app(
         redoc_url=None,
     )
     http_errors.install(app)
+    app.state.metrics = GatewayMetrics(fleet_max_age_s=settings.metrics_fleet_lease_s)
     install_middleware(app, settings)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     app.include_router(models.router)
     app.include_router(jobs.router)
     app.include_router(openai_routes.router)
@@ -126,7 +133,8 @@ def create_app(
 
 
 def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:
-    """Outermost first: CORS (a preflight needs no key), the API key, the body limit."""
+    """Outermost first: the response counter (it sees every answer), CORS (a preflight
+    needs no key), the API key, the body limit."""
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, uploads=settings.file_max_bytes)
     app.add_middleware(Authenticate, settings=settings)
     if settings.cors_origins:
@@ -138,6 +146,7 @@ def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:
             expose_headers=EXPOSED_HEADERS,
             max_age=CORS_MAX_AGE_S,
         )
+    app.add_middleware(ResponseMetrics, metrics=app.state.metrics, root=app)
 
 
 def create_app_from_env() -> FastAPI:

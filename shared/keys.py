@@ -52,6 +52,11 @@ class Keys:
         """Sorted set: worker id scored by its lease expiry (unix seconds)."""
         return f"{self.prefix}workers"
 
+    def worker_beat(self, worker_id: str) -> str:
+        """String with TTL: when the worker's last heartbeat was written (unix seconds), for
+        the fleet's heartbeat-age gauge."""
+        return f"{self.prefix}beat:{worker_id}"
+
     def control(self, worker_id: str) -> str:
         """Pub/sub channel: commands to one worker (cancel)."""
         return f"{self.prefix}ctl:{worker_id}"
@@ -73,6 +78,10 @@ class Keys:
     def lock(self, name: str) -> str:
         """String with TTL: held by the one process doing `name` now (e.g. a sweep)."""
         return f"{self.prefix}lock:{name}"
+
+    def fleet_metrics_lease(self) -> str:
+        """String with TTL: the one gateway process exporting the fleet's gauges now."""
+        return f"{self.prefix}lock:fleet-metrics"
 
     def idempotency(self, owner: str, key: str, part: int = 0) -> str:
         """String: an owner's Idempotency-Key → the job it made. Part i > 0 of a request

@@ -22,6 +22,7 @@ from worker.entries import drop_malformed
 from worker.jobstate import Claim
 from worker.lease import reclaimable
 from worker.link import StepTimes
+from worker.metrics import beat_time
 from worker.repair import repair_finished
 from worker.state import WorkerState
 
@@ -81,6 +82,7 @@ class Upkeep:
         pipe.pexpire(key, lease_ms)
         pipe.zadd(st.keys.workers(), {st.id: time.time() + st.settings.lease_s})
         pipe.sadd(st.keys.models(), st.model)
+        beat_time(pipe, st.keys.worker_beat(st.id), st.settings.lease_s)
         card_exists, *_ = await pipe.execute()
         # Not after a lapsed lease: the entries may have moved to another worker meanwhile.
         if st.lease.held():
@@ -264,6 +266,7 @@ class Upkeep:
             if claim.job_id in st.finished and await repair_finished(st, [claim.job_id]):
                 continue  # it had ended here: its lost end is written again, not re-run
             log.info("reclaimed job", extra={"job_id": claim.job_id, "worker_id": st.id})
+            st.metrics.reclaims.inc()
             st.waiting.append(claim)
         st.room.set()
 

@@ -1,0 +1,156 @@
+"""The gateway process's own metrics (responses, open SSE streams, client disconnects) and
+`GET /metrics`, which renders them together with the fleet's gauges (gateway/fleet.py).
+
+`genq gateway --workers N` runs N processes behind one port, and a scrape reaches any one
+of them: prometheus-client's multiprocess mode (gateway/multiproc.py) makes each process
+write its values into files of a directory they share, and every process renders all the
+files, so each scrape sees the same totals. With one process the values live in this app's
+own registry; the metrics and the code that records them are the same either way.
+
+Labels are bounded: a route is its template (`/v1/jobs/{job_id}`), never the raw path, and
+paths no route matches share `unmatched`.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    disable_created_metrics,
+    generate_latest,
+    multiprocess,
+)
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway import multiproc
+
+UNMATCHED = "unmatched"
+"""The route label of a request no route matches (a 404): raw paths would be unbounded."""
+CLIENT_CLOSED_REQUEST = 499
+"""The status of a response nobody reads: its client disconnected (nginx's convention)."""
+
+
+class GatewayMetrics:
+    """One per app. `render()` is what `/metrics` answers."""
+
+    def __init__(self, fleet_max_age_s: float) -> None:
+        self.multiprocess = multiproc.active()
+        self.fleet_max_age_s = fleet_max_age_s
+        """A fleet file older than this is not shown (its writer died: gateway/multiproc.py)."""
+        disable_created_metrics()  # as vLLM: a `_created` series per series doubles the text
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.responses = Counter(
+            "genq_http_responses",
+            "HTTP responses by route template, method and status.",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.streams_open = Gauge(
+            "genq_sse_streams_open",
+            "SSE streams this gateway is sending now.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.disconnects = Counter(
+            "genq_client_disconnects",
+            "Clients gone before their answer ended (they closed the connection, or stopped "
+            "reading a stream and were let go), by route template.",
+            ["route"],
+            registry=r,
+        )
+        self.fleet: bytes = b""
+        """The fleet's gauges as exposition text, while this process exports them."""
+
+    def set_fleet(self, body: bytes) -> None:
+        """The fleet's gauges this process exports from now on (b"": none)."""
+        self.fleet = body
+        if not self.multiprocess:
+            return
+        if body:
+            multiproc.write_fleet(body)
+        else:
+            multiproc.clear_fleet()
+
+    def render(self) -> bytes:
+        """This process's metrics (every process's, in multiprocess mode) and the fleet's."""
+        if self.multiprocess:
+            multiproc.forget_dead()
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry) + multiproc.read_fleet(self.fleet_max_age_s)
+        return generate_latest(self.registry) + self.fleet
+
+    content_type = "text/plain; version=0.0.4; charset=utf-8"
+    """The text format every Prometheus reads (prometheus_client's newest names 1.0.0)."""
+
+
+def route_template(app: ASGIApp, scope: Scope) -> str:
+    """The template of the route that served (or would serve) the request: set by routing,
+    else (a middleware answered first: a 401, a 413) looked up the way routing would."""
+    route = scope.get("route")
+    if route is None:
+        for candidate in getattr(getattr(app, "router", None), "routes", []):
+            match, _ = candidate.matches(scope)
+            if match is not Match.NONE:
+                route = candidate
+                break
+    path = getattr(route, "path", None)
+    return (path or "/") if isinstance(path, str) else UNMATCHED
+
+
+class ResponseMetrics:
+    """Counts every HTTP response by route template, method and status, the SSE streams
+    open, and the answers whose client left before their end. Outermost, so that what the
+    other middleware answer (401, 413) counts too."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, root: ASGIApp) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.root = root
+        """The application, whose routes name a request that routing did not reach."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: int = CLIENT_CLOSED_REQUEST  # no response started: the client left first
+        started = ended = stream = False
+        failed = False
+
+        async def watching_send(message: Message) -> None:
+            nonlocal status, started, ended, stream
+            if message["type"] == "http.response.start":
+                status, started = int(message["status"]), True
+                stream = _is_event_stream(message)
+                if stream:
+                    self.metrics.streams_open.inc()
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watching_send)
+        except Exception:
+            failed = True
+            if not started:  # Starlette's outermost middleware answers it 500
+                status = HTTPStatus.INTERNAL_SERVER_ERROR
+            raise
+        finally:
+            if stream:
+                self.metrics.streams_open.dec()
+            route = route_template(self.root, scope)
+            self.metrics.responses.labels(route, scope["method"], str(status)).inc()
+            if (not ended and not failed) or status == CLIENT_CLOSED_REQUEST:
+                self.metrics.disconnects.labels(route).inc()
+
+
+def _is_event_stream(start: Message) -> bool:
+    return any(
+        name == b"content-type" and value.startswith(b"text/event-stream")
+        for name, value in start.get("headers", ())
+    )
