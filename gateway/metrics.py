@@ -13,8 +13,10 @@ paths no route matches share `unmatched`.
 
 from __future__ import annotations
 
+import re
 from http import HTTPStatus
 
+from fastapi import FastAPI
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -23,7 +25,7 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from starlette.routing import Match
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import multiproc
@@ -89,18 +91,26 @@ class GatewayMetrics:
     """The text format every Prometheus reads (prometheus_client's newest names 1.0.0)."""
 
 
-def route_template(app: ASGIApp, scope: Scope) -> str:
-    """The template of the route that served (or would serve) the request: set by routing,
-    else (a middleware answered first: a 401, a 413) looked up the way routing would."""
-    route = scope.get("route")
-    if route is None:
-        for candidate in getattr(getattr(app, "router", None), "routes", []):
-            match, _ = candidate.matches(scope)
-            if match is not Match.NONE:
-                route = candidate
-                break
-    path = getattr(route, "path", None)
-    return (path or "/") if isinstance(path, str) else UNMATCHED
+class RouteNames:
+    """The template of the route that served (or would serve) a request: the one routing
+    chose, else (a middleware answered first: a 401, a 413) the API document's template that
+    the path matches, else `unmatched`."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self._templates: list[tuple[re.Pattern[str], str]] | None = None
+
+    def __call__(self, scope: Scope) -> str:
+        path = getattr(scope.get("route"), "path", None)
+        if isinstance(path, str):
+            return path or "/"
+        return self._lookup(scope.get("path", ""))
+
+    def _lookup(self, path: str) -> str:
+        if self._templates is None:  # once, from FastAPI's own (cached) document
+            paths = sorted(self.app.openapi().get("paths", {}), key=lambda t: t.count("{"))
+            self._templates = [(compile_path(t)[0], t) for t in paths]
+        return next((t for regex, t in self._templates if regex.fullmatch(path)), UNMATCHED)
 
 
 class ResponseMetrics:
@@ -108,11 +118,10 @@ class ResponseMetrics:
     open, and the answers whose client left before their end. Outermost, so that what the
     other middleware answer (401, 413) counts too."""
 
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, root: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, root: FastAPI) -> None:
         self.app = app
         self.metrics = metrics
-        self.root = root
-        """The application, whose routes name a request that routing did not reach."""
+        self.route_of = RouteNames(root)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -143,7 +152,7 @@ class ResponseMetrics:
         finally:
             if stream:
                 self.metrics.streams_open.dec()
-            route = route_template(self.root, scope)
+            route = self.route_of(scope)
             self.metrics.responses.labels(route, scope["method"], str(status)).inc()
             if (not ended and not failed) or status == CLIENT_CLOSED_REQUEST:
                 self.metrics.disconnects.labels(route).inc()
