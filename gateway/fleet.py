@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, generate_latest
@@ -26,11 +26,16 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from redis.exceptions import RedisError
 
 from gateway.metrics import GatewayMetrics
+from shared.batches import ENDED_BATCH_STATUSES, BatchStatus
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys, Priority
 from shared.settings import GatewaySettings
 from shared.transitions import Call, ScriptRunner, script
 
 log = logging.getLogger(__name__)
+
+OPEN_BATCH_STATUSES = tuple(s for s in get_args(BatchStatus) if s not in ENDED_BATCH_STATUSES)
+"""Each shown, at 0 when no batch has it: a series that appears only once non-zero is hard
+to alert on."""
 
 QueueStats = dict[tuple[str, Priority], tuple[int, int, int]]
 """(model, priority) → (length, lag, pending), queue and overflow lanes together."""
@@ -150,8 +155,8 @@ def families(reading: FleetReading) -> Iterator[Metric]:
     batches = GaugeMetricFamily(
         "genq_batches", "Batches not yet ended, by status.", labels=["status"]
     )
-    for status, n in sorted(reading.batches.items()):
-        batches.add_metric([status], n)
+    for status in sorted(set(OPEN_BATCH_STATUSES) | set(reading.batches)):
+        batches.add_metric([status], reading.batches.get(status, 0))
     yield batches
     yield GaugeMetricFamily(
         "genq_fleet_read_timestamp_seconds",

@@ -114,6 +114,10 @@ class WorkerMetrics:
             [*LABELS, "status"],
             registry=r,
         )
+        for reason in ("stop", "length", ABORT):  # at 0 from the start: alerts see them
+            self._success.labels(*self.labels, reason)
+        for status in ("failed", "expired"):
+            self._failure.labels(*self.labels, status)
         self.attempts = counter("genq_attempts", "Attempts of jobs started here.")
         self.attempt_failures = counter(
             "genq_attempt_failures", "Attempts that failed here and went back to the queue."

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.types import ASGIApp, Message
 
 from gateway.app import create_app
 from shared.settings import Settings
@@ -39,13 +41,13 @@ def value(found: Samples, name: str, **labels: str) -> float | None:
     return hits[0] if hits else None
 
 
-async def counted(metrics: WorkerMetrics, name: str) -> Samples:
-    """The worker's samples once `name` has one: a job's end is counted when the worker has
-    written it, a moment after its record says so."""
+async def counted(metrics: WorkerMetrics, name: str, **labels: str) -> Samples:
+    """The worker's samples once `name{labels}` is above 0: a job's end is counted when the
+    worker has written it, a moment after its record says so."""
     async with asyncio.timeout(COUNTED_WITHIN_S):
         while True:
             found = samples((await metrics.respond()).body.decode())
-            if any(n == name for n, _ in found):
+            if value(found, name, **labels):
                 return found
             await asyncio.sleep(0.01)
 
@@ -55,13 +57,13 @@ async def test_a_jobs_numbers_reach_the_workers_metrics(settings: Settings, redi
         job = await stack.submit(prompt="count my tokens", max_tokens=17)
         done = await stack.wait_status(job["id"], "succeeded")
         st = stack.worker.st
-        found = await counted(st.metrics, "genq_request_success_total")
+        found = await counted(st.metrics, "genq_request_success_total", finished_reason="length")
     usage = done["usage"]
     me = {"model": "sim", "worker": st.id}
     assert value(found, "genq_generation_tokens_total", **me) == usage["completion_tokens"] == 17
     assert value(found, "genq_prompt_tokens_total", **me) == usage["prompt_tokens"]
     assert value(found, "genq_request_success_total", finished_reason="length", **me) == 1
-    assert value(found, "genq_request_success_total", finished_reason="stop", **me) is None
+    assert value(found, "genq_request_success_total", finished_reason="stop", **me) == 0
     assert value(found, "genq_attempts_total", **me) == 1
     for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
         assert value(found, f"genq_{name}_seconds_count", **me) == 1
@@ -90,9 +92,10 @@ async def test_a_cancelled_job_counts_as_abort(settings: Settings, redis) -> Non
         await stack.wait_status(job["id"], "running")
         await stack.client.delete(f"/v1/jobs/{job['id']}")
         await stack.wait_status(job["id"], "cancelled")
-        found = await counted(stack.worker.st.metrics, "genq_request_success_total")
+        metrics = stack.worker.st.metrics
+        found = await counted(metrics, "genq_request_success_total", finished_reason="abort")
     assert value(found, "genq_request_success_total", finished_reason="abort") == 1
-    assert value(found, "genq_request_failure_total") is None
+    assert value(found, "genq_request_failure_total", status="failed") == 0
     assert value(found, "genq_num_requests_running") == 0
 
 
@@ -134,6 +137,60 @@ async def test_metrics_are_open_unless_a_key_is_required(settings: Settings, red
 def test_requiring_a_key_without_an_admin_key_refuses_to_start(settings: Settings) -> None:
     with pytest.raises(ValueError, match="metrics_require_key needs an admin key"):
         Settings(**{**settings.model_dump(), "metrics_require_key": True, "admin_keys": []})
+
+
+async def stream_then_leave(app: ASGIApp, body: dict[str, object], seen: asyncio.Event) -> None:
+    """POST /v1/jobs with `body` straight to the ASGI app (httpx's transport cannot leave
+    mid-answer), and disconnect once `seen` is set (by the caller, who looked meanwhile)."""
+    raw = json.dumps(body).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/jobs",
+        "raw_path": b"/v1/jobs",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(raw))],
+        "client": ("127.0.0.1", 1),
+        "server": ("genq", 80),
+    }
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await seen.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        pass
+
+    await app(scope, receive, send)
+
+
+async def test_an_open_stream_counts_and_its_clients_leaving_is_a_disconnect(
+    settings: Settings, redis
+) -> None:  # type: ignore[no-untyped-def]
+    async with gateway_only(settings, redis) as client:  # no worker: the job stays queued
+        app = client._transport.app  # type: ignore[attr-defined]
+        seen = asyncio.Event()
+        body = {"model": "sim", "prompt": "wait", "stream": True}
+        stream = asyncio.create_task(stream_then_leave(app, body, seen))
+        async with asyncio.timeout(COUNTED_WITHIN_S):
+            while value(samples((await client.get("/metrics")).text), "genq_sse_streams_open") != 1:
+                await asyncio.sleep(0.01)
+        seen.set()
+        await stream
+        found = samples((await client.get("/metrics")).text)
+    assert value(found, "genq_sse_streams_open") == 0
+    assert value(found, "genq_client_disconnects_total", route="/v1/jobs") == 1
+    posted = {"route": "/v1/jobs", "method": "POST", "status": "200"}
+    assert value(found, "genq_http_responses_total", **posted) == 1
 
 
 @contextlib.asynccontextmanager
