@@ -14,6 +14,7 @@ paths no route matches share `unmatched`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from http import HTTPStatus
 
 from fastapi import FastAPI
@@ -65,6 +66,8 @@ class GatewayMetrics:
             ["route"],
             registry=r,
         )
+        self.extra: list[Callable[[], bytes]] = []
+        """More exposition text to answer with: `genq serve`'s in-process worker's."""
         self.fleet: bytes = b""
         """The fleet's gauges as exposition text, while this process exports them."""
 
@@ -84,8 +87,10 @@ class GatewayMetrics:
             multiproc.forget_dead()
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
-            return generate_latest(registry) + multiproc.read_fleet(self.fleet_max_age_s)
-        return generate_latest(self.registry) + self.fleet
+            own = generate_latest(registry) + multiproc.read_fleet(self.fleet_max_age_s)
+        else:
+            own = generate_latest(self.registry) + self.fleet
+        return own + b"".join(render() for render in self.extra)
 
     content_type = "text/plain; version=0.0.4; charset=utf-8"
     """The text format every Prometheus reads (prometheus_client's newest names 1.0.0)."""

@@ -174,8 +174,11 @@ class WorkerMetrics:
 
     # ---- serving ---------------------------------------------------------------------------
 
+    def render(self) -> bytes:
+        return render(self.registry)
+
     async def respond(self) -> Response:
-        return Response(200, render(self.registry), CONTENT_TYPE)
+        return Response(200, self.render(), CONTENT_TYPE)
 
 
 def beat_time(pipe: Any, key: str, lease_s: float) -> None:

@@ -5,7 +5,10 @@ gateway when their exporter is killed."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -142,3 +145,31 @@ def test_the_fleet_exporter_killed_another_gateway_takes_over(cluster: Cluster) 
     killed = time.monotonic()
     wait_for(lambda: one(scrape(other.url), "genq_dead_letters") is not None, timeout=20)
     assert time.monotonic() - killed <= FLEET_LEASE_S + 5 * FLEET_INTERVAL_S + 5
+
+
+def test_genq_serve_answers_with_its_workers_metrics_too(tmp_path: Path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GENQ_")}
+    with open(tmp_path / "serve.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "genq", "serve", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**env, "GENQ_SIM_STEP_MS": "2"},
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: httpx.get(f"{url}/v1/models").json()["data"], what="genq serve")
+        job = httpx.post(f"{url}/v1/jobs", json={"model": "sim", "prompt": "hi", "max_tokens": 7})
+        wait_for(lambda: one(scrape(url), "genq_request_success_total") == 1)
+        found = scrape(url)
+        assert one(found, "genq_generation_tokens_total") == 7
+        posted = {"route": "/v1/jobs", "method": "POST", "status": str(job.status_code)}
+        assert one(found, "genq_http_responses_total", **posted) == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)  # it stops the redis-server it started
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
