@@ -72,7 +72,8 @@ def run_gateway(settings: GatewaySettings, sock: socket.socket, processes: int) 
         backlog=LISTEN_BACKLOG,
     )
     # N processes share their metrics through files (gateway/multiproc.py); one keeps its own
-    made = multiproc.prepare() if processes > 1 else None
+    # unless PROMETHEUS_MULTIPROC_DIR is set, whose files are then emptied too
+    made = multiproc.prepare() if processes > 1 or multiproc.directory() else None
     try:
         if processes > 1:
             _supervise(config, sock)
