@@ -6,6 +6,8 @@ private redis-server, `--streams` jobs queued (no worker: they stay open) and on
 open on each, then `--scrapes` sequential GET /metrics: p50/p99 of their latency as the
 client sees it, and the size of the answer.
 
+Render: GatewayMetrics.render alone, in this process.
+
 Recording: WorkerMetrics.output (one engine output of one token: a perf_counter, an
 inter-token-latency observation, a counter increment) and WorkerMetrics.ended (a job's
 histograms and counters), timed in a loop, and the cost of the plain loop subtracted.
@@ -25,7 +27,10 @@ from pathlib import Path
 
 import httpx
 
+from gateway.app import create_app
+from gateway.metrics import GatewayMetrics
 from shared.schemas import JobSpec, Sampling
+from shared.settings import Settings
 from tests.procs import Cluster, redis_server
 from worker.engine import StepOutput
 from worker.jobstate import Claim, RunningJob
@@ -73,13 +78,15 @@ async def scrape_cost(a: argparse.Namespace, url: str) -> dict[str, float]:
         async with asyncio.timeout(OPEN_WITHIN_S):  # every stream has reached its route
             while _open_count((await client.get("/metrics")).text) < a.streams:
                 await asyncio.sleep(0.2)
-        times, size = [], 0
+        times: dict[str, list[float]] = {"/metrics": [], "/healthz": []}
+        size = 0
         async with httpx.AsyncClient(base_url=url, timeout=30) as scraper:
-            for _ in range(a.scrapes):
-                started = time.perf_counter()
-                r = await scraper.get("/metrics")
-                times.append(time.perf_counter() - started)
-                size = len(r.content)
+            for _ in range(a.scrapes):  # /healthz beside: what any request waits meanwhile
+                for path, took in times.items():
+                    started = time.perf_counter()
+                    r = await scraper.get(path)
+                    took.append(time.perf_counter() - started)
+                    size = len(r.content) if path == "/metrics" else size
     finally:
         for t in tasks:
             t.cancel()
@@ -88,8 +95,10 @@ async def scrape_cost(a: argparse.Namespace, url: str) -> dict[str, float]:
     return {
         "streams": a.streams,
         "gateway_processes": a.gateway_workers,
-        "scrape_p50_ms": round(statistics.median(times) * 1000, 2),
-        "scrape_p99_ms": round(_quantile(times, 0.99) * 1000, 2),
+        "scrape_p50_ms": round(statistics.median(times["/metrics"]) * 1000, 2),
+        "scrape_p99_ms": round(_quantile(times["/metrics"], 0.99) * 1000, 2),
+        "healthz_p50_ms": round(statistics.median(times["/healthz"]) * 1000, 2),
+        "healthz_p99_ms": round(_quantile(times["/healthz"], 0.99) * 1000, 2),
         "scrape_bytes": size,
     }
 
@@ -123,6 +132,28 @@ def recording_cost(n: int) -> dict[str, float]:
     return {"per_token_ns": round(per_token * 1e9), "per_job_ns": round(per_job * 1e9)}
 
 
+def render_cost(renders: int) -> dict[str, float]:
+    """GatewayMetrics.render alone (one process), with a response series for every route
+    template, method and a few statuses, 4 streams open."""
+    metrics = GatewayMetrics(fleet_max_age_s=15.0)
+    app = create_app(Settings(redis_url="redis://unused"))
+    for route in app.openapi()["paths"]:
+        for status in ("200", "404", "422"):
+            metrics.responses.labels(route, "GET", status).inc()
+    for _ in range(4):
+        metrics.streams_open.inc()
+    times = []
+    for _ in range(renders):
+        started = time.perf_counter()
+        body = metrics.render()
+        times.append(time.perf_counter() - started)
+    return {
+        "render_p50_us": round(statistics.median(times) * 1e6),
+        "render_p99_us": round(_quantile(times, 0.99) * 1e6),
+        "render_bytes": len(body),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=1000)
@@ -131,6 +162,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=200_000, help="recordings timed")
     a = p.parse_args()
     print(json.dumps({"recording": recording_cost(a.tokens)}))
+    print(json.dumps({"render": render_cost(a.scrapes)}))
     with redis_server() as redis, tempfile.TemporaryDirectory() as tmp:
         cluster = Cluster(redis.url, Path(tmp), "genqbench:", GENQ_QUEUE_MODELS='["sim"]')
         try:
@@ -139,6 +171,8 @@ def main() -> None:
             cluster.worker("--step-ms", "1").stop()
             print(json.dumps({"scrape": asyncio.run(scrape_cost(a, gw.url))}))
         finally:
+            for proc in reversed(cluster.procs):  # SIGTERM: uvicorn stops its children too
+                proc.stop()
             cluster.close()
 
 

@@ -46,6 +46,9 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     try:
         yield c
     finally:
+        # SIGTERM: a supervisor (uvicorn's, the launcher) killed outright leaves its children
+        for p in reversed(c.procs):
+            p.stop()
         c.close()
 
 
