@@ -59,6 +59,7 @@ class RunningJob:
     outcome: str | None = None
     """How it ended here: its finish reason (stop, length), or cancelled, failed, expired."""
     ended_wall: float | None = None
+    """When it ended here (unix time): the metrics' end-to-end and decode times end there."""
 
     @property
     def id(self) -> str:
@@ -165,6 +166,7 @@ class RunningJob:
         self.end = JobRecord.fields(status="cancelled", **self._partial_fields())
 
     def _ended(self, outcome: str) -> float:
+        """Note how and when it ended (worker/metrics.py records it once its end is written)."""
         self.outcome, self.ended_wall = outcome, time.time()
         return self.ended_wall
 
