@@ -66,10 +66,21 @@ class GatewayMetrics:
             ["route"],
             registry=r,
         )
+        self._responses: dict[tuple[str, str, int], Counter] = {}
         self.extra: list[Callable[[], bytes]] = []
         """More exposition text to answer with: `genq serve`'s in-process worker's."""
         self.fleet: bytes = b""
         """The fleet's gauges as exposition text, while this process exports them."""
+
+    def responded(self, route: str, method: str, status: int) -> None:
+        """One response. Each label set's child is looked up once: `labels()` validates and
+        locks, 1.0 µs a request against 0.34 µs with the dict (bounded: routes are
+        templates)."""
+        key = (route, method, status)
+        child = self._responses.get(key)
+        if child is None:
+            child = self._responses[key] = self.responses.labels(route, method, str(status))
+        child.inc()
 
     def set_fleet(self, body: bytes) -> None:
         """The fleet's gauges this process exports from now on (b"": none)."""
@@ -158,7 +169,7 @@ class ResponseMetrics:
             if stream:
                 self.metrics.streams_open.dec()
             route = self.route_of(scope)
-            self.metrics.responses.labels(route, scope["method"], str(status)).inc()
+            self.metrics.responded(route, scope["method"], status)
             if (not ended and not failed) or status == CLIENT_CLOSED_REQUEST:
                 self.metrics.disconnects.labels(route).inc()
 
