@@ -18,7 +18,9 @@ from gateway.batch.runtime import BatchRuntime
 from gateway.dashboard import routes as dashboard_routes
 from gateway.dashboard.hub import DashboardHub
 from gateway.deadline_sweep import DeadlineSweep
+from gateway.fleet import FleetExporter
 from gateway.job_service import JobService
+from gateway.metrics import GatewayMetrics, ResponseMetrics
 from gateway.middleware import Authenticate, BodyLimit
 from gateway.openai import routes as openai_routes
 from gateway.presence import Presence
@@ -32,7 +34,7 @@ from gateway.pubsub_wire import (
     Target,
 )
 from gateway.registry import ModelRegistry
-from gateway.routes import docs, health, jobs, models
+from gateway.routes import docs, health, jobs, metrics, models
 from gateway.state import GatewayState
 from shared import __version__, runtime
 from shared.keys import Keys
@@ -97,7 +99,9 @@ def create_app(
         runtime.tune_gc()
         receiver = asyncio.create_task(router.run(), name="pubsub-router")
         sweep = DeadlineSweep(settings, client, scripts, keys)
+        fleet = FleetExporter(settings, client, keys, state.presence.id, app.state.metrics)
         background = [
+            asyncio.create_task(fleet.run(), name="fleet-metrics"),
             receiver,
             asyncio.create_task(sweep.run(), name="deadline-sweep"),
             asyncio.create_task(state.admission.repair_loop(), name="admission-repair"),
@@ -118,6 +122,7 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*background)
             await state.presence.close()
+            await fleet.close()
             if isinstance(target, SentinelMaster):
                 await target.aclose()
             if redis is None:
@@ -132,8 +137,10 @@ def create_app(
         redoc_url=None,
     )
     http_errors.install(app)
+    app.state.metrics = GatewayMetrics(fleet_max_age_s=settings.metrics_fleet_lease_s)
     install_middleware(app, settings)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     app.include_router(models.router)
     app.include_router(jobs.router)
     app.include_router(openai_routes.router)
@@ -157,7 +164,8 @@ def _sentinel_master(settings: GatewaySettings) -> SentinelMaster:
 
 
 def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:
-    """Outermost first: CORS (a preflight needs no key), the API key, the body limit."""
+    """Outermost first: the response counter (it sees every answer), CORS (a preflight
+    needs no key), the API key, the body limit."""
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, uploads=settings.file_max_bytes)
     app.add_middleware(Authenticate, settings=settings)
     if settings.cors_origins:
@@ -169,6 +177,7 @@ def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:
             expose_headers=EXPOSED_HEADERS,
             max_age=CORS_MAX_AGE_S,
         )
+    app.add_middleware(ResponseMetrics, metrics=app.state.metrics, root=app)
 
 
 def create_app_from_env() -> FastAPI:

@@ -113,6 +113,7 @@ async def _serve_single(
 ) -> int:
     worker = Worker(settings, await open_engine(settings), redis=client)
     app = create_app(settings, redis=client, raw_pubsub=settings.redis_configured)
+    app.state.metrics.extra.append(worker.st.metrics.render)  # one /metrics for both
     config = uvicorn.Config(
         app,
         log_config=logs.log_config(settings),

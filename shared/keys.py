@@ -80,6 +80,10 @@ class Keys:
         """String with TTL: held by the one process doing `name` now (e.g. a sweep)."""
         return f"{self.prefix}lock:{name}"
 
+    def fleet_metrics_lease(self) -> str:
+        """String with TTL: the one gateway process exporting the fleet's gauges now."""
+        return f"{self.prefix}lock:fleet-metrics"
+
     def idempotency(self, owner: str, key: str, part: int = 0) -> str:
         """String: an owner's Idempotency-Key → the job it made. Part i > 0 of a request
         that makes several jobs (OpenAI's n, prompt lists) is `<key> #i`: a space is not

@@ -377,6 +377,25 @@ class GatewaySettings(JobSettings):
         "it through /v1/jobs/{id}/events",
     )
 
+    # metrics (gateway/metrics.py, gateway/fleet.py)
+    metrics_require_key: bool = Field(
+        default=False,
+        description="GET /metrics needs an admin key (GENQ_ADMIN_KEYS); off: open, as "
+        "Prometheus scrapes expect (its labels name models and workers, never jobs or keys)",
+    )
+    metrics_fleet_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="how often the gateway exporting the fleet's gauges (queues, workers, "
+        "dead letters, batches) reads them from Redis and renews its lease",
+    )
+    metrics_fleet_lease_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="an exporter of the fleet's gauges silent this long is replaced by "
+        "another gateway process",
+    )
+
     # OpenAI-compatible API
     default_chat_template: str | None = Field(
         default=None,
@@ -566,6 +585,16 @@ class GatewaySettings(JobSettings):
             raise ValueError("gateway_lease_s must be longer than gateway_heartbeat_s")
         return self
 
+    @model_validator(mode="after")
+    def _metrics_settings(self) -> GatewaySettings:
+        if self.metrics_fleet_lease_s <= self.metrics_fleet_interval_s:
+            raise ValueError("metrics_fleet_lease_s must be longer than metrics_fleet_interval_s")
+        if self.metrics_require_key and not self.admin_api_keys:
+            raise ValueError(
+                "metrics_require_key needs an admin key (GENQ_ADMIN_KEYS or GENQ_ADMIN_KEYS_FILE)"
+            )
+        return self
+
     @property
     def admin_api_keys(self) -> list[str]:
         """Keys that may see and cancel every job: GENQ_ADMIN_KEYS and GENQ_ADMIN_KEYS_FILE."""
@@ -735,8 +764,8 @@ class WorkerSettings(JobSettings, EngineSettings):
         default=None,
         ge=1,
         le=65535,
-        description="port of the worker's own HTTP server: /healthz and /readyz for probes "
-        "(later /metrics); unset = no server. The launcher gives its Nth process port + N",
+        description="port of the worker's own HTTP server: /healthz and /readyz for probes, "
+        "/metrics for Prometheus; unset = no server. The launcher gives its Nth process port + N",
     )
     metrics_host: str | None = Field(
         default=None, description="address that server binds; default: every interface"

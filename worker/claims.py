@@ -305,6 +305,7 @@ class Claimer:
             text_parts=list(resumed[1]),
         )
         st.running[spec.id] = run
+        st.metrics.attempts.inc()
         st.dirty.add(spec.id)
         run.started(st.id)
         st.urgent.add(spec.id)  # `started` (and an end at once, if any) need not wait

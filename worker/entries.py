@@ -96,4 +96,5 @@ async def dead_letter(st: WorkerState, claim: Claim, attempts: int, reason: str)
         maxlen=_DEAD_LETTERS_KEPT,
         approximate=True,
     )
+    st.metrics.dead_lettered.inc()
     log.warning("job dead-lettered", extra={"job_id": claim.job_id, "attempts": attempts})

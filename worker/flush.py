@@ -76,6 +76,7 @@ class Flusher:
                 continue  # an attempt this worker no longer runs
             if run.end is not None or run.retry_error is not None:
                 continue
+            st.metrics.output(run, out)
             if out.token_ids or out.text:
                 if run.first_token_wall is None:
                     st.urgent.add(run.id)
@@ -188,6 +189,7 @@ class Flusher:
                 st.drop(run.id)
             elif run.end is not None:
                 run.remember(events, st.settings.log_repair_window_s)
+                st.metrics.ended(run)
                 st.finish(run)
                 ended.append(run.claim)
             else:
@@ -252,6 +254,7 @@ class Flusher:
                 "job failed; handing it back",
                 extra={"job_id": run.id, "attempt": run.attempt, "error": run.retry_error},
             )
+            st.metrics.attempt_failures.inc()
             try:
                 await hand_back(st, run, counted=True, error=run.retry_error or "")
             except (RedisError, OSError) as exc:  # still ours in the PEL: reclaimed later

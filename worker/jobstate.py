@@ -54,6 +54,12 @@ class RunningJob:
     """Set once the worker asked the engine to stop the job (cancel, deadline)."""
     recent: deque[tuple[float, list[EncodedEvent]]] = field(default_factory=deque)
     """(monotonic time, events) of recent successful flushes, to repair the log."""
+    last_output_s: float = 0.0
+    """perf_counter of its last tokens from the engine (the inter-token latency metric)."""
+    outcome: str | None = None
+    """How it ended here: its finish reason (stop, length), or cancelled, failed, expired."""
+    ended_wall: float | None = None
+    """When it ended here (unix time): the metrics' end-to-end and decode times end there."""
 
     @property
     def id(self) -> str:
@@ -122,7 +128,7 @@ class RunningJob:
     def finish(self, reason: FinishReason) -> None:
         """End with 'stop' or 'length': the done event and the result go out at the next flush."""
         self._fold_tokens()
-        now = time.time()
+        now = self._ended(reason)
         usage, timings = self._usage(), self._timings(now)
         self.seq += 1
         done = DoneEvent(
@@ -144,6 +150,7 @@ class RunningJob:
     def fail(self, status: str, code: str, message: str) -> None:
         """End with an `error` event (status 'failed' or 'expired'), keeping what it generated."""
         self._fold_tokens()
+        self._ended(status)
         self.seq += 1
         self._push(ErrorEvent(seq=self.seq, attempt=self.attempt, code=code, message=message))
         error = ErrorInfo(code=code, message=message)
@@ -152,10 +159,16 @@ class RunningJob:
     def cancelled(self, reason: str) -> None:
         """End with a `cancelled` event, keeping what it generated."""
         self._fold_tokens()
+        self._ended("cancelled")
         self.seq += 1
         ev = CancelledEvent(seq=self.seq, attempt=self.attempt, reason=reason)
         self._push(ev)
         self.end = JobRecord.fields(status="cancelled", **self._partial_fields())
+
+    def _ended(self, outcome: str) -> float:
+        """Note how and when it ended (worker/metrics.py records it once its end is written)."""
+        self.outcome, self.ended_wall = outcome, time.time()
+        return self.ended_wall
 
     def _partial_fields(self) -> dict[str, Any]:
         """The record fields of a job stopped before it finished: its text so far (no finish

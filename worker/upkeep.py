@@ -270,6 +270,7 @@ class Upkeep:
             if claim.job_id in st.finished and await repair_finished(st, [claim.job_id]):
                 continue  # it had ended here: its lost end is written again, not re-run
             log.info("reclaimed job", extra={"job_id": claim.job_id, "worker_id": st.id})
+            st.metrics.reclaims.inc()
             st.waiting.append(claim)
         st.room.set()
 
