@@ -16,19 +16,30 @@ from gateway import http_errors, queues
 from gateway.access_log import AccessLog
 from gateway.batch import routes as batch_routes
 from gateway.batch.runtime import BatchRuntime
+from gateway.dashboard import routes as dashboard_routes
+from gateway.dashboard.hub import DashboardHub
 from gateway.deadline_sweep import DeadlineSweep
+from gateway.fleet import FleetExporter
 from gateway.job_service import JobService
+from gateway.metrics import GatewayMetrics, ResponseMetrics
 from gateway.middleware import Authenticate, BodyLimit
 from gateway.openai import routes as openai_routes
 from gateway.presence import Presence
 from gateway.pubsub import PubSubRouter
-from gateway.pubsub_wire import Endpoint, PubSubBackend, RawPubSub, RedisPyPubSub
+from gateway.pubsub_wire import (
+    Endpoint,
+    PubSubBackend,
+    RawPubSub,
+    RedisPyPubSub,
+    SentinelMaster,
+    Target,
+)
 from gateway.registry import ModelRegistry
-from gateway.routes import docs, health, jobs, models
+from gateway.routes import docs, health, jobs, metrics, models
 from gateway.state import GatewayState
 from shared import __version__, runtime
 from shared.keys import Keys
-from shared.redisconn import connect
+from shared.redisconn import connect, sentinels
 from shared.settings import GatewaySettings
 from shared.transitions import ScriptRunner
 
@@ -47,8 +58,9 @@ def create_app(
     """The gateway app. `redis` may be given (tests, `genq serve`); else from settings.
 
     `raw_pubsub`: stream events over genq's own hiredis pub/sub connection to
-    `settings.redis_url` (default when the app makes its own client) rather than redis-py's.
-    ValueError, before anything serves, for a URL option that connection cannot honour.
+    `settings.redis_url` or the sentinels' master (default when the app makes its own
+    client) rather than redis-py's. ValueError, before anything serves, for a URL option
+    that connection cannot honour.
     """
     use_raw = (redis is None) if raw_pubsub is None else raw_pubsub
     endpoint = (
@@ -63,8 +75,11 @@ def create_app(
         keys = Keys(settings.key_prefix)
         registry = ModelRegistry(client, keys, settings.card_cache_s)
         backend: PubSubBackend
-        if endpoint is not None:
-            backend = RawPubSub(endpoint, f"genq-gateway-pubsub-{os.getpid()}")
+        target: Endpoint | Target | None = endpoint
+        if use_raw and settings.redis_sentinels:
+            target = _sentinel_master(settings)
+        if target is not None:
+            backend = RawPubSub(target, f"genq-gateway-pubsub-{os.getpid()}")
         else:
             backend = RedisPyPubSub(client)
         router = PubSubRouter(backend, buffer_bytes=settings.stream_buffer_bytes)
@@ -81,10 +96,13 @@ def create_app(
         )
         app.state.genq = state
         app.state.batch = batches = BatchRuntime(state)
+        app.state.dashboard = dashboard = DashboardHub(settings, client, keys)
         runtime.tune_gc()
         receiver = asyncio.create_task(router.run(), name="pubsub-router")
         sweep = DeadlineSweep(settings, client, scripts, keys)
+        fleet = FleetExporter(settings, client, keys, state.presence.id, app.state.metrics)
         background = [
+            asyncio.create_task(fleet.run(), name="fleet-metrics"),
             receiver,
             asyncio.create_task(sweep.run(), name="deadline-sweep"),
             asyncio.create_task(state.admission.repair_loop(), name="admission-repair"),
@@ -96,6 +114,7 @@ def create_app(
             yield
         finally:
             state.draining = True
+            await dashboard.close()
             await batches.stop()
             await queues.stop(groups)
             await router.close()
@@ -104,6 +123,9 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*background)
             await state.presence.close()
+            await fleet.close()
+            if isinstance(target, SentinelMaster):
+                await target.aclose()
             if redis is None:
                 await client.aclose()
 
@@ -116,19 +138,35 @@ def create_app(
         redoc_url=None,
     )
     http_errors.install(app)
+    app.state.metrics = GatewayMetrics(fleet_max_age_s=settings.metrics_fleet_lease_s)
     install_middleware(app, settings)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     app.include_router(models.router)
     app.include_router(jobs.router)
     app.include_router(openai_routes.router)
     docs.install(app)
     app.include_router(batch_routes.router)
+    if settings.dashboard:
+        dashboard_routes.install(app)
     return app
 
 
+def _sentinel_master(settings: GatewaySettings) -> SentinelMaster:
+    assert settings.redis_sentinel_master is not None  # the settings refuse sentinels without
+    password = settings.redis_password
+    return SentinelMaster.of(
+        sentinels(settings),
+        settings.redis_sentinel_master,
+        settings.redis_socket_timeout_s,
+        settings.redis_username,
+        password.get_secret_value() if password else None,
+    )
+
+
 def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:
-    """Outermost first: the access log (it sees every answer, a 401 or a preflight's too),
-    CORS (a preflight needs no key), the API key, the body limit."""
+    """Outermost first: the access log and the response counter (they see every answer, a
+    401 or a preflight's too), CORS (a preflight needs no key), the API key, the body limit."""
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, uploads=settings.file_max_bytes)
     app.add_middleware(Authenticate, settings=settings)
     if settings.cors_origins:
@@ -140,6 +178,7 @@ def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:
             expose_headers=EXPOSED_HEADERS,
             max_age=CORS_MAX_AGE_S,
         )
+    app.add_middleware(ResponseMetrics, metrics=app.state.metrics, root=app)
     if settings.access_log:
         app.add_middleware(AccessLog)
 

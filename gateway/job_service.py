@@ -77,8 +77,10 @@ class JobService:
         self.scripts = scripts
         self.registry = registry
         self.keys = Keys(settings.key_prefix)
-        self.transitions = Transitions(self.keys)
+        self.transitions = Transitions(self.keys, settings.recent_jobs)
         self.admission = AdmissionControl(settings, redis, scripts, self.keys)
+        self._short_of_replicas = False
+        """The last submit was answered with fewer replicas than GENQ_REDIS_WAIT_REPLICAS."""
 
     def validate_id(self, job_id: str) -> str:
         if not JOB_ID.fullmatch(job_id):
@@ -197,7 +199,7 @@ class JobService:
             idem = self.keys.idempotency(caller.owner, check_idempotency_key(idempotency_key), part)
         submission = self.submission(body, spec, idem, caller=caller, fingerprint=fingerprint)
         for _ in range(_SUBMIT_TRIES):
-            reply = await self.scripts.run(submission.call)
+            reply = await self._run_replicated(submission.call)
             if isinstance(reply, Queued):
                 _log_queued(submission.record, caller)
                 return Submitted(submission.record.view(), replayed=False)
@@ -211,6 +213,26 @@ class JobService:
         raise Conflict(
             "Idempotency-Key is being claimed concurrently; retry", param="Idempotency-Key"
         )
+
+    async def _run_replicated(self, call: Call[SubmitReply]) -> SubmitReply:
+        """`call`, held by GENQ_REDIS_WAIT_REPLICAS replicas before it is answered: a write
+        only the master holds is lost if it fails over now (README, "Redis Sentinel")."""
+        want = self.settings.wait_replicas
+        reply, acked = await self.scripts.run_replicated(
+            call, want, self.settings.redis_wait_timeout_ms
+        )
+        short = acked < want
+        if short != self._short_of_replicas:  # one line per change, not one per submit
+            self._short_of_replicas = short
+            if short:
+                log.warning(
+                    "submits answered before enough replicas hold them (each waits "
+                    "GENQ_REDIS_WAIT_TIMEOUT_MS); a failover now can lose them",
+                    extra={"replicas": acked, "wanted": want},
+                )
+            else:
+                log.info("submits held by enough replicas again", extra={"replicas": acked})
+        return reply
 
     def submission(
         self,

@@ -8,7 +8,10 @@ handles one message per job per worker flush, so this is its hottest path. The f
 
 The raw connection reads its address, credentials and TLS settings through redis-py's own
 URL parsing (`Endpoint.from_url`), and refuses at start any URL option it cannot honour:
-a gateway never subscribes somewhere else, or with less security, than its URL says.
+a gateway never subscribes somewhere else, or with less security, than its URL says. With
+Sentinel (`SentinelMaster`) it asks the sentinels for the master before every connection:
+a failover drops it (the old master dies, or the sentinels demote it and close its
+clients), and it subscribes again wherever the master is now.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import inspect
 import logging
 import ssl
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
+from redis.asyncio.sentinel import Sentinel
 from redis.credentials import UsernamePasswordCredentialProvider
 from redis.exceptions import RedisError
 
@@ -129,6 +133,73 @@ class Endpoint:
                 await loop.create_connection(protocol, self.host, self.port, ssl=self.tls)
 
 
+class Target(Protocol):
+    """Where the next connection goes: one fixed endpoint, or wherever the master is now."""
+
+    @property
+    def where(self) -> str: ...
+
+    async def locate(self) -> Endpoint: ...
+
+
+@dataclass(frozen=True)
+class Fixed:
+    endpoint: Endpoint
+
+    @property
+    def where(self) -> str:
+        return self.endpoint.where
+
+    async def locate(self) -> Endpoint:
+        return self.endpoint
+
+
+@dataclass
+class SentinelMaster:
+    """The master the sentinels name now; `template` holds the credentials and timeouts."""
+
+    sentinels: Sentinel
+    master: str
+    template: Endpoint
+    _last: Endpoint | None = None
+
+    @classmethod
+    def of(
+        cls,
+        sentinels: Sentinel,
+        master: str,
+        connect_timeout_s: float,
+        username: str | None,
+        password: str | None,
+    ) -> SentinelMaster:
+        auth = UsernamePasswordCredentialProvider(username, password).get_credentials()
+        template = Endpoint(
+            host="",
+            port=0,
+            connect_timeout_s=connect_timeout_s,
+            auth=tuple(auth) if username or password else (),
+            username=username,
+        )
+        return cls(sentinels, master, template)
+
+    @property
+    def where(self) -> str:
+        at = f" at {self._last.where}" if self._last is not None else ""
+        return f"sentinel master {self.master}{at}"
+
+    async def locate(self) -> Endpoint:
+        """OSError when no sentinel names a master (one is being elected): retried."""
+        try:
+            host, port = await self.sentinels.discover_master(self.master)
+        except RedisError as exc:
+            raise ConnectionError(str(exc)) from exc
+        self._last = replace(self.template, host=str(host), port=int(port))
+        return self._last
+
+    async def aclose(self) -> None:
+        await self.sentinels.aclose()
+
+
 def _refuse_unhonoured(opts: dict[str, Any], *, tls: bool) -> None:
     unknown = sorted(o for o in opts if o not in _HONOURED | _TLS_OPTIONS | NOT_APPLICABLE.keys())
     if unknown:
@@ -191,14 +262,17 @@ class RawPubSub(asyncio.Protocol):
 
     def __init__(
         self,
-        endpoint: Endpoint,
+        target: Endpoint | Target,
         name: str = "genq-gateway",
         *,
         ping_interval_s: float = PING_INTERVAL_S,
         pong_timeout_s: float = PONG_TIMEOUT_S,
     ) -> None:
-        self.endpoint = endpoint
-        self.name = endpoint.client_name or name
+        self.target: Target = Fixed(target) if isinstance(target, Endpoint) else target
+        self.endpoint = target if isinstance(target, Endpoint) else None
+        """The endpoint of the current (or last) connection."""
+        client_name = self.endpoint.client_name if self.endpoint is not None else None
+        self.name = client_name or name
         self._ping_interval_s = ping_interval_s
         self._pong_timeout_s = pong_timeout_s
         self._channels: set[str] = set()
@@ -230,6 +304,7 @@ class RawPubSub(asyncio.Protocol):
             lost: asyncio.Future[None] = loop.create_future()
             self._lost, self._ready = lost, False
             try:
+                self.endpoint = await self.target.locate()
                 await self.endpoint.connect(lambda: self)
             except (OSError, TimeoutError) as exc:
                 # A certificate refused is a misconfiguration, as a password refused is.
@@ -253,7 +328,8 @@ class RawPubSub(asyncio.Protocol):
         self._transport, self._dropped = t, False
         self._reader = hiredis.Reader(encoding="utf-8", errors="replace")
         self._outbox = []  # superseded by the full SUBSCRIBE below
-        hello = [_pack("AUTH", *self.endpoint.auth)] if self.endpoint.auth else []
+        auth = self.endpoint.auth if self.endpoint is not None else ()
+        hello = [_pack("AUTH", *auth)] if auth else []
         hello.append(_pack("CLIENT", "SETNAME", self.name))  # visible in CLIENT LIST
         if self._channels:
             hello.append(_pack("SUBSCRIBE", *self._channels))
@@ -319,8 +395,8 @@ class RawPubSub(asyncio.Protocol):
             self._transport.abort()
 
     def _fields(self, error: object = None) -> dict[str, object]:
-        fields: dict[str, object] = {"redis": self.endpoint.where, "client_name": self.name}
-        if self.endpoint.username:
+        fields: dict[str, object] = {"redis": self.target.where, "client_name": self.name}
+        if self.endpoint is not None and self.endpoint.username:
             fields["redis_user"] = self.endpoint.username
         if error is not None:
             fields["error"] = str(error)

@@ -14,6 +14,7 @@ import socket
 import uvicorn
 from uvicorn.supervisors import Multiprocess
 
+from gateway import multiproc
 from gateway.app import create_app
 from gateway.http_protocol import HTTP_PROTOCOL
 from shared import logs
@@ -70,6 +71,9 @@ def run_gateway(settings: GatewaySettings, sock: socket.socket, processes: int) 
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
         backlog=LISTEN_BACKLOG,
     )
+    # N processes share their metrics through files (gateway/multiproc.py); one keeps its own
+    # unless PROMETHEUS_MULTIPROC_DIR is set, whose files are then emptied too
+    made = multiproc.prepare() if processes > 1 or multiproc.directory() else None
     try:
         if processes > 1:
             _supervise(config, sock)
@@ -77,6 +81,7 @@ def run_gateway(settings: GatewaySettings, sock: socket.socket, processes: int) 
             uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()
+        multiproc.remove(made)
 
 
 def _supervise(config: uvicorn.Config, sock: socket.socket) -> None:

@@ -42,14 +42,13 @@ def _invalid(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _need_redis(settings: RedisSettings, command: str) -> str:
-    """The Redis URL `command` cannot run without; SystemExit with one line when unset."""
-    if not settings.redis_url:
+def _need_redis(settings: RedisSettings, command: str) -> None:
+    """SystemExit with one line when `command`'s settings name no Redis."""
+    if not settings.redis_configured:
         raise SystemExit(
-            f"genq: error: genq {command} needs a Redis: --redis-url redis://HOST:6379/0 or "
-            "GENQ_REDIS_URL (genq serve runs one of its own)"
+            f"genq: error: genq {command} needs a Redis: --redis-url redis://HOST:6379/0, "
+            "GENQ_REDIS_URL or GENQ_REDIS_SENTINELS (genq serve runs one of its own)"
         )
-    return settings.redis_url
 
 
 def _redis_flag(p: argparse.ArgumentParser, embedded: bool = False) -> None:
@@ -282,8 +281,9 @@ def _gateway(args: argparse.Namespace, level: dict[str, Any]) -> int:
     from gateway.server import listen, run_gateway, url_of
 
     settings = _load(GatewaySettings, **level, redis_url=args.redis_url)
-    # each uvicorn process builds its settings from GENQ_*: the flag must reach them
-    os.environ["GENQ_REDIS_URL"] = _need_redis(settings, "gateway")
+    _need_redis(settings, "gateway")
+    if settings.redis_url:  # each uvicorn process builds its settings from GENQ_*: the flag
+        os.environ["GENQ_REDIS_URL"] = settings.redis_url  # must reach them
     sock = listen(args.host, args.port)
     print(f"genq gateway on {url_of(sock)}  ({args.workers} process(es))", flush=True)
     run_gateway(settings, sock, args.workers)

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
+
 from shared.settings import WorkerSettings
 from worker import cpus
 from worker.exl2 import loader
@@ -107,6 +109,8 @@ def settings_env(settings: WorkerSettings, **overrides: Any) -> dict[str, str]:
     for name, value in {**settings.model_dump(), **overrides}.items():
         if value is None:
             continue
+        if isinstance(value, SecretStr):  # a password the child needs, not its mask
+            value = value.get_secret_value()
         if isinstance(value, list | dict):
             env[f"GENQ_{name.upper()}"] = json.dumps(value)
         else:

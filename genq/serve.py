@@ -7,8 +7,9 @@ One plan, chosen before anything starts (`plan_serve`):
   multi    this process runs the gateway (uvicorn); a child runs the launcher with N worker
            processes per GPU. Needs a Redis every process can reach.
 
-Redis, in this order: GENQ_REDIS_URL; a private `redis-server` started in a temporary directory
-on a free port and stopped on exit; in-process fakeredis (single only).
+Redis, in this order: GENQ_REDIS_URL (or GENQ_REDIS_SENTINELS); a private `redis-server`
+started in a temporary directory on a free port and stopped on exit; in-process fakeredis
+(single only).
 
 The listening socket comes first: a busy port stops `genq serve` before Redis or any worker
 starts, and the address is printed only once it is ours.
@@ -70,10 +71,9 @@ def serve(
     url = url_of(sock)
     plan = plan_serve(settings, gpus, procs_per_gpu)
     with sock, contextlib.ExitStack() as stack:
-        redis_url = settings.redis_url or stack.enter_context(private_redis())
-        if redis_url is not None:
+        if not settings.redis_configured and (redis_url := stack.enter_context(private_redis())):
             settings = settings.model_copy(update={"redis_url": redis_url})
-        elif plan.multi:
+        if not settings.redis_configured and plan.multi:
             log.warning("no redis-server to share between worker processes: running one")
             plan = ServePlan(plan.gpus[:1], 1)
         if plan.multi:
@@ -100,7 +100,7 @@ def _announce(url: str, what: str, model: str) -> None:
 
 
 def _client(settings: Settings) -> aioredis.Redis:
-    if settings.redis_url:
+    if settings.redis_configured:
         return connect(settings)
     import fakeredis  # only here: no other genq process needs it
 
@@ -112,7 +112,8 @@ async def _serve_single(
     settings: Settings, client: aioredis.Redis, sock: socket.socket, url: str
 ) -> int:
     worker = Worker(settings, await open_engine(settings), redis=client)
-    app = create_app(settings, redis=client, raw_pubsub=settings.redis_url is not None)
+    app = create_app(settings, redis=client, raw_pubsub=settings.redis_configured)
+    app.state.metrics.extra.append(worker.st.metrics.render)  # one /metrics for both
     config = uvicorn.Config(
         app,
         log_config=logs.log_config(settings),

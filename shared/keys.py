@@ -63,6 +63,12 @@ class Keys:
         """Set: names of models that have a card."""
         return f"{self.prefix}models"
 
+    def recent_jobs(self) -> str:
+        """Stream, capped (GENQ_RECENT_JOBS): an entry (`shared.records.RecentJob`) per job
+        submitted and per job ended, in the script that does it; the dashboard's recent jobs.
+        One key for every job, like the deadlines index: part of the Cluster seam."""
+        return f"{self.prefix}recent"
+
     def deadlines(self) -> str:
         """Sorted set: ids of jobs with a timeout, scored by their deadline (unix seconds)."""
         return f"{self.prefix}deadlines"
@@ -73,6 +79,10 @@ class Keys:
     def lock(self, name: str) -> str:
         """String with TTL: held by the one process doing `name` now (e.g. a sweep)."""
         return f"{self.prefix}lock:{name}"
+
+    def fleet_metrics_lease(self) -> str:
+        """String with TTL: the one gateway process exporting the fleet's gauges now."""
+        return f"{self.prefix}lock:fleet-metrics"
 
     def idempotency(self, owner: str, key: str, part: int = 0) -> str:
         """String: an owner's Idempotency-Key → the job it made. Part i > 0 of a request

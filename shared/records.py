@@ -196,6 +196,17 @@ class QueueEntry(HashModel):
     entries written before owners were recorded."""
 
 
+class RecentJob(HashModel):
+    """An entry of the recent-jobs stream (`Keys.recent_jobs`): a job submitted (with its
+    model and priority) or ended (with its final status), written by the script that does
+    it. Ids and what the dashboard shows only: never the prompt, never the owner."""
+
+    job: str
+    status: str
+    model: str | None = None
+    priority: str | None = None
+
+
 class DeadLetter(HashModel):
     """An entry of the dead-letter stream: a job (or a queue entry) given up on."""
 
@@ -243,6 +254,14 @@ class Heartbeat(HashModel):
     worker_step_s: float = 0.0
     """Cumulative (tools take deltas): steps and their engine seconds; steps timed as the
     worker saw them (those that followed another without a pause) and their seconds."""
+    beat_at: float = 0.0
+    """When the worker wrote this beat (its clock, unix seconds); 0 on older workers'."""
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    """The engine's cache pages in use (or promised to jobs starting) and in all, as the
+    worker's admission counts them; both 0 for an engine that counts no pages (sim)."""
+    waiting: int = 0
+    """Jobs claimed from the queue and not started yet (waiting for room in the engine)."""
 
 
 class ControlMessage(BaseModel):

@@ -1,10 +1,16 @@
-"""Redis clients with retries and health checks set explicitly (never version defaults)."""
+"""Redis clients with retries and health checks set explicitly (never version defaults).
+
+Redis is named by a URL, or by Sentinels that say where the master is now: `connect` builds
+either, and a Sentinel-managed client asks them again on every new connection, so after a
+failover the next command reaches the promoted replica.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import (
     BusyLoadingError,
@@ -19,7 +25,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.redis_health import ObservedRetry
-from shared.settings import RedisSettings
+from shared.settings import RedisSettings, sentinel_address
 
 RETRY_ON = (RedisConnectionError, RedisTimeoutError, ConnectionResetError)
 TRANSIENT = (
@@ -32,7 +38,15 @@ TRANSIENT = (
     NoScriptError,  # NOSCRIPT: a restarted Redis forgot the scripts (the runner reloads)
     TryAgainError,
 )
-_TRANSIENT_REPLIES = ("BUSY ", "OOM ", "LOADING ", "READONLY ", "MASTERDOWN ", "NOSCRIPT ")
+_TRANSIENT_REPLIES = (
+    "BUSY ",
+    "OOM ",
+    "LOADING ",
+    "READONLY ",
+    "MASTERDOWN ",
+    "NOSCRIPT ",
+    "NOREPLICAS ",  # min-replicas-to-write: too few replicas in sync, until one catches up
+)
 """Error replies of a Redis that will take the same command again shortly (BUSY: a script
 or module ran long), however the client library names them."""
 
@@ -47,9 +61,10 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def connect(settings: RedisSettings, url: str | None = None, **overrides: Any) -> aioredis.Redis:
-    """An asyncio client for `url` (default: settings.redis_url); responses decoded to str."""
+    """An asyncio client for `url` (default: settings.redis_url, else the sentinels' master);
+    responses decoded to str."""
     target = url or settings.redis_url
-    if not target:
+    if not target and not settings.redis_sentinels:
         raise ValueError("no Redis URL: set GENQ_REDIS_URL (or use `genq serve`)")
     options: dict[str, Any] = dict(
         # Blocking: a burst of streams waits for a free connection instead of failing.
@@ -72,5 +87,45 @@ def connect(settings: RedisSettings, url: str | None = None, **overrides: Any) -
         max_connections=settings.redis_max_connections,
     )
     options.update(overrides)
+    if not target:
+        return _master_client(settings, options)
     pool = options.pop("connection_pool_class").from_url(target, **options)
     return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
+
+
+class SentinelBlockingPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):  # type: ignore[misc]
+    """Sentinel's master-following pool that waits for a free connection, as the URL one
+    does, rather than failing a burst; closing it closes its sentinel clients too."""
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        await super().disconnect(inuse_connections)
+        if inuse_connections:  # the client's close (a master change drops idle ones only)
+            await self.sentinel_manager.aclose()
+
+
+def sentinels(settings: RedisSettings) -> Sentinel:
+    """Clients of the sentinels themselves (asked where the master is, never for data)."""
+    password = settings.redis_sentinel_password
+    return Sentinel(
+        [sentinel_address(a) for a in settings.redis_sentinels],
+        sentinel_kwargs=dict(
+            password=password.get_secret_value() if password else None,
+            decode_responses=True,
+            socket_timeout=settings.redis_socket_timeout_s,
+            socket_connect_timeout=settings.redis_socket_timeout_s,
+            socket_keepalive=True,
+        ),
+    )
+
+
+def _master_client(settings: RedisSettings, options: dict[str, Any]) -> aioredis.Redis:
+    assert settings.redis_sentinel_master is not None  # the settings refuse sentinels without
+    options.pop("connection_pool_class")
+    password = settings.redis_password
+    return sentinels(settings).master_for(
+        settings.redis_sentinel_master,
+        connection_pool_class=SentinelBlockingPool,
+        username=settings.redis_username,
+        password=password.get_secret_value() if password else None,
+        **options,
+    )

@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    SecretStr,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -108,6 +109,26 @@ def _limit_pairs(text: str) -> dict[str, str]:
     return out
 
 
+WAIT_TIMEOUT_MS = 100
+"""A submit's WAIT on loopback returns in well under a millisecond (docs/benchmarks.md,
+"Redis Sentinel"); this bound only matters while a replica is slow or gone."""
+_SENTINEL_ONLY = (
+    "redis_sentinel_master",
+    "redis_sentinel_password",
+    "redis_password",
+    "redis_username",
+)
+
+
+def sentinel_address(address: str) -> tuple[str, int]:
+    """`host:port` (`[v6]:port` for IPv6) as a pair; ValueError naming a bad one."""
+    host, sep, port = address.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"sentinel {address!r} is not host:port (e.g. 10.0.0.1:26379)")
+    return host, int(port)
+
+
 class RedisSettings(BaseSettings):
     model_config = _CONFIG
 
@@ -123,6 +144,42 @@ class RedisSettings(BaseSettings):
     redis_pool_timeout_s: float = Field(
         default=10.0, gt=0, description="wait this long for a free pooled connection"
     )
+
+    # Sentinel: where the master is found instead of a URL (README "Redis Sentinel")
+    redis_sentinels: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Redis Sentinels as host:port, comma-separated (or a JSON list): every "
+        "client then asks them for the master and follows it through failovers; not with "
+        "redis_url",
+    )
+    redis_sentinel_master: str | None = Field(
+        default=None,
+        description="the master's name in the sentinels' config (`sentinel "
+        "monitor NAME …`); required with redis_sentinels",
+    )
+    redis_sentinel_password: SecretStr | None = Field(
+        default=None, description="the sentinels' own password (their requirepass), if any"
+    )
+    redis_password: SecretStr | None = Field(
+        default=None,
+        description="with redis_sentinels: the master's (and replicas') password; with "
+        "redis_url the password goes in the URL",
+    )
+    redis_username: str | None = Field(
+        default=None, description="with redis_sentinels: the master's ACL user, if not default"
+    )
+    redis_wait_replicas: int | None = Field(
+        default=None,
+        ge=0,
+        description="replicas that must hold a job before its submit is answered 2xx "
+        "(Redis WAIT after the submit); default 1 with redis_sentinels, else 0 (off)",
+    )
+    redis_wait_timeout_ms: int = Field(
+        default=WAIT_TIMEOUT_MS,
+        ge=1,
+        description="how long a submit waits for those replicas; a submit still unreplicated "
+        "then is answered anyway, with a warning logged",
+    )
     log_level: LogLevel = Field(
         default="info", description="least level logged; `--log-level` overrides it"
     )
@@ -137,6 +194,58 @@ class RedisSettings(BaseSettings):
     def _lower(cls, v: object) -> object:
         return v.lower() if isinstance(v, str) else v  # GENQ_LOG_LEVEL=INFO is common
 
+    @field_validator("redis_sentinels", mode="before")
+    @classmethod
+    def _sentinel_list(cls, v: Any) -> Any:
+        return _key_list(v)
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _sentinels_are_addresses(cls, v: list[str]) -> list[str]:
+        for address in v:
+            sentinel_address(address)  # ValueError naming it
+        return v
+
+    @model_validator(mode="after")
+    def _one_way_to_redis(self) -> RedisSettings:
+        if self.redis_wait_timeout_ms >= self.redis_socket_timeout_s * 1000:
+            raise ValueError(
+                "GENQ_REDIS_WAIT_TIMEOUT_MS must be under GENQ_REDIS_SOCKET_TIMEOUT_S, or a "
+                "submit's WAIT would time out its connection"
+            )
+        if not self.redis_sentinels:
+            given = [n for n in _SENTINEL_ONLY if getattr(self, n) is not None]
+            if given:
+                names = ", ".join(f"GENQ_{n.upper()}" for n in given)
+                raise ValueError(
+                    f"{names}: only with GENQ_REDIS_SENTINELS (with GENQ_REDIS_URL, put the "
+                    "password and user in the URL: redis://USER:PASSWORD@HOST:6379/0)"
+                )
+            return self
+        if self.redis_url:
+            raise ValueError(
+                "GENQ_REDIS_URL and GENQ_REDIS_SENTINELS: give one, not both (with sentinels "
+                "the master is found through them; its password: GENQ_REDIS_PASSWORD)"
+            )
+        if not self.redis_sentinel_master:
+            raise ValueError(
+                "GENQ_REDIS_SENTINELS needs GENQ_REDIS_SENTINEL_MASTER, the name the "
+                "sentinels monitor the master under"
+            )
+        return self
+
+    @property
+    def redis_configured(self) -> bool:
+        """A shared Redis is named, by URL or through sentinels."""
+        return bool(self.redis_url or self.redis_sentinels)
+
+    @property
+    def wait_replicas(self) -> int:
+        """Replicas a submit waits for (GENQ_REDIS_WAIT_REPLICAS, or its default)."""
+        if self.redis_wait_replicas is not None:
+            return self.redis_wait_replicas
+        return 1 if self.redis_sentinels else 0
+
     @field_validator("key_prefix")
     @classmethod
     def _prefix_is_safe(cls, v: str) -> str:
@@ -150,6 +259,12 @@ class RedisSettings(BaseSettings):
 class JobSettings(RedisSettings):
     retention_s: int = Field(default=86_400, ge=1, description="TTL of a finished job's keys")
     event_log_maxlen: int = Field(default=100_000, ge=100)
+    recent_jobs: int = Field(
+        default=1000,
+        ge=0,
+        description="entries kept in the recent-jobs stream the dashboard lists (two a job: "
+        "its submission and its end); 0: none written",
+    )
     shutdown_grace_s: float = Field(default=30.0, ge=0)
 
 
@@ -265,6 +380,25 @@ class GatewaySettings(JobSettings):
         description="a job streamed with cancel-on-disconnect by a gateway that is gone is "
         "cancelled this long after the gateway's lease ran out, unless its client resumed "
         "it through /v1/jobs/{id}/events",
+    )
+
+    # metrics (gateway/metrics.py, gateway/fleet.py)
+    metrics_require_key: bool = Field(
+        default=False,
+        description="GET /metrics needs an admin key (GENQ_ADMIN_KEYS); off: open, as "
+        "Prometheus scrapes expect (its labels name models and workers, never jobs or keys)",
+    )
+    metrics_fleet_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="how often the gateway exporting the fleet's gauges (queues, workers, "
+        "dead letters, batches) reads them from Redis and renews its lease",
+    )
+    metrics_fleet_lease_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="an exporter of the fleet's gauges silent this long is replaced by "
+        "another gateway process",
     )
 
     # OpenAI-compatible API
@@ -411,6 +545,20 @@ class GatewaySettings(JobSettings):
         description="a batch's job keeps its record and event log this long once its result "
         "is in the batch (instead of GENQ_RETENTION_S): about 8 KB a job while kept",
     )
+    dashboard: bool = Field(
+        default=True, description="serve /dashboard (behind an admin key when keys are set)"
+    )
+    dashboard_interval_s: float = Field(
+        default=0.5,
+        ge=0.05,
+        description="how often a gateway process reads the fleet for its dashboard viewers "
+        "(once for all of them, only while one is connected)",
+    )
+    dashboard_jobs: int = Field(default=50, ge=1, le=1000, description="recent jobs shown")
+    dashboard_batches: int = Field(default=10, ge=0, le=200, description="recent batches shown")
+    dashboard_session_s: int = Field(
+        default=43_200, ge=60, description="how long the dashboard's login cookie lasts"
+    )
 
     _default_template = field_validator("default_chat_template")(_template_text)
     _split_keys = field_validator("api_keys", "admin_keys", "cors_origins", mode="before")(
@@ -440,6 +588,16 @@ class GatewaySettings(JobSettings):
     def _lease_outlasts_beats(self) -> GatewaySettings:
         if self.gateway_lease_s <= self.gateway_heartbeat_s:
             raise ValueError("gateway_lease_s must be longer than gateway_heartbeat_s")
+        return self
+
+    @model_validator(mode="after")
+    def _metrics_settings(self) -> GatewaySettings:
+        if self.metrics_fleet_lease_s <= self.metrics_fleet_interval_s:
+            raise ValueError("metrics_fleet_lease_s must be longer than metrics_fleet_interval_s")
+        if self.metrics_require_key and not self.admin_api_keys:
+            raise ValueError(
+                "metrics_require_key needs an admin key (GENQ_ADMIN_KEYS or GENQ_ADMIN_KEYS_FILE)"
+            )
         return self
 
     @property
@@ -513,6 +671,15 @@ class EngineSettings(BaseSettings):
         description="exllamav3: where Triton keeps compiled kernels (TRITON_CACHE_DIR), on a "
         "disk that outlives the worker so a restart skips the JIT; default: Triton's own "
         "(~/.triton/cache)",
+    )
+
+    torch_threads: int = Field(
+        default=1,
+        ge=1,
+        description="exllamav3: torch's CPU threads in the engine process (torch.set_num_threads)."
+        " The generator's step is bound by the one thread launching kernels; torch's default "
+        "pool (one thread per CPU) spins beside it on the generator's small CPU tensors and "
+        "slowed a 64-stream step from 43 to 75 ms on an H200 (docs/benchmarks.md, issue 17)",
     )
 
     # sim
@@ -608,8 +775,8 @@ class WorkerSettings(JobSettings, EngineSettings):
         default=None,
         ge=1,
         le=65535,
-        description="port of the worker's own HTTP server: /healthz and /readyz for probes "
-        "(later /metrics); unset = no server. The launcher gives its Nth process port + N",
+        description="port of the worker's own HTTP server: /healthz and /readyz for probes, "
+        "/metrics for Prometheus; unset = no server. The launcher gives its Nth process port + N",
     )
     metrics_host: str | None = Field(
         default=None, description="address that server binds; default: every interface"

@@ -5,8 +5,9 @@ arguments; `ScriptRunner` runs calls, one or a pipeline of many, by EVALSHA. Eve
 touches the keys of one job (one Cluster slot) and, besides them, only: SUBMIT its queue, the
 deadlines index, the idempotency key and the admission counters; EMIT and SETTLE the
 admission counters and the deadlines index when the job ends (shared/quotas.py), and the done
-stream of a batch's job (its record names it); TOUCH the queue it checks. Those are the seam
-for Cluster (per-slot submits, indexes per slot).
+stream of a batch's job (its record names it); TOUCH the queue it checks; SUBMIT, EMIT and
+SETTLE the recent-jobs stream (the dashboard's). Those are the seam for Cluster (per-slot
+submits, indexes per slot).
 
 Who may write a job (fencing): the gateway while it is `queued` and nobody runs it (SUBMIT,
 SETTLE of a cancel), the worker the record names at the record's `attempt` while it is
@@ -30,12 +31,14 @@ from redis.exceptions import NoScriptError
 
 from shared.keys import Keys
 from shared.records import JobRecord, QueueEntry
+from shared.settings import JobSettings
 
 if TYPE_CHECKING:
     from shared.quotas import Admission
 
 R = TypeVar("R")
 Arg = str | int | float
+RECENT_JOBS: int = JobSettings.model_fields["recent_jobs"].default
 EncodedEvent = tuple[int, str]
 """(seq, the event's JSON) as `shared.events.encode` made it."""
 
@@ -220,10 +223,12 @@ def _events(events: Sequence[EncodedEvent]) -> list[Arg]:
 
 
 class Transitions:
-    """Builds the calls for the jobs of one key prefix."""
+    """Builds the calls for the jobs of one key prefix. `recent_jobs`: the cap of the
+    recent-jobs stream the submit and end of every job are noted in (GENQ_RECENT_JOBS)."""
 
-    def __init__(self, keys: Keys) -> None:
+    def __init__(self, keys: Keys, recent_jobs: int = RECENT_JOBS) -> None:
         self.keys = keys
+        self.recent_jobs = recent_jobs
 
     def _job_keys(self, job_id: str) -> list[str]:
         k = self.keys
@@ -234,7 +239,7 @@ class Transitions:
         deadlines index."""
         k = self.keys
         admission = [k.admission_counts(), k.admission_jobs(), k.admission_checks()]
-        return [*self._job_keys(job_id), *admission, k.deadlines()]
+        return [*self._job_keys(job_id), *admission, k.deadlines(), k.recent_jobs()]
 
     def submit(
         self,
@@ -259,6 +264,7 @@ class Transitions:
             k.admission_jobs(),
             k.admission_checks(),
             k.overflow(spec.model, spec.priority),
+            k.recent_jobs(),
         ]
         scopes: list[Arg] = []
         for q in admission.quotas:
@@ -275,6 +281,9 @@ class Transitions:
             len(admission.quotas),
             admission.fair_field,
             admission.fair_share,
+            self.recent_jobs,
+            spec.model,
+            spec.priority,
             *scopes,
             *_flat(entry_fields),
             *_flat(record.to_hash()),
@@ -297,7 +306,8 @@ class Transitions:
         retention_s: int = 0,
     ) -> Call[EmitReply]:
         """The owner's events, and (when the job ends) its record `fields` and retention."""
-        args: list[Arg] = [worker, attempt, maxlen, retention_s, job_id, len(events)]
+        args: list[Arg] = [worker, attempt, maxlen, retention_s, job_id, self.recent_jobs]
+        args.append(len(events))
         args += _events(events)
         args += _flat(fields or {})
         return Call(script("emit"), self._ending_keys(job_id), args, _emit_reply)
@@ -315,7 +325,8 @@ class Transitions:
         retention_s: int,
     ) -> Call[bool]:
         """End a job nobody runs, if its status, attempt and log end are still these."""
-        args: list[Arg] = [status, attempt, last_seq, maxlen, retention_s, job_id, *event]
+        args: list[Arg] = [status, attempt, last_seq, maxlen, retention_s, job_id]
+        args += [self.recent_jobs, *event]
         args += _flat(fields)
         return Call(script("settle"), self._ending_keys(job_id), args, lambda r: bool(int(r)))
 
@@ -369,6 +380,27 @@ class ScriptRunner:
             await self.load([call.script])
             raw = await self._evalsha(self.redis, call)
         return call.parse(raw)
+
+    async def run_replicated(self, call: Call[R], replicas: int, timeout_ms: int) -> tuple[R, int]:
+        """One call, then WAIT for `replicas` replicas to hold it (at most `timeout_ms`):
+        its parsed reply and how many did. Both go in one pipeline, so on one connection:
+        WAIT counts the replicas that have this connection's last write."""
+        if replicas <= 0:
+            return await self.run(call), 0
+        raw, acked = await self._replicated(call, replicas, timeout_ms)
+        if isinstance(raw, NoScriptError):
+            await self.load([call.script])
+            raw, acked = await self._replicated(call, replicas, timeout_ms)
+        for r in (raw, acked):
+            if isinstance(r, Exception):
+                raise r
+        return call.parse(raw), int(acked)
+
+    async def _replicated(self, call: Call[Any], replicas: int, timeout_ms: int) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+        pipe.execute_command("WAIT", replicas, timeout_ms)
+        return list(await pipe.execute(raise_on_error=False))
 
     async def run_all(self, calls: Sequence[Call[Any]]) -> list[Any]:
         """One pipeline; each call's parsed reply, or the error Redis answered it with, in

@@ -72,6 +72,15 @@ class Admission:
         self._promises.append((now + PROMISE_TTL_S, need))
         return True
 
+    def in_use(self) -> float:
+        """The share of the cache's pages taken or promised to jobs admitted (0 to 1; 0 for
+        an engine without pages): what `genq_kv_cache_usage_perc` reports."""
+        if not self.page_size or not self.total_pages:
+            return 0.0
+        promised = sum(p for _, p in self._promises) + sum(p for _, p in self._sent)
+        free = max(0, self.free_pages - promised)
+        return min(1.0, 1.0 - free / self.total_pages)
+
     def sent(self, need_tokens: int) -> None:
         """An add went to the engine: the oldest promise becomes a reservation of this job's
         pages until the engine reports the add applied."""

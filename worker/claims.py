@@ -312,6 +312,7 @@ class Claimer:
             text_parts=list(resumed[1]),
         )
         st.running[spec.id] = run
+        st.metrics.attempts.inc()
         st.dirty.add(spec.id)
         run.started(st.id)
         joblog.started(st, run)

@@ -101,4 +101,5 @@ async def dead_letter(st: WorkerState, claim: Claim, attempts: int, reason: str)
         maxlen=_DEAD_LETTERS_KEPT,
         approximate=True,
     )
+    st.metrics.dead_lettered.inc()
     joblog.dead_lettered(st, claim, attempts, reason)

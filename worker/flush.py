@@ -78,6 +78,7 @@ class Flusher:
                 continue  # an attempt this worker no longer runs
             if run.end is not None or run.retry_error is not None:
                 continue
+            st.metrics.output(run, out)
             if out.token_ids or out.text:
                 if run.first_token_wall is None:
                     st.urgent.add(run.id)
@@ -182,7 +183,7 @@ class Flusher:
             elif isinstance(reply, Exception):  # refused for what it is (a damaged key)
                 log.error("Redis rejected events", extra={"job_id": run.id, "error": str(reply)})
                 run.end, run.retry_error = None, f"Redis rejected the job's events: {reply}"
-                run.outcome = None
+                run.ending = None
                 self._flush_soon(run.id)  # handed back (counted) at the next flush
             elif isinstance(reply, LostTail):  # Redis lost the end of the log: nothing written
                 lost_tail.append((run, events, reply.last))
@@ -191,6 +192,7 @@ class Flusher:
                 st.drop(run.id)
             elif run.end is not None:
                 run.remember(events, st.settings.log_repair_window_s)
+                st.metrics.ended(run)
                 st.finish(run)
                 joblog.ended(st, run)
                 ended.append(run.claim)
@@ -256,6 +258,7 @@ class Flusher:
                 "job failed; handing it back",
                 extra={"job_id": run.id, "attempt": run.attempt, "error": run.retry_error},
             )
+            st.metrics.attempt_failures.inc()
             try:
                 await hand_back(st, run, counted=True, error=run.retry_error or "")
             except (RedisError, OSError) as exc:  # still ours in the PEL: reclaimed later

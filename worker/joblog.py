@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from worker.jobstate import Claim, Outcome, RunningJob
+from worker.jobstate import Claim, Ending, RunningJob
 
 if TYPE_CHECKING:
     from worker.state import WorkerState
@@ -60,7 +60,7 @@ def started(st: WorkerState, run: RunningJob) -> None:
 
 def ended(st: WorkerState, run: RunningJob) -> None:
     """The job's end is written: one line saying how it ended."""
-    outcome = run.outcome
+    outcome = run.ending
     if outcome is None:
         return
     st.counts.count_end(outcome.status)
@@ -70,7 +70,7 @@ def ended(st: WorkerState, run: RunningJob) -> None:
     log.log(level, _END_MESSAGES.get(outcome.status, "job ended"), extra=fields)
 
 
-def _end_fields(outcome: Outcome) -> dict[str, object]:
+def _end_fields(outcome: Ending) -> dict[str, object]:
     u, t = outcome.usage, outcome.timings
     fields: dict[str, object] = {
         "status": outcome.status,

@@ -28,7 +28,7 @@ class Claim:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class Ending:
     """How a job ended here, as its end's record fields say it (for its log line)."""
 
     status: str
@@ -60,14 +60,20 @@ class RunningJob:
     acc_logprobs: list[dict[str, Any]] | None = None
     end: dict[str, str] | None = None
     """The record fields of its end (status among them), once the job has ended locally."""
-    outcome: Outcome | None = None
-    """The same end, unencoded."""
+    ending: Ending | None = None
+    """The same end, unencoded (worker/joblog.py)."""
     retry_error: str | None = None
     """Set when the engine failed the job: it goes back to the queue for another attempt."""
     stop: Stop | None = None
     """Set once the worker asked the engine to stop the job (cancel, deadline)."""
     recent: deque[tuple[float, list[EncodedEvent]]] = field(default_factory=deque)
     """(monotonic time, events) of recent successful flushes, to repair the log."""
+    last_output_s: float = 0.0
+    """perf_counter of its last tokens from the engine (the inter-token latency metric)."""
+    outcome: str | None = None
+    """How it ended here: its finish reason (stop, length), or cancelled, failed, expired."""
+    ended_wall: float | None = None
+    """When it ended here (unix time): the metrics' end-to-end and decode times end there."""
 
     @property
     def id(self) -> str:
@@ -136,7 +142,7 @@ class RunningJob:
     def finish(self, reason: FinishReason) -> None:
         """End with 'stop' or 'length': the done event and the result go out at the next flush."""
         self._fold_tokens()
-        now = time.time()
+        now = self._ended(reason)
         usage, timings = self._usage(), self._timings(now)
         self.seq += 1
         done = DoneEvent(
@@ -154,27 +160,34 @@ class RunningJob:
             usage=usage,
             timings=timings,
         )
-        self.outcome = Outcome("succeeded", usage, timings, finish_reason=reason)
+        self.ending = Ending("succeeded", usage, timings, finish_reason=reason)
 
     def fail(self, status: str, code: str, message: str) -> None:
         """End with an `error` event (status 'failed' or 'expired'), keeping what it generated."""
         self._fold_tokens()
+        self._ended(status)
         self.seq += 1
         self._push(ErrorEvent(seq=self.seq, attempt=self.attempt, code=code, message=message))
         error = ErrorInfo(code=code, message=message)
         partial = self._partial_fields()
         self.end = JobRecord.fields(status=status, error=error, **partial)
-        self.outcome = Outcome(status, partial["usage"], partial["timings"], detail=code)
+        self.ending = Ending(status, partial["usage"], partial["timings"], detail=code)
 
     def cancelled(self, reason: str) -> None:
         """End with a `cancelled` event, keeping what it generated."""
         self._fold_tokens()
+        self._ended("cancelled")
         self.seq += 1
         ev = CancelledEvent(seq=self.seq, attempt=self.attempt, reason=reason)
         self._push(ev)
         partial = self._partial_fields()
         self.end = JobRecord.fields(status="cancelled", **partial)
-        self.outcome = Outcome("cancelled", partial["usage"], partial["timings"], detail=reason)
+        self.ending = Ending("cancelled", partial["usage"], partial["timings"], detail=reason)
+
+    def _ended(self, outcome: str) -> float:
+        """Note how and when it ended (worker/metrics.py records it once its end is written)."""
+        self.outcome, self.ended_wall = outcome, time.time()
+        return self.ended_wall
 
     def _partial_fields(self) -> dict[str, Any]:
         """The record fields of a job stopped before it finished: its text so far (no finish

@@ -16,6 +16,7 @@ from worker.engines import EXL2_MODULES, build_engine, check_engine, require_gpu
 from worker.health import Health
 from worker.http import HttpServer
 from worker.link import EngineLink
+from worker.metrics import MetricsRoute
 from worker.runner import EngineRunner
 from worker.service import Worker
 
@@ -42,14 +43,15 @@ async def serve_worker(settings: WorkerSettings) -> int:
     if pinned is not None:
         log.info("pinned to CPUs", extra={"cpus": settings.cpus, "count": pinned})
     health = Health()
-    server = await _start_http(settings, health)
+    metrics = MetricsRoute()
+    server = await _start_http(settings, health, metrics)
     try:
         try:
             engine = await open_engine(settings)  # probes are answered meanwhile
         except EngineStartError as exc:
             log.error("the engine did not start", extra={"error": str(exc)})
             return 1
-        return await _serve(settings, engine, health)
+        return await _serve(settings, engine, health, metrics)
     finally:
         if server is not None:
             await server.close()
@@ -65,18 +67,24 @@ async def open_engine(settings: WorkerSettings) -> EngineLink:
     return EngineRunner(engine, detokenize=settings.detokenize == "worker")
 
 
-async def _start_http(settings: WorkerSettings, health: Health) -> HttpServer | None:
+async def _start_http(
+    settings: WorkerSettings, health: Health, metrics: MetricsRoute
+) -> HttpServer | None:
     if settings.metrics_port is None:
         return None
     server = HttpServer(settings.metrics_host, settings.metrics_port)
     health.install(server)
+    metrics.install(server)
     await server.start()
     return server
 
 
-async def _serve(settings: WorkerSettings, engine: EngineLink, health: Health) -> int:
+async def _serve(
+    settings: WorkerSettings, engine: EngineLink, health: Health, metrics: MetricsRoute
+) -> int:
     worker = Worker(settings, engine)
     health.attach(worker.st)
+    metrics.attach(worker.st.metrics)
     runtime.tune_gc()
     install_signals(worker.stop)
     try:

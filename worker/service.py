@@ -55,6 +55,7 @@ from worker.entries import ensure_groups, hand_back, requeue_waiting
 from worker.flush import Flusher
 from worker.lease import LeaseClock
 from worker.link import EngineLink
+from worker.metrics import WorkerMetrics
 from worker.runner import EngineRunner
 from worker.state import LOOP_RESTART_S, WorkerState
 from worker.summary import Summary
@@ -94,16 +95,28 @@ class Worker:
             keys=keys,
             redis=client,
             scripts=ScriptRunner(client),
-            transitions=Transitions(keys),
+            transitions=Transitions(keys, settings.recent_jobs),
             queues={p: keys.queue(model, p) for p in PRIORITIES},
             overflow={p: keys.overflow(model, p) for p in PRIORITIES},
             lease=LeaseClock(settings.lease_s),
+            metrics=WorkerMetrics(
+                model,
+                worker_id,
+                os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                engine.card.max_seq_len,
+            ),
         )
+        self.st.metrics.snapshot = self._gauges
         self._claims = Claimer(self.st)
         self._flusher = Flusher(self.st)
         self._upkeep = Upkeep(self.st)
         self._control = Control(self.st)
         self._summary = Summary(self.st)
+
+    def _gauges(self) -> tuple[int, int, float]:
+        """Jobs running, claims waiting, KV cache in use: the metrics read them when scraped."""
+        st = self.st
+        return len(st.running), len(st.waiting), st.engine.admission.in_use()
 
     @property
     def tokens_per_s(self) -> float:
@@ -222,7 +235,8 @@ class Worker:
         await requeue_waiting(st)  # what a reclaim in flight at SIGTERM brought in
         for job_id in list(st.running):
             run = st.drop(job_id)
-            assert run is not None
+            if run is None:  # the flush loop ended it while an earlier one was handed back
+                continue
             with contextlib.suppress(RedisError, OSError):
                 await hand_back(st, run, counted=False, why="the worker is draining")
 

@@ -17,6 +17,7 @@ from worker.joblog import StepCounts
 from worker.jobstate import Claim, RunningJob
 from worker.lease import LeaseClock
 from worker.link import EngineLink
+from worker.metrics import WorkerMetrics
 
 LOOP_RESTART_S = 0.5
 EARLY_CANCELS_KEPT = 1000
@@ -38,6 +39,7 @@ class WorkerState:
     overflow: dict[Priority, str]
     """Per priority, beside its queue: jobs of owners past their fair share in flight."""
     lease: LeaseClock
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     running: dict[str, RunningJob] = field(default_factory=dict)
     waiting: list[Claim] = field(default_factory=list)
     """Claimed, not STARTed yet (the engine had no room, or START has not run)."""

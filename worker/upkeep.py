@@ -18,6 +18,7 @@ from shared.deadlines import expire_due
 from shared.keys import CONSUMER_GROUP
 from shared.records import Heartbeat, QueueEntry, RecordError
 from shared.redis_health import failure_level
+from worker.admission import Admission
 from worker.engine import Stop
 from worker.entries import drop_malformed
 from worker.jobstate import Claim
@@ -137,6 +138,7 @@ class Upkeep:
             self.tokens_per_s = (tokens - n0) / (now_m - t0)
         self._tokens_at_beat = (now_m, tokens)
         times, before = engine.times.snapshot(), self._times_at_beat
+        kv_used, kv_total = _kv_pages(engine.admission)
         self._times_at_beat = times
         return Heartbeat(
             worker_id=st.id,
@@ -162,6 +164,10 @@ class Upkeep:
             engine_step_s=round(times.engine_s, 3),
             worker_steps=times.intervals,
             worker_step_s=round(times.interval_s, 3),
+            beat_at=time.time(),
+            kv_pages_used=kv_used,
+            kv_pages_total=kv_total,
+            waiting=len(st.waiting),
         )
 
     async def _expire_queued(self) -> None:
@@ -265,8 +271,17 @@ class Upkeep:
             if claim.job_id in st.finished and await repair_finished(st, [claim.job_id]):
                 continue  # it had ended here: its lost end is written again, not re-run
             log.info("reclaimed job", extra={"job_id": claim.job_id, "worker_id": st.id})
+            st.metrics.reclaims.inc()
             st.waiting.append(claim)
         st.room.set()
+
+
+def _kv_pages(admission: Admission) -> tuple[int, int]:
+    """(used, total) cache pages as the engine last reported them; (0, 0) for an engine
+    that counts no pages."""
+    if not admission.page_size:
+        return 0, 0
+    return max(0, admission.total_pages - admission.free_pages), admission.total_pages
 
 
 def _mean_ms(seconds: float, count: int) -> float:

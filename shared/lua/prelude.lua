@@ -118,3 +118,12 @@ local function tell_done(job, job_id)
   local stream = redis.call('HGET', job, 'done_stream')
   if stream then redis.call('XADD', stream, '*', 'job', job_id) end
 end
+
+-- Note the job in the recent-jobs stream `recent` (the dashboard's list), capped at about
+-- `cap` entries (0: not written); ARGV[from..] are its (field, value) pairs. One key for
+-- every job, in no job's slot: with the deadlines index, the seam for Cluster.
+local function note_recent(recent, cap, ...)
+  if recent and recent ~= '' and tonumber(cap) > 0 then
+    redis.call('XADD', recent, 'MAXLEN', '~', cap, '*', ...)
+  end
+end

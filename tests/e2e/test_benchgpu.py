@@ -29,7 +29,7 @@ def test_a_sweep_reports_every_level(tmp_path: Path) -> None:
     env = {**os.environ, "GENQ_REDIS_URL": REDIS_URL}
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=RUN_TIMEOUT_S)
     results = json.loads(out.read_text())
-    assert [(r["run"], r["streams"]) for r in results] == [("system", 1), ("system", 3)]
+    assert [(r["run"], r["streams"]) for r in results] == [("system sweep", 1), ("system sweep", 3)]
     assert all(r["engine"] == "sim" and r["tokens"] == r["jobs"] * 4 for r in results)
 
 

@@ -145,6 +145,25 @@ for step in $steps; do
         --requests-per-stream 1 --worker-arg=--procs-per-gpu=auto --workers 2 --gateways 2 \
         --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h "^{" "$OUT/$step.log" | cut -c1-400 ;;
+    exl3profile*)  # where the exllamav3 engine process spends a 64-stream run: its threads'
+      # CPU (top -H), three py-spy dumps and a 10 s py-spy record (collapsed stacks);
+      # exl3profile1t: the same with OMP_NUM_THREADS=1 in the worker and its engine process
+      omp=$([[ $step == *1t ]] && echo "--worker-env OMP_NUM_THREADS=1")
+      python3 -m genq.benchgpu --engine exllamav3 --model /tmp/m8b --streams 64 --system \
+        --max-batch 128 --requests-per-stream 3 --logs /tmp/genq-logs/$step $omp \
+        > "$OUT/$step.log" 2>&1 &
+      bench=$!
+      for _ in $(seq 120); do
+        pid=$(pgrep -f worker.engine_process | head -n 1)
+        [ -n "$pid" ] && grep -q "starting 64" "$OUT/$step.log" && break; sleep 1
+      done
+      sleep 8
+      top -H -b -n 1 -p "$pid" | head -n 30 > "$OUT/$step.top.txt"
+      for i in 1 2 3; do /tmp/site/bin/py-spy dump --pid "$pid" >> "$OUT/$step.dump.txt" 2>&1; sleep 1; done
+      /tmp/site/bin/py-spy record --pid "$pid" -d 10 -r 200 --format raw -o "$OUT/$step.raw.txt" > /dev/null 2>&1
+      top -H -b -n 1 -p "$pid" | head -n 30 >> "$OUT/$step.top.txt"
+      timeout $(left) tail --pid=$bench -f /dev/null
+      head -n 25 "$OUT/$step.top.txt"; grep -h '"run"' "$OUT/$step.log" | cut -c1-300 ;;
     procs[1-4]|procs[1-4]cpu)  # N worker processes on the one GPU, total concurrency 64..256
       n=${step:5:1}; cpu=$([[ $step == *cpu ]] && echo --cpu-sampling)
       timeout 170 python3 -m genq.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \

@@ -127,6 +127,12 @@ def test_max_new_tokens_reaches_exllamav3_uncapped(exl3_engine: Any) -> None:
     assert exl3_engine.cancel("n")
 
 
+def test_the_engine_keeps_torch_to_the_threads_its_settings_name(exl3_engine: Any) -> None:
+    import torch
+
+    assert torch.get_num_threads() == 1  # GENQ_TORCH_THREADS' default
+
+
 def test_logprobs_come_back(exl3_engine: Any) -> None:
     exl3_engine.add(ejob("lp", prompt(random.Random(7), 20), max_tokens=4, logprobs=3))
     outs = []

@@ -213,6 +213,42 @@ async def test_scripts_forgotten_by_redis_are_loaded_again(client: aioredis.Redi
         )
 
 
+async def test_a_submit_sent_again_after_its_reply_was_lost_queues_the_job_once(
+    client: aioredis.Redis,
+) -> None:
+    """redis-py re-sends a command whose connection dropped before the reply: the second
+    SUBMIT of one job answers `queued` (the old script failed on its first event's XADD, after
+    the record was written: the gateway answered an error for a job it had queued)."""
+    keys = Keys(test_prefix())
+    tx, runner = Transitions(keys), ScriptRunner(client)
+    record = JobRecord(spec=_spec(), status="queued", fingerprint="f")
+    queued = events.encode(
+        events.QueuedEvent(seq=1, id=JOB, model="m", priority="batch", prompt_tokens=3)
+    )
+    submit = tx.submit(
+        record,
+        queued_event=queued,
+        entry=QueueEntry(job=JOB, tokens=7),
+        idempotency_key=None,
+        idempotency_claim="",
+        idempotency_ttl_s=60,
+        admission=Admission(tokens=7, check_at=1.0),
+    )
+    try:
+        first = await runner.run(submit)
+        again = await runner.run(submit)
+        assert again == first
+        assert await client.xlen(keys.queue("m", "batch")) == 1
+        assert await client.xlen(keys.events(JOB)) == 1
+    finally:
+        await client.delete(
+            keys.job(JOB),
+            keys.events(JOB),
+            keys.queue("m", "batch"),
+            *QuotaCalls(keys).counter_keys(),
+        )
+
+
 async def test_settle_is_a_compare_and_set(client: aioredis.Redis) -> None:
     keys = Keys(test_prefix())
     tx, runner = Transitions(keys), ScriptRunner(client)

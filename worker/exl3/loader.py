@@ -181,6 +181,7 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
     import exllamav3 as ex  # imports torch before its extension, as the extension needs
     import torch
 
+    torch.set_num_threads(settings.torch_threads)
     config = ex.Config.from_directory(str(model_dir))
     shape = shape_for(settings, settings.max_seq_len or int(config.max_position_embeddings))
     model = ex.Model.from_config(config)

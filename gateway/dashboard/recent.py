@@ -1,0 +1,140 @@
+"""The recent jobs the dashboard lists: learnt from the recent-jobs stream (an entry per job
+submitted and per job ended, `shared.records.RecentJob`), completed from the job records.
+
+Only new stream entries are read each round (the last id read is kept). A job's record is
+read while it is not ended, and once more when it ends; an ended job costs nothing after.
+Shown: ids, model, priority, status, attempt, worker, token counts and timings — never the
+prompt, the text or the owner."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from shared.records import RecentJob, RecordError
+
+ENDED = frozenset({"succeeded", "failed", "cancelled", "expired"})
+RECORD_FIELDS = ("status", "attempt", "worker", "started_at", "finished_at", "usage", "timings")
+
+
+@dataclass(slots=True)
+class JobRow:
+    id: str
+    model: str | None
+    priority: str | None
+    created_at: float
+    status: str = "queued"
+    settled: bool = False
+    """Ended, and its record read since: nothing about it changes any more."""
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "model": self.model,
+            "priority": self.priority,
+            "status": self.status,
+            "created_at": self.created_at,
+            **self.detail,
+        }
+
+
+def _entry_time(entry_id: str) -> float:
+    return int(entry_id.partition("-")[0]) / 1000
+
+
+class RecentJobs:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, shown: int, read_max: int) -> None:
+        self._redis = redis
+        self._key = keys.recent_jobs()
+        self._keys = keys
+        self._shown = shown
+        self._read_max = max(read_max, shown)
+        """Most stream entries read per round (the stream's cap: more are trimmed anyway)."""
+        self._last: str | None = None
+        self._rows: OrderedDict[str, JobRow] = OrderedDict()
+        """Newest submission first."""
+
+    async def refresh(self) -> list[dict[str, Any]]:
+        await self._read_stream()
+        await self._read_records()
+        return [row.view() for row in self._rows.values()]
+
+    async def _read_stream(self) -> None:
+        low = "-" if self._last is None else f"({self._last}"
+        entries = await self._redis.xrevrange(self._key, "+", low, count=self._read_max)
+        if not entries:
+            return
+        self._last = entries[0][0]
+        for entry_id, fields in reversed(entries):
+            try:
+                entry = RecentJob.from_hash(fields)
+            except RecordError:
+                continue
+            self._apply(entry_id, entry)
+        while len(self._rows) > self._shown:
+            self._rows.popitem(last=True)
+
+    def _apply(self, entry_id: str, entry: RecentJob) -> None:
+        row = self._rows.get(entry.job)
+        if row is None:
+            if entry.status != "queued":
+                return  # the end of a job submitted before what this gateway read
+            row = JobRow(entry.job, entry.model, entry.priority, _entry_time(entry_id))
+            self._rows[entry.job] = row
+            self._rows.move_to_end(entry.job, last=False)
+        elif entry.status in ENDED and not row.settled:
+            row.status = entry.status
+
+    async def _read_records(self) -> None:
+        open_rows = [r for r in self._rows.values() if not r.settled]
+        if not open_rows:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for row in open_rows:
+            pipe.hmget(self._keys.job(row.id), *RECORD_FIELDS)
+        for row, values in zip(open_rows, await pipe.execute(), strict=True):
+            _fill(row, dict(zip(RECORD_FIELDS, values, strict=True)))
+
+
+def _json(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
+
+
+def _fill(row: JobRow, record: dict[str, str | None]) -> None:
+    status = record["status"]
+    if status is None:  # gone: expired with its retention, or never written
+        row.settled = True
+        return
+    row.status = status
+    usage, timings = _json(record["usage"]), _json(record["timings"])
+    row.detail = {
+        "attempt": int(_number(record["attempt"]) or 0),
+        "worker": record["worker"],
+        "started_at": _number(record["started_at"]),
+        "finished_at": _number(record["finished_at"]),
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
+        "queue_s": timings.get("queue_s"),
+        "ttft_s": timings.get("ttft_s"),
+        "generation_s": timings.get("generation_s"),
+    }
+    row.settled = status in ENDED

@@ -1,0 +1,123 @@
+"""/dashboard in a real browser (Debian's headless Chromium over the DevTools protocol),
+against a real `genq gateway` and sim `genq worker` with API keys on: the page logs in with
+the admin key through its form, shows the live worker and its queue, changes as a job runs,
+logs no console error, and fits a phone's width. Skipped, saying why, without chromium."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.cdp import Page, browser, chromium_path
+from tests.conftest import REDIS_URL
+from tests.procs import Cluster
+
+pytestmark = pytest.mark.e2e
+ADMIN, USER = "dash-admin-key", "dash-user-key"
+PHONE = {"width": 390, "height": 844, "deviceScaleFactor": 3, "mobile": True}
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    if chromium_path() is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install -y chromium)")
+    c = Cluster(
+        REDIS_URL,
+        tmp_path,
+        f"genqdash:{uuid.uuid4().hex[:8]}:",
+        GENQ_HEARTBEAT_S="0.2",
+        GENQ_LEASE_S="2",
+        GENQ_CLAIM_BLOCK_MS="200",
+        GENQ_SHUTDOWN_GRACE_S="3",
+        GENQ_DASHBOARD_INTERVAL_S="0.1",
+        GENQ_API_KEYS=USER,
+        GENQ_ADMIN_KEYS=ADMIN,
+    )
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _log_in(page: Page) -> None:
+    page.wait("!document.getElementById('login').hidden")
+    page.evaluate(
+        f"document.getElementById('key').value = {json.dumps(ADMIN)};"
+        "document.getElementById('login').requestSubmit(); true"
+    )
+    page.wait("document.body.dataset.state === 'live'")
+
+
+def _job_status(page: Page, job_id: str) -> str | None:
+    value = page.evaluate(
+        f"(document.querySelector('[data-job-id=\"{job_id}\"]') || {{dataset: {{}}}})"
+        ".dataset.status || null"
+    )
+    return None if value is None else str(value)
+
+
+def test_the_dashboard_shows_the_fleet_live_without_errors(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    gateway = cluster.gateway()
+    worker = cluster.worker("--step-ms", "40", wait_model=None)
+    with browser(tmp_path / "profile") as page:
+        page.open(f"{gateway.url}/dashboard")
+        _log_in(page)
+        worker_id = page.wait("document.querySelector('[data-worker-id]')?.dataset.workerId")
+        assert page.evaluate("document.querySelector('[data-queue=\"sim:interactive\"]') !== null")
+        assert page.evaluate("document.querySelector('[data-model=\"sim\"]') !== null")
+
+        r = httpx.post(
+            f"{gateway.url}/v1/jobs",
+            json={"model": "sim", "prompt": "hello", "max_tokens": 40},
+            headers={"Authorization": f"Bearer {USER}"},
+            timeout=10,
+        )
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        seen: list[str] = []
+        busy = False
+        page.wait(f"document.querySelector('[data-job-id=\"{job_id}\"]') !== null")
+        while (status := _job_status(page, job_id)) != "succeeded":
+            assert status is not None
+            if not seen or seen[-1] != status:
+                seen.append(status)
+            busy = busy or page.evaluate(
+                f"document.querySelector('[data-worker-id=\"{worker_id}\"]')"
+                "?.dataset.active === '1'"
+            )
+        assert "running" in seen and busy, seen  # it changed while the job ran, then again
+        tokens = page.evaluate(
+            f"document.querySelector('[data-job-id=\"{job_id}\"]').cells[4].textContent"
+        )
+        assert tokens.endswith("→ 40")
+
+        page.call("Emulation.setDeviceMetricsOverride", **PHONE)
+        page.wait("window.innerWidth === 390")
+        overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+        assert overflow <= 0, f"the page is {overflow} px wider than a phone"
+        page.pump()
+        assert page.errors == []
+    assert worker.proc.poll() is None
+
+
+def test_a_wrong_key_is_refused_on_the_form(cluster: Cluster, tmp_path: Path) -> None:
+    gateway = cluster.gateway()
+    with browser(tmp_path / "profile") as page:
+        page.open(f"{gateway.url}/dashboard")
+        page.wait("!document.getElementById('login').hidden")
+        page.evaluate(
+            f"document.getElementById('key').value = {json.dumps(USER)};"
+            "document.getElementById('login').requestSubmit(); true"
+        )
+        text = page.wait("document.getElementById('login-error').textContent")
+        assert text == "not an admin key"
+        assert page.evaluate("document.getElementById('main').hidden")
+        page.pump()
+        assert all("401" in e for e in page.errors), page.errors  # only the refused POST
