@@ -47,7 +47,8 @@ from urllib.parse import urlsplit
 import httpx
 import redis.asyncio as aioredis
 
-from genq.bench import Client, Target, percentile
+from genq.bench import Client, Target
+from genq.stats import percentile
 from shared.batches import batch_job_id
 from tests.procs import Cluster, Proc, redis_server
 

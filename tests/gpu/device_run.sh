@@ -48,7 +48,7 @@ for step in $steps; do
         python3 -m pytest -q -m gpu $W -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest \
         "${sel[@]}" > "$OUT/gpu-$step.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/gpu-$step.log"; tail -n 15 "$OUT/gpu-$step.log" ;;
-    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|serveauto)
+    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|serveauto|batchcompare)
       [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m genq synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
       timeout 200 python3 -m genq.benchgpu --model /tmp/m8b --streams 64 --bare --system \
@@ -145,6 +145,20 @@ for step in $steps; do
         --requests-per-stream 1 --worker-arg=--procs-per-gpu=auto --workers 2 --gateways 2 \
         --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h "^{" "$OUT/$step.log" | cut -c1-400 ;;
+    batchcompare)  # issue 14: a 2,000-line batch on the 8B synth against the same requests as
+      # 256 live streams, with a shared 512-word system prompt and a distinct one per line
+      python3 -m genq serve --model /tmp/m8b --port 8000 --max-batch 256 \
+        > /tmp/genq-logs/batchcompare-serve.log 2>&1 &
+      serve=$!
+      models() { python3 -c 'import json, urllib.request as u
+print(json.load(u.urlopen("http://127.0.0.1:8000/v1/models"))["data"][0]["id"])' 2>/dev/null; }
+      for _ in $(seq 240); do models > /dev/null && break; sleep 1; done
+      model=$(models)
+      timeout $(left) python3 -m tests.bench.batch --url http://127.0.0.1:8000 --model "$model" \
+        --redis-url "$GENQ_REDIS_URL" --sections compare --lines 2000 --max-tokens 128 \
+        --system-tokens 512 --live-concurrency 256 > "$OUT/$step.log" 2>&1
+      kill -INT $serve; sleep 5; kill -9 $serve 2>/dev/null
+      tail -n 20 "$OUT/$step.log" ;;
     exl3profile*)  # where the exllamav3 engine process spends a 64-stream run: its threads'
       # CPU (top -H), three py-spy dumps and a 10 s py-spy record (collapsed stacks);
       # exl3profile1t: the same with OMP_NUM_THREADS=1 in the worker and its engine process

@@ -158,6 +158,8 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     torch = types.ModuleType("torch")
     torch.long = "long"  # type: ignore[attr-defined]
     torch.tensor = lambda data, dtype=None: data  # type: ignore[attr-defined]
+    torch.threads = []  # type: ignore[attr-defined]
+    torch.set_num_threads = torch.threads.append  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "exllamav3", stand_in(log))
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setenv("TRITON_CACHE_DIR", "the environment's")  # restored after the test
@@ -178,6 +180,16 @@ def model_dir(tmp_path: Path) -> Path:
 def settings(model_dir: Path, **overrides: Any) -> Settings:
     base = {"model_dir": str(model_dir), "max_batch": 8, "cache_tokens": 8192}
     return Settings(**(base | overrides))
+
+
+def test_torch_keeps_to_the_threads_the_settings_name(
+    events: list[tuple[Any, ...]], model_dir: Path
+) -> None:
+    """torch's default pool (a thread per CPU) spinning beside the kernel-launching thread
+    made a 64-stream exllamav3 step 75 ms instead of 43 on an H200 (docs/benchmarks.md)."""
+    loader.load_backend(settings(model_dir))
+    loader.load_backend(settings(model_dir, torch_threads=4))
+    assert sys.modules["torch"].threads == [1, 4]  # type: ignore[attr-defined]
 
 
 def test_the_cache_comes_before_the_weights_and_the_warm_up_before_generators(
