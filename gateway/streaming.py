@@ -62,15 +62,24 @@ class EventFollower:
         self.diverged = False
         self.log_ahead = False
         """The last log read was a full page: the log may hold more at once."""
+        self._page = settings.event_page_entries
+        """Entries the next log read asks for (fewer once the events are known to be big)."""
 
     async def read_log(self) -> list[tuple[int, str, str]]:
-        """One page of the events after `last` from the job's log."""
-        page = self.settings.event_page_entries
+        """One page of the events after `last` from the job's log: at most
+        `event_page_entries`, and about `stream_buffer_bytes` of them by the sizes read so
+        far, so a page of large events (logprobs) held while a slow client takes it costs no
+        more than the live buffer would."""
+        page = self._page
         entries = await self.redis.xrange(
             self.keys.events(self.job_id), f"({event_id(self.last)}", "+", count=page
         )
         accepted = self._accept([_from_log(i, f[EVENT_FIELD]) for i, f in entries])
         self.log_ahead = len(entries) == page and len(accepted) == page
+        if entries:
+            size = sum(len(f[EVENT_FIELD]) for _, f in entries) or 1
+            fits = self.settings.stream_buffer_bytes * len(entries) // size
+            self._page = max(1, min(self.settings.event_page_entries, fits))
         return accepted
 
     def _accept(self, items: list[Envelope]) -> list[tuple[int, str, str]]:
