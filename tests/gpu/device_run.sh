@@ -155,7 +155,7 @@ print(json.load(u.urlopen("http://127.0.0.1:8000/v1/models"))["data"][0]["id"])'
       for _ in $(seq 240); do models > /dev/null && break; sleep 1; done
       model=$(models)
       timeout $(left) python3 -m tests.bench.batch --url http://127.0.0.1:8000 --model "$model" \
-        --redis-url "$GENQ_REDIS_URL" --sections compare --lines 2000 --max-tokens 128 \
+        --redis-url "$GENQ_REDIS_URL" --sections compare --lines ${BATCH_LINES:-2000} --max-tokens 128 \
         --system-tokens 512 --live-concurrency 256 > "$OUT/$step.log" 2>&1
       kill -INT $serve; sleep 5; kill -9 $serve 2>/dev/null
       tail -n 20 "$OUT/$step.log" ;;
