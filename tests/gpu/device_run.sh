@@ -135,7 +135,7 @@ for step in $steps; do
       [[ $step == *gcoff* ]] && env="$env --worker-env GENQ_ENGINE_GC_IN_STEPS=false"
       [[ $step == *inproc* ]] && env="$env --worker-env GENQ_ENGINE_PROCESS=false"
       [[ $step == *exl3* ]] && env="$env --engine exllamav3"  # compareexl3: issue 17's engine
-      timeout $(left) python3 -m genq.benchgpu --model /tmp/m8b --compare 1,8,64,128 --max-batch 128 \
+      timeout $(left) python3 -m genq.benchgpu --model /tmp/m8b --compare ${COMPARE_LEVELS:-1,8,64,128} --max-batch 128 \
         --requests-per-stream 2 $env --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step \
         > "$OUT/$step.log" 2>&1
       grep -h '"ratio' "$OUT/$step.log" ;;
