@@ -6,7 +6,6 @@ logs no console error, and fits a phone's width. Skipped, saying why, without ch
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 
 from tests.cdp import Page, browser, chromium_path
 from tests.conftest import REDIS_URL
-from tests.procs import Cluster
+from tests.procs import Cluster, quick_cluster
 
 pytestmark = pytest.mark.e2e
 ADMIN, USER = "dash-admin-key", "dash-user-key"
@@ -26,22 +25,15 @@ PHONE = {"width": 390, "height": 844, "deviceScaleFactor": 3, "mobile": True}
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     if chromium_path() is None:
         pytest.skip("chromium is not installed (Debian: apt-get install -y chromium)")
-    c = Cluster(
+    with quick_cluster(
         REDIS_URL,
         tmp_path,
-        f"genqdash:{uuid.uuid4().hex[:8]}:",
-        GENQ_HEARTBEAT_S="0.2",
-        GENQ_LEASE_S="2",
-        GENQ_CLAIM_BLOCK_MS="200",
-        GENQ_SHUTDOWN_GRACE_S="3",
+        "genqdash",
         GENQ_DASHBOARD_INTERVAL_S="0.1",
         GENQ_API_KEYS=USER,
         GENQ_ADMIN_KEYS=ADMIN,
-    )
-    try:
+    ) as c:
         yield c
-    finally:
-        c.close()
 
 
 def _log_in(page: Page) -> None:

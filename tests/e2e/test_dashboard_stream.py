@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import REDIS_URL
-from tests.procs import Cluster
+from tests.procs import Cluster, quick_cluster
 
 pytestmark = pytest.mark.e2e
 GRACE_S = 20
@@ -26,20 +25,14 @@ DRAINED_WITHIN_S = 5.0
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(
+    with quick_cluster(
         REDIS_URL,
         tmp_path,
-        f"genqdash:{uuid.uuid4().hex[:8]}:",
-        GENQ_HEARTBEAT_S="0.2",
-        GENQ_LEASE_S="2",
-        GENQ_CLAIM_BLOCK_MS="200",
+        "genqdash",
         GENQ_SHUTDOWN_GRACE_S=str(GRACE_S),
         GENQ_DASHBOARD_INTERVAL_S="0.1",
-    )
-    try:
+    ) as c:
         yield c
-    finally:
-        c.close()
 
 
 def frames(response: httpx.Response) -> Iterator[dict[str, Any]]:

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REDIS_URL
-from tests.procs import Cluster, free_port, wait_for
+from tests.procs import Cluster, free_port, quick_cluster, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -31,25 +30,15 @@ SCRAPES = 8
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(
+    with quick_cluster(
         REDIS_URL,
         tmp_path,
-        f"genqe2e:{uuid.uuid4().hex[:8]}:",
-        GENQ_HEARTBEAT_S="0.2",
-        GENQ_LEASE_S="2",
-        GENQ_CLAIM_BLOCK_MS="200",
-        GENQ_SHUTDOWN_GRACE_S="3",
+        "genqe2e",
         GENQ_METRICS_FLEET_INTERVAL_S=str(FLEET_INTERVAL_S),
         GENQ_METRICS_FLEET_LEASE_S=str(FLEET_LEASE_S),
         GENQ_QUEUE_MODELS='["sim"]',
-    )
-    try:
+    ) as c:
         yield c
-    finally:
-        # SIGTERM: a supervisor (uvicorn's, the launcher) killed outright leaves its children
-        for p in reversed(c.procs):
-            p.stop()
-        c.close()
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

@@ -16,26 +16,15 @@ import httpx
 import pytest
 
 from tests.conftest import REDIS_URL, parse_sse
-from tests.procs import Cluster, free_port, wait_for
+from tests.procs import Cluster, free_port, quick_cluster, wait_for
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(
-        REDIS_URL,
-        tmp_path,
-        f"genqe2e:{uuid.uuid4().hex[:8]}:",
-        GENQ_HEARTBEAT_S="0.2",
-        GENQ_LEASE_S="2",
-        GENQ_CLAIM_BLOCK_MS="200",
-        GENQ_SHUTDOWN_GRACE_S="3",
-    )
-    try:
+    with quick_cluster(REDIS_URL, tmp_path, "genqe2e") as c:
         yield c
-    finally:
-        c.close()
 
 
 def _status(url: str, job_id: str) -> str:

@@ -27,7 +27,15 @@ from shared.records import (
     RecordError,
 )
 from shared.schemas import ErrorInfo, JobResult, JobSpec, JobStatus, Sampling, Usage
-from shared.transitions import NotStartable, ScriptRunner, Started, Transitions, Written
+from shared.transitions import (
+    Call,
+    NotStartable,
+    ScriptRunner,
+    Started,
+    SubmitReply,
+    Transitions,
+    Written,
+)
 from tests.conftest import REDIS_URL, test_prefix
 
 JOB = "0123456789abcdef" * 2
@@ -172,24 +180,29 @@ async def client(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def
     await c.aclose()
 
 
-async def test_scripts_forgotten_by_redis_are_loaded_again(client: aioredis.Redis) -> None:
-    """A Redis restarted between two calls answers NOSCRIPT: the runner reloads and re-sends."""
-    keys = Keys(test_prefix())
-    tx, runner = Transitions(keys), ScriptRunner(client)
+def _submit(tx: Transitions) -> Call[SubmitReply]:
+    """SUBMIT of job JOB (model m, batch), no idempotency key, no limits."""
     record = JobRecord(spec=_spec(), status="queued", fingerprint="f")
     queued = events.encode(
         events.QueuedEvent(seq=1, id=JOB, model="m", priority="batch", prompt_tokens=3)
     )
+    return tx.submit(
+        record,
+        queued_event=queued,
+        entry=QueueEntry(job=JOB, tokens=7),
+        idempotency_key=None,
+        idempotency_claim="",
+        idempotency_ttl_s=60,
+        admission=Admission(tokens=7, check_at=1.0),
+    )
+
+
+async def test_scripts_forgotten_by_redis_are_loaded_again(client: aioredis.Redis) -> None:
+    """A Redis restarted between two calls answers NOSCRIPT: the runner reloads and re-sends."""
+    keys = Keys(test_prefix())
+    tx, runner = Transitions(keys), ScriptRunner(client)
     try:
-        submit = tx.submit(
-            record,
-            queued_event=queued,
-            entry=QueueEntry(job=JOB, tokens=7),
-            idempotency_key=None,
-            idempotency_claim="",
-            idempotency_ttl_s=60,
-            admission=Admission(tokens=7, check_at=1.0),
-        )
+        submit = _submit(tx)
         await client.script_flush()
         await runner.run(submit)
         await client.script_flush()
@@ -221,19 +234,7 @@ async def test_a_submit_sent_again_after_its_reply_was_lost_queues_the_job_once(
     the record was written: the gateway answered an error for a job it had queued)."""
     keys = Keys(test_prefix())
     tx, runner = Transitions(keys), ScriptRunner(client)
-    record = JobRecord(spec=_spec(), status="queued", fingerprint="f")
-    queued = events.encode(
-        events.QueuedEvent(seq=1, id=JOB, model="m", priority="batch", prompt_tokens=3)
-    )
-    submit = tx.submit(
-        record,
-        queued_event=queued,
-        entry=QueueEntry(job=JOB, tokens=7),
-        idempotency_key=None,
-        idempotency_claim="",
-        idempotency_ttl_s=60,
-        admission=Admission(tokens=7, check_at=1.0),
-    )
+    submit = _submit(tx)
     try:
         first = await runner.run(submit)
         again = await runner.run(submit)
