@@ -263,3 +263,18 @@ async def test_echoed_names_are_cut_and_escaped(stack: Stack, name: str) -> None
 async def test_stop_token_ids_are_bounded_by_the_vocabulary(stack: Stack) -> None:
     err = error_of(await stack.client.post("/v1/jobs", json=_job(stop_token_ids=[10**9])), 400)
     assert err["param"] == "stop_token_ids" and "vocabulary" in err["message"]
+
+
+async def test_a_job_id_with_a_trailing_newline_is_no_job(stack: Stack) -> None:
+    """`^[0-9a-f]{32}$` let `<id>\\n` through (`$` matches before a final newline): the id
+    must be the whole string, on every route of a job."""
+    job_id = (await stack.submit(prompt="x", max_tokens=2))["id"]
+    assert (await stack.client.get(f"/v1/jobs/{job_id}")).status_code == 200
+    for path in (
+        f"/v1/jobs/{quote(job_id + chr(10))}",
+        f"/v1/jobs/{quote(job_id + chr(10))}/events",
+    ):
+        err = error_of(await stack.client.get(path), 404)
+        assert err["param"] == "id" and "\n" not in err["message"]
+    err = error_of(await stack.client.delete(f"/v1/jobs/{quote(job_id + chr(10))}"), 404)
+    assert err["param"] == "id"
