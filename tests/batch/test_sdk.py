@@ -103,6 +103,9 @@ def test_batches_list_pages(client: openai.OpenAI) -> None:
     assert every[:3] == made[::-1] and len(every) == len(set(every))
 
 
+PAGED_FILES = 5
+
+
 def test_files_list_get_and_delete(client: openai.OpenAI) -> None:
     f = client.files.create(file=("mine.jsonl", jsonl([chat_line("a", "b")])), purpose="batch")
     assert f.filename == "mine.jsonl" and f.purpose == "batch" and f.status == "processed"
@@ -114,6 +117,25 @@ def test_files_list_get_and_delete(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(f.id)
     assert f.id not in [x.id for x in client.files.list()]
+
+
+def test_files_list_pages_by_after_limit_and_order(client: openai.OpenAI) -> None:
+    made = {
+        client.files.create(file=(f"p{i}.jsonl", jsonl([chat_line("a", "b")])), purpose="batch").id
+        for i in range(PAGED_FILES)
+    }
+    try:
+        first = client.files.list(limit=2, order="asc")
+        assert len(first.data) == 2 and first.has_more
+        for order, step in (("asc", 1), ("desc", -1)):
+            seen = list(client.files.list(limit=2, order=order))  # the SDK follows `after`
+            ids = [f.id for f in seen]
+            assert len(ids) == len(set(ids)) and made <= set(ids)
+            times = [f.created_at for f in seen]
+            assert times == sorted(times, reverse=step < 0)
+    finally:
+        for file_id in made:
+            client.files.delete(file_id)
 
 
 def test_cancel_keeps_what_finished_and_fails_the_rest(
