@@ -138,6 +138,27 @@ def test_files_list_pages_by_after_limit_and_order(client: openai.OpenAI) -> Non
             client.files.delete(file_id)
 
 
+def test_request_counts_grow_while_the_batch_runs(client: openai.OpenAI) -> None:
+    lines = [
+        chat_line(f"c{i}", f"count {i}", seed=i, max_tokens=LONG_TOKENS) for i in range(LONG_LINES)
+    ]
+    f = client.files.create(file=("counts.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    try:
+        early = wait_for_progress(client, batch.id, 1)
+        assert early.status == "in_progress" and early.in_progress_at is not None
+        assert early.request_counts is not None and early.request_counts.total == LONG_LINES
+        assert 0 < early.request_counts.completed < LONG_LINES
+        later = wait_for_progress(client, batch.id, early.request_counts.completed + 1)
+        assert later.request_counts is not None
+        assert later.request_counts.completed > early.request_counts.completed
+    finally:
+        client.batches.cancel(batch.id)
+        wait_ended(client, batch.id)
+
+
 def test_cancel_keeps_what_finished_and_fails_the_rest(
     client: openai.OpenAI, db: redis.Redis, genq: Serve
 ) -> None:
