@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,8 @@ def test_submit_wait_writes_results_and_errors(genq: Serve, tmp_path: Path) -> N
     done = _genq("submit", str(source), "--wait", "-o", str(out), url=genq.url)
     assert done.returncode == 0, done.stderr
     assert "21/21 done (1 failed)" in done.stderr and "completed" in done.stderr
+    # the bar: done/total [elapsed<ETA, rate]
+    assert re.search(r"21/21 \[\d+:\d\d<\d+:\d\d, +[\d.]+ ?(req/s|s/req)", done.stderr), done.stderr
     results = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(x["custom_id"] for x in results) == sorted(f"r{i}" for i in range(20))
     errors = [json.loads(x) for x in (tmp_path / "results.errors.jsonl").read_text().splitlines()]
