@@ -208,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bits", type=float, default=DEFAULT_EXL3_BITS, help="EXL3 bits per weight")
     p.add_argument("--source", help="with --quantize: an fp16 model folder to convert")
     p.add_argument("--gpus", help="with --quantize: GPUs to convert on, e.g. 0,1 (default: 0)")
+    p = sub.add_parser("settings", help="every GENQ_ setting: default, who reads it, meaning")
+    p.add_argument("--markdown", action="store_true", help="as the table in docs/settings.md")
     for command in sub.choices.values():
         # after the command too; SUPPRESS keeps a value given before it
         _log_level_flag(command, default=argparse.SUPPRESS)
@@ -264,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         return batch_cli.main(args)
     if args.command == "synth-model":
         return _synth_model(args)
+    if args.command == "settings":
+        from genq import settings_doc
+
+        print(settings_doc.markdown() if args.markdown else settings_doc.plain(), end="")
+        return 0
     return 2
 
 

@@ -136,11 +136,26 @@ class RedisSettings(BaseSettings):
         default=None,
         description="redis://… of the shared Redis; unset means `genq serve` embeds one",
     )
-    key_prefix: str = "genq:"
-    redis_socket_timeout_s: float = 10.0
-    redis_health_check_s: float = 15.0
-    redis_retries: int = 5
-    redis_max_connections: int = Field(default=256, ge=4)
+    key_prefix: str = Field(
+        default="genq:",
+        description="prefix of every Redis key genq writes (deployments sharing a Redis "
+        "differ here)",
+    )
+    redis_socket_timeout_s: float = Field(
+        default=10.0,
+        description="a Redis reply not in after this long breaks the connection (the call "
+        "is retried)",
+    )
+    redis_health_check_s: float = Field(
+        default=15.0, description="a pooled connection idle this long is PINGed before its next use"
+    )
+    redis_retries: int = Field(
+        default=5,
+        description="retries of a Redis call after a connection error or timeout (backoff between)",
+    )
+    redis_max_connections: int = Field(
+        default=256, ge=4, description="connections in each process's Redis pool"
+    )
     redis_pool_timeout_s: float = Field(
         default=10.0, gt=0, description="wait this long for a free pooled connection"
     )
@@ -258,18 +273,29 @@ class RedisSettings(BaseSettings):
 
 class JobSettings(RedisSettings):
     retention_s: int = Field(default=86_400, ge=1, description="TTL of a finished job's keys")
-    event_log_maxlen: int = Field(default=100_000, ge=100)
+    event_log_maxlen: int = Field(
+        default=100_000,
+        ge=100,
+        description="events kept in a job's event log, the replay streams resume from",
+    )
     recent_jobs: int = Field(
         default=1000,
         ge=0,
         description="entries kept in the recent-jobs stream the dashboard lists (two a job: "
         "its submission and its end); 0: none written",
     )
-    shutdown_grace_s: float = Field(default=30.0, ge=0)
+    shutdown_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="after SIGTERM: how long a worker lets its running jobs finish before it hands "
+        "the rest back to the queue, and a gateway lets its open streams end",
+    )
 
 
 class GatewaySettings(JobSettings):
-    idempotency_ttl_s: int = Field(default=86_400, ge=1)
+    idempotency_ttl_s: int = Field(
+        default=86_400, ge=1, description="how long an Idempotency-Key keeps naming its job"
+    )
     access_log: bool = Field(
         default=True,
         description="one info line per HTTP request (method, route, status, duration, job "
@@ -293,8 +319,14 @@ class GatewaySettings(JobSettings):
         description="requests tokenized (or chat templates rendered) at once, each in a "
         "thread off the event loop; more wait their turn",
     )
-    max_metadata_bytes: int = Field(default=16_384, ge=0)
-    default_max_tokens: int = Field(default=256, ge=1)
+    max_metadata_bytes: int = Field(
+        default=16_384, ge=0, description="largest `metadata` of a job, in bytes of JSON"
+    )
+    default_max_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="max_tokens of a request that names none (at most what its context leaves)",
+    )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="accepted API keys, comma-separated (or a JSON list); with no "
@@ -310,11 +342,17 @@ class GatewaySettings(JobSettings):
         description="origins a browser may call the API from, comma-separated (or a JSON "
         "list); `*` allows any; none: no CORS headers",
     )
-    sse_keepalive_s: float = Field(default=15.0, gt=0)
+    sse_keepalive_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="a stream with no event for this long gets an SSE comment (proxies keep it)",
+    )
     stream_idle_poll_s: float = Field(
         default=2.0, gt=0, description="a stream silent this long re-reads the event log"
     )
-    card_cache_s: float = Field(default=2.0, ge=0)
+    card_cache_s: float = Field(
+        default=2.0, ge=0, description="a gateway reuses a model card read from Redis this long"
+    )
     fair_share_jobs: int = Field(
         default=16,
         ge=0,
@@ -621,9 +659,16 @@ class EngineSettings(BaseSettings):
         "(shared/model_format.py: EXL3 → exllamav3, EXL2 → exllamav2, plain fp16/bf16 → the "
         "faster of the two)",
     )
-    model_dir: str | None = None
-    model_name: str | None = None
-    max_batch: int = Field(default=256, ge=1)
+    model_dir: str | None = Field(
+        default=None,
+        description="the model folder (EXL2, EXL3, or plain fp16/bf16 safetensors); unset: the sim "
+        "engine",
+    )
+    model_name: str | None = Field(
+        default=None,
+        description="the name clients ask for; default: the model folder's name (`sim` for sim)",
+    )
+    max_batch: int = Field(default=256, ge=1, description="jobs the engine generates at once")
     chat_template: str | None = Field(
         default=None,
         description="Jinja chat template (inline, or a file path) for the model card",
@@ -645,9 +690,16 @@ class EngineSettings(BaseSettings):
 
     # exllamav2 and exllamav3
     cache_tokens: int | None = Field(default=None, ge=256, description="default: fit the batch")
-    cache_mode: Literal["FP16", "Q4", "Q6", "Q8"] = "FP16"
+    cache_mode: Literal["FP16", "Q4", "Q6", "Q8"] = Field(
+        default="FP16",
+        description="the K/V cache's precision (quantized: more tokens in the same memory)",
+    )
     max_seq_len: int | None = Field(default=None, ge=16, description="default: the model's")
-    max_chunk_size: int = Field(default=2048, ge=16)
+    max_chunk_size: int = Field(
+        default=2048,
+        ge=16,
+        description="most prompt tokens prefilled in one forward pass (clamped to the cache)",
+    )
     gpu_split: str | None = Field(
         default=None, description="GB per GPU, e.g. '20,24'; default auto"
     )
@@ -683,9 +735,15 @@ class EngineSettings(BaseSettings):
     )
 
     # sim
-    sim_step_ms: float = Field(default=20.0, ge=0)
-    sim_prefill_ms_per_1k: float = Field(default=5.0, ge=0)
-    sim_max_seq_len: int = Field(default=8192, ge=16)
+    sim_step_ms: float = Field(
+        default=20.0, ge=0, description="sim engine: milliseconds per decode step"
+    )
+    sim_prefill_ms_per_1k: float = Field(
+        default=5.0, ge=0, description="sim engine: milliseconds of prefill per 1,000 prompt tokens"
+    )
+    sim_max_seq_len: int = Field(
+        default=8192, ge=16, description="sim engine: its context length in tokens"
+    )
     sim_poison_marker: str | None = Field(
         default=None,
         min_length=1,
@@ -704,11 +762,29 @@ class EngineSettings(BaseSettings):
 
 
 class WorkerSettings(JobSettings, EngineSettings):
-    worker_id: str | None = None
-    max_attempts: int = Field(default=3, ge=1)
-    heartbeat_s: float = Field(default=1.0, gt=0)
-    lease_s: float = Field(default=5.0, gt=0)
-    claim_block_ms: int = Field(default=1000, ge=1)
+    worker_id: str | None = Field(
+        default=None,
+        description="this worker's id in Redis (heartbeat, consumer); default: host-pid-random",
+    )
+    max_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="a job runs at most this many times (its worker dying or its engine failing "
+        "counts; a Redis error does not), then it is dead-lettered",
+    )
+    heartbeat_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="how often a worker writes its heartbeat and renews its lease",
+    )
+    lease_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="a worker whose lease is this old is dead: other workers reclaim its jobs",
+    )
+    claim_block_ms: int = Field(
+        default=1000, ge=1, description="how long a worker's blocking read of the queues waits"
+    )
     log_repair_window_s: float = Field(
         default=10.0,
         ge=0,
