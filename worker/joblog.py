@@ -8,7 +8,6 @@ the owner's key.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from worker.jobstate import Claim, Ending, RunningJob
@@ -24,23 +23,6 @@ _END_MESSAGES = {
     "expired": "job expired",
     "cancelled": "job cancelled",
 }
-
-
-@dataclass(slots=True)
-class StepCounts:
-    """Job steps since the worker started (the summary logs their differences)."""
-
-    started: int = 0
-    succeeded: int = 0
-    failed: int = 0
-    expired: int = 0
-    cancelled: int = 0
-    requeued: int = 0
-    dead_lettered: int = 0
-
-    def count_end(self, status: str) -> None:
-        if status in _END_MESSAGES:
-            setattr(self, status, getattr(self, status) + 1)
 
 
 def started(st: WorkerState, run: RunningJob) -> None:

@@ -13,7 +13,6 @@ from shared.keys import Keys, Priority
 from shared.settings import WorkerSettings
 from shared.transitions import ScriptRunner, Transitions
 from worker.engine import Stop
-from worker.joblog import StepCounts
 from worker.jobstate import Claim, RunningJob
 from worker.lease import LeaseClock
 from worker.link import EngineLink
@@ -22,6 +21,27 @@ from worker.metrics import WorkerMetrics
 LOOP_RESTART_S = 0.5
 EARLY_CANCELS_KEPT = 1000
 EARLY_CANCEL_TTL_S = 60.0
+
+
+ENDINGS = ("succeeded", "failed", "expired", "cancelled")
+"""The job ends StepCounts counts (each a field of it)."""
+
+
+@dataclass(slots=True)
+class StepCounts:
+    """Job steps since the worker started (the summary logs their differences)."""
+
+    started: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    expired: int = 0
+    cancelled: int = 0
+    requeued: int = 0
+    dead_lettered: int = 0
+
+    def count_end(self, status: str) -> None:
+        if status in ENDINGS:
+            setattr(self, status, getattr(self, status) + 1)
 
 
 @dataclass(slots=True, eq=False)

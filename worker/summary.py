@@ -12,8 +12,7 @@ import logging
 import time
 from typing import Any
 
-from worker.joblog import StepCounts
-from worker.state import WorkerState
+from worker.state import StepCounts, WorkerState
 
 log = logging.getLogger(__name__)
 
