@@ -243,6 +243,10 @@ def run_bare(settings: Settings, jobs: list[Job], streams: int) -> dict:
 # ---- the whole system -----------------------------------------------------------------------
 
 
+CLEANUP_BATCH = 1000
+"""Keys deleted per DEL when a run cleans up."""
+
+
 class System:
     """`genq gateway` + `genq worker` processes on the Redis of GENQ_REDIS_URL."""
 
@@ -353,6 +357,8 @@ class System:
         return last
 
     def close(self) -> None:
+        """Stop the processes, then remove the run's keys: a benchmark leaves nothing in the
+        Redis it was pointed at."""
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -361,6 +367,10 @@ class System:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+        with contextlib.suppress(redis.RedisError, OSError):
+            keys = list(self.redis.scan_iter(match=f"{self.keys.prefix}*", count=1000))
+            for i in range(0, len(keys), CLEANUP_BATCH):
+                self.redis.delete(*keys[i : i + CLEANUP_BATCH])
 
 
 async def drive_http(

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import os
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -19,21 +18,11 @@ import redis.asyncio as aioredis
 from gateway.app import create_app
 from shared.keys import Keys
 from shared.settings import Settings
+from tests.prefixes import RUN_PREFIX, test_prefix
 from worker.service import Worker
 from worker.sim import SimEngine
 
 REDIS_URL = os.environ.get("GENQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-SESSION = uuid.uuid4().hex[:6]
-"""This test run's part of every key prefix: what it wrote in the shared Redis is removed at
-its end (and nothing of another run's)."""
-
-
-def test_prefix() -> str:
-    """A fresh key prefix for one test, within this run's."""
-    return f"genqtest:{SESSION}:{uuid.uuid4().hex[:8]}:"
-
-
-test_prefix.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -44,7 +33,7 @@ def _drop_this_runs_keys() -> object:
 
     with contextlib.suppress(sync_redis.RedisError, OSError):
         client = sync_redis.Redis.from_url(REDIS_URL)
-        batch = [k for k in client.scan_iter(match=f"genqtest:{SESSION}:*", count=1000)]
+        batch = [k for k in client.scan_iter(match=f"{RUN_PREFIX}*", count=1000)]
         for i in range(0, len(batch), 1000):
             client.delete(*batch[i : i + 1000])
         client.close()

@@ -11,13 +11,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import psutil
+
+from tests.prefixes import test_prefix
 
 
 def engine_processes(worker_pid: int) -> list[psutil.Process]:
@@ -313,7 +314,7 @@ def quick_cluster(redis_url: str, tmp: Path, tag: str, **env: str) -> Iterator[C
     """A Cluster under a fresh `tag:…:` prefix with QUICK_ENV (overridden by `env`); every
     process it started is stopped with SIGTERM first (a supervisor, uvicorn's or the
     launcher's, killed outright leaves its children running), then the rest is cleaned."""
-    c = Cluster(redis_url, tmp, f"{tag}:{uuid.uuid4().hex[:8]}:", **{**QUICK_ENV, **env})
+    c = Cluster(redis_url, tmp, test_prefix(tag), **{**QUICK_ENV, **env})
     try:
         yield c
     finally:

@@ -13,13 +13,13 @@ import subprocess
 import sys
 import termios
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REDIS_URL
+from tests.prefixes import test_prefix
 from tests.procs import Cluster, Proc, free_port
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +35,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     c = Cluster(
         REDIS_URL,
         tmp_path_factory.mktemp("bench"),
-        f"genqbench:{uuid.uuid4().hex[:8]}:",
+        test_prefix("bench"),
         GENQ_DEFAULT_CHAT_TEMPLATE=CHAT_TEMPLATE,
     )
     try:

@@ -28,7 +28,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     with quick_cluster(
         REDIS_URL,
         tmp_path,
-        "genqdash",
+        "dash",
         GENQ_DASHBOARD_INTERVAL_S="0.1",
         GENQ_API_KEYS=USER,
         GENQ_ADMIN_KEYS=ADMIN,

@@ -23,6 +23,7 @@ import redis
 from shared import __version__
 from shared.keys import Keys
 from tests.conftest import REDIS_URL
+from tests.prefixes import test_prefix
 from tests.procs import free_port, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -247,7 +248,7 @@ def test_submit_to_a_gateway_that_is_down_is_one_line(env: dict[str, str]) -> No
 def test_a_worker_does_not_need_the_gateways_files(env: dict[str, str], tmp_path: Path) -> None:
     """One env file for all hosts: a gateway's key file and template need not exist on a
     worker's."""
-    prefix = f"genqfirst:{uuid.uuid4().hex[:8]}:"
+    prefix = test_prefix("first")
     env |= {
         "GENQ_REDIS_URL": REDIS_URL,
         "GENQ_KEY_PREFIX": prefix,

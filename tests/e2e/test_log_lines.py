@@ -20,6 +20,7 @@ import pytest
 
 from shared.records import owner_of
 from tests.conftest import REDIS_URL
+from tests.prefixes import test_prefix
 from tests.procs import Proc, RedisServer, free_port, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -87,7 +88,7 @@ def _ready(url: str, headers: dict[str, str]) -> None:
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[tuple[Proc, Proc]]:
     """`genq gateway` (API keys on) and `genq worker --engine sim`, separate processes."""
-    env = {"GENQ_REDIS_URL": REDIS_URL, "GENQ_KEY_PREFIX": f"genqlogs:{uuid.uuid4().hex[:8]}:"}
+    env = {"GENQ_REDIS_URL": REDIS_URL, "GENQ_KEY_PREFIX": test_prefix("logs")}
     env["GENQ_LOG_LEVEL"] = "debug"  # no line at any level may carry the prompt or a key
     gateway = _genq(tmp_path, "gateway", "--port", str(free_port()), GENQ_API_KEYS=API_KEY, **env)
     worker = _genq(tmp_path, "worker", "--engine", "sim", "--step-ms", "5", **env)
@@ -203,7 +204,7 @@ def test_the_access_log_switches_off_and_the_worker_sums_up(tmp_path: Path) -> N
         "--step-ms",
         "2",
         GENQ_REDIS_URL=REDIS_URL,
-        GENQ_KEY_PREFIX=f"genqlogs:{uuid.uuid4().hex[:8]}:",
+        GENQ_KEY_PREFIX=test_prefix("logs"),
         GENQ_ACCESS_LOG="false",
         GENQ_LOG_SUMMARY_INTERVAL_S="0.3",
     )

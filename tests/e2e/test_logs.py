@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import REDIS_URL
+from tests.prefixes import test_prefix
 from tests.procs import Proc, free_port, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -169,7 +170,7 @@ def test_launcher_children_log_json_at_the_level_given_to_the_launcher(tmp_path:
         "--log-level",
         "info",
         GENQ_REDIS_URL=REDIS_URL,
-        GENQ_KEY_PREFIX=f"genqlogs:{uuid.uuid4().hex[:8]}:",
+        GENQ_KEY_PREFIX=test_prefix("logs"),
         GENQ_LOG_LEVEL="warning",
     )
     try:
@@ -200,7 +201,7 @@ def _serve(tmp_path: Path, *args: str, **env: str) -> tuple[Proc, str]:
         "1",
         *args,
         GENQ_REDIS_URL=REDIS_URL,
-        GENQ_KEY_PREFIX=f"genqlogs:{uuid.uuid4().hex[:8]}:",
+        GENQ_KEY_PREFIX=test_prefix("logs"),
         **env,
     )
     return p, f"http://127.0.0.1:{port}"

@@ -33,7 +33,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     with quick_cluster(
         REDIS_URL,
         tmp_path,
-        "genqe2e",
+        "e2e",
         GENQ_METRICS_FLEET_INTERVAL_S=str(FLEET_INTERVAL_S),
         GENQ_METRICS_FLEET_LEASE_S=str(FLEET_LEASE_S),
         GENQ_QUEUE_MODELS='["sim"]',

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    with quick_cluster(REDIS_URL, tmp_path, "genqe2e") as c:
+    with quick_cluster(REDIS_URL, tmp_path, "e2e") as c:
         yield c
 
 

@@ -30,7 +30,7 @@ MAX_SHARE = 0.5
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    with quick_cluster(REDIS_URL, tmp_path, "genqupload") as c:
+    with quick_cluster(REDIS_URL, tmp_path, "upload") as c:
         yield c
 
 

@@ -14,7 +14,8 @@ import pytest
 from shared.schemas import Sampling
 from shared.settings import Settings
 from tests.gpu.conftest import drive
-from tests.procs import Cluster, free_port
+from tests.prefixes import test_prefix
+from tests.procs import Cluster
 from worker.admission import Admission
 from worker.engine import EngineJob
 from worker.text import Detokenizer
@@ -178,7 +179,7 @@ def test_gateway_to_worker_to_sse_with_the_real_engine(tiny_model: Path, tmp_pat
     import os
 
     redis_url = os.environ.get("GENQ_REDIS_URL", "redis://127.0.0.1:6379/0")
-    cluster = Cluster(redis_url, tmp_path, f"genqgpu:{free_port()}:")
+    cluster = Cluster(redis_url, tmp_path, test_prefix("gpu"))
     try:
         gw = cluster.gateway()
         cluster.worker(

@@ -16,7 +16,8 @@ from shared.model_format import folder_format
 from shared.schemas import Sampling
 from tests.gpu.conftest import drive
 from tests.gpu.test_exl2_gpu import MAX_TOKENS, ejob, prompt
-from tests.procs import Cluster, free_port, wait_for
+from tests.prefixes import test_prefix
+from tests.procs import Cluster, wait_for
 from worker.admission import Admission
 from worker.engine import reserved_tokens
 from worker.exl3.sampling import combo_args
@@ -200,7 +201,7 @@ def test_a_failed_step_rebuilds_the_generator_over_the_same_cache(exl3_engine: A
 def test_gateway_to_worker_to_sse_with_the_real_engine(exl3_model: Path, tmp_path: Path) -> None:
     """The worker picks exllamav3 for the EXL3 folder by itself; fp16 is named."""
     redis_url = os.environ.get("GENQ_REDIS_URL", "redis://127.0.0.1:6379/0")
-    cluster = Cluster(redis_url, tmp_path, f"genqgpu3:{free_port()}:")
+    cluster = Cluster(redis_url, tmp_path, test_prefix("gpu3"))
     engine = [] if folder_format(exl3_model) == "exl3" else ["--engine", "exllamav3"]
     try:
         gw = cluster.gateway()

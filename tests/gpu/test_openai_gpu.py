@@ -22,7 +22,8 @@ from tokenizers import Tokenizer
 
 from shared.keys import Keys
 from shared.schemas import JobSpec
-from tests.procs import Cluster, free_port, wait_for
+from tests.prefixes import test_prefix
+from tests.procs import Cluster, wait_for
 
 pytestmark = pytest.mark.gpu
 API_KEY = "sk-genq-gpu"
@@ -82,7 +83,7 @@ def genq(
 ) -> Iterator[Genq]:
     model, engine = served
     redis_url = os.environ.get("GENQ_REDIS_URL", "redis://127.0.0.1:6379/0")
-    prefix = f"genqgpu-openai:{free_port()}:"
+    prefix = test_prefix("gpu-openai")
     cluster = Cluster(
         redis_url,
         tmp_path_factory.mktemp("openai-gpu"),
