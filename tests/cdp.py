@@ -20,11 +20,27 @@ from websockets.sync.client import ClientConnection, connect
 from tests.procs import free_port, wait_for
 
 OFFLINE = "MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"
+"""Chromium's host rules: every name fails to resolve, as on a host without internet."""
 COMMAND_TIMEOUT_S = 30.0
 
 
 def chromium_path() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def headless_args(path: str, profile: Path) -> list[str]:
+    """Chromium, headless, with a profile of its own and no network but 127.0.0.1."""
+    return [
+        path,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        f"--host-resolver-rules={OFFLINE}",
+    ]
 
 
 class Page:
@@ -97,15 +113,7 @@ def browser(profile: Path, width: int = 1280, height: int = 800) -> Iterator[Pag
     port = free_port()
     proc = subprocess.Popen(
         [
-            path,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--no-first-run",
-            f"--user-data-dir={profile}",
-            f"--host-resolver-rules={OFFLINE}",
+            *headless_args(path, profile),
             f"--remote-debugging-port={port}",
             f"--window-size={width},{height}",
             "about:blank",

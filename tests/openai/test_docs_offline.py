@@ -5,13 +5,13 @@ Their assets come from the package (gateway/docs_assets), not from a CDN."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.cdp import chromium_path, headless_args
 from tests.openai.conftest import GenqServer
 
 BROWSER_TIMEOUT_S = 60
@@ -19,12 +19,10 @@ SCRIPT_TIME_MS = 15_000
 """Virtual time the page's scripts get before the DOM is read (Chromium skips idle waits)."""
 SMALLEST_BUNDLE_BYTES = 100_000
 """Each vendored bundle is far larger: a smaller answer is no bundle (an error page, a stub)."""
-OFFLINE = "MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"
-"""Chromium's host rules: every name fails to resolve, as on a host without internet."""
 
 
 def _chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    path = chromium_path()
     if path is None:
         pytest.skip("chromium is not installed (Debian: apt-get install -y chromium)")
     return path
@@ -34,15 +32,7 @@ def rendered_dom(url: str, profile: Path) -> str:
     """The page's DOM once its scripts ran, in headless Chromium with no network."""
     run = subprocess.run(
         [
-            _chromium(),
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--no-first-run",
-            f"--user-data-dir={profile}",
-            f"--host-resolver-rules={OFFLINE}",
+            *headless_args(_chromium(), profile),
             f"--virtual-time-budget={SCRIPT_TIME_MS}",
             "--dump-dom",
             url,
