@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
@@ -560,6 +561,25 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="exllamav3, bare: time spent launching the jobs' samplers each step",
     )
+    p.add_argument(
+        "--pin-engine",
+        action="store_true",
+        help="give the engine a core of its own: the bare loop and the worker's engine process "
+        "(GENQ_ENGINE_CPUS) on one CPU of the host's last core, everything else off that core",
+    )
+    p.add_argument(
+        "--bare-load",
+        type=int,
+        default=0,
+        help="with --compare: run the bare loop once more at each level with N busy processes "
+        "beside it (is the step bound by a CPU the rest of the host slows?)",
+    )
+    p.add_argument(
+        "--bare-again",
+        action="store_true",
+        help="with --compare: run the bare loop again after the system (kept loaded meanwhile), "
+        "so each ratio has a bare figure before and after it",
+    )
     p.add_argument("--logs", default="/tmp/genq-bench-logs")
     p.add_argument("--json-out")
     a = p.parse_args(argv)
@@ -598,23 +618,39 @@ def main(argv: list[str] | None = None) -> int:
         n = max(streams * a.requests_per_stream, 4)
         return workload(n, a.prompt_min, a.prompt_max, a.new_tokens, vocab)
 
+    pin = EnginePin.for_host() if a.pin_engine else None
+    if pin is not None:
+        sampling["engine_cpu"] = pin.engine
     bare_at: dict[int, dict] = {}
+    system_at: dict[int, dict] = {}
+    bare: Bare | None = None
     if a.bare or (compare and a.model != SIM):
         bare = Bare(settings, a.sampler_probe)
         try:
             for c in ([a.streams] if a.bare else []) + compare:
                 print(f"# bare generator at {c} streams", file=sys.stderr, flush=True)
-                row = bare.run(jobs_for(c), c) | {"max_batch": max_batch, "cache_tokens": cache}
+                with pin.on_engine() if pin else contextlib.nullcontext():
+                    row = bare.run(jobs_for(c), c)
+                row |= {"max_batch": max_batch, "cache_tokens": cache}
                 bare_at.setdefault(c, row)
                 report(row | sampling)
+                if a.bare_load and c in compare:
+                    with pin.on_engine() if pin else contextlib.nullcontext(), Busy(a.bare_load):
+                        loaded = bare.run(jobs_for(c), c)
+                    report(loaded | sampling | {"run": f"bare generator, {a.bare_load} busy"})
         finally:
-            bare.close()
+            if not a.bare_again:
+                bare.close()
+                bare = None
     if a.system or levels or compare:
         logs = Path(a.logs)
         logs.mkdir(parents=True, exist_ok=True)
         env = dict(kv.split("=", 1) for kv in a.worker_env)
         if a.cpu_sampling:
             env["GENQ_GPU_SAMPLING"] = "false"
+        if pin is not None:
+            env["GENQ_ENGINE_CPUS"] = str(pin.engine)
+            pin.off_engine()  # this load client and every process it starts
         system = System(model, worker_args, a.gateways, logs, env, a.engine)
         try:
             system.wait_ready(a.workers)
@@ -635,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
                 report(row)
                 if label != "system sweep" and c in bare_at:
                     report(ratio(bare_at[c], row))
+                    system_at.setdefault(c, row)
             if a.genq_bench:
                 mid = (a.prompt_min + a.prompt_max) // 2
                 report(
@@ -644,7 +681,68 @@ def main(argv: list[str] | None = None) -> int:
                 )
         finally:
             system.close()
+    if bare is not None:  # --bare-again: the bare loop once more, after the system
+        try:
+            for c in compare:
+                print(f"# bare generator again at {c} streams", file=sys.stderr, flush=True)
+                with pin.on_engine() if pin else contextlib.nullcontext():
+                    row = bare.run(jobs_for(c), c)
+                report(row | sampling | {"run": "bare generator, after the system"})
+                if c in system_at:
+                    report(ratio(row, system_at[c]) | {"run": "ratio system/bare after"})
+        finally:
+            bare.close()
     return 0
+
+
+class EnginePin:
+    """`--pin-engine`: one CPU for the engine (the host's last physical core, its siblings
+    left idle), the rest for everything else."""
+
+    def __init__(self, engine: int, rest: list[int]) -> None:
+        self.engine = engine
+        self.rest = rest
+
+    @classmethod
+    def for_host(cls) -> EnginePin | None:
+        from worker.cpus import host_cores
+
+        cores = host_cores(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            return None
+        last = cores[-1].cpus
+        return cls(last[0], sorted(c for core in cores[:-1] for c in core.cpus))
+
+    @contextlib.contextmanager
+    def on_engine(self) -> Iterator[None]:
+        """This thread (the bare loop) on the engine's CPU meanwhile."""
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, [self.engine])
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, before)
+
+    def off_engine(self) -> None:
+        os.sched_setaffinity(0, self.rest)
+
+
+class Busy:
+    """N processes spinning on a CPU each, for as long as the block runs."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> Busy:
+        spin = "while True: pass"
+        self.procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(self.n)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
 
 
 def ratio(bare: dict, system: dict) -> dict:

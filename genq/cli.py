@@ -208,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bits", type=float, default=DEFAULT_EXL3_BITS, help="EXL3 bits per weight")
     p.add_argument("--source", help="with --quantize: an fp16 model folder to convert")
     p.add_argument("--gpus", help="with --quantize: GPUs to convert on, e.g. 0,1 (default: 0)")
+    p.add_argument(
+        "--calibration-rows",
+        type=_positive_int,
+        help="with --quantize: rows of 2,048 calibration tokens (default: the converter's, 250); "
+        "fewer convert faster, and random weights have nothing to calibrate",
+    )
     p = sub.add_parser("settings", help="every GENQ_ setting: default, who reads it, meaning")
     p.add_argument("--markdown", action="store_true", help="as the table in docs/settings.md")
     for command in sub.choices.values():
@@ -215,6 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
         _log_level_flag(command, default=argparse.SUPPRESS)
     _describe_defaults(parser)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text!r}")
+    return n
 
 
 def _log_level_flag(p: argparse.ArgumentParser, default: object) -> None:
@@ -280,7 +296,17 @@ def _synth_model(args: argparse.Namespace) -> int:
     if args.quantize is None:
         print(synth_model(args.dir, args.shape, args.seed))
     else:
-        print(quantize_exl3(args.dir, args.bits, args.source, args.shape, args.seed, args.gpus))
+        print(
+            quantize_exl3(
+                args.dir,
+                args.bits,
+                args.source,
+                args.shape,
+                args.seed,
+                args.gpus,
+                args.calibration_rows,
+            )
+        )
     return 0
 
 

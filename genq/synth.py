@@ -326,11 +326,14 @@ def quantize_exl3(
     shape: str = "tiny",
     seed: int = 0,
     gpus: str | None = None,
+    calibration_rows: int | None = None,
 ) -> Path:
     """Write an EXL3 model of `bits` bits per weight into `out_dir`: exllamav3's converter
     (calibration data from its wheel) run on `source`, an fp16 model folder, or on a new synth
     model of `shape`, on `gpus` (e.g. "0,1": the converter splits each layer's tensors among
-    them; default GPU 0). Returns the folder."""
+    them; default GPU 0). `calibration_rows`: rows of 2,048 calibration tokens (exllamav3's
+    default 250); fewer convert faster, and a random-weight model has nothing to calibrate.
+    Returns the folder."""
     require_gpu_extra("genq synth-model --quantize exl3", EXL3_MODULES)
     out = Path(out_dir)
     _check_replaceable(out)
@@ -344,7 +347,7 @@ def quantize_exl3(
             raise SystemExit(f"genq: error: shape {shape} has a dimension EXL3 cannot quantize")
         synth_model(src, shape, seed)
     partial = out.with_name(f".{out.name}.exl3-partial")
-    _convert(src, partial, work / "job", bits, gpus)
+    _convert(src, partial, work / "job", bits, gpus, calibration_rows)
     _move_into_place(partial, out)
     shutil.rmtree(work, ignore_errors=True)
     return out
@@ -358,7 +361,9 @@ def _check_source(src: Path) -> None:
         raise SystemExit(f"genq: error: {src} is already quantized ({fmt}): give an fp16 one")
 
 
-def _convert(src: Path, partial: Path, job: Path, bits: float, gpus: str | None) -> None:
+def _convert(
+    src: Path, partial: Path, job: Path, bits: float, gpus: str | None, rows: int | None = None
+) -> None:
     """Run the converter in a process of its own (its progress on stderr), resuming the job
     in `job` if it was started with the same arguments, else starting over."""
     cmd = [sys.executable, "-m", EXL3_CONVERTER, "-w", str(job)]
@@ -370,6 +375,8 @@ def _convert(src: Path, partial: Path, job: Path, bits: float, gpus: str | None)
         shutil.rmtree(job, ignore_errors=True)
         shutil.rmtree(partial, ignore_errors=True)
         cmd += ["-i", str(src), "-o", str(partial), "-b", str(bits)]
+        if rows:
+            cmd += ["-cr", str(rows)]
     done = subprocess.run(cmd, stdout=sys.stderr, check=False)
     # The converter reports a bad argument on stdout and exits 0: trust only its output.
     if done.returncode != 0 or folder_format(partial) != "exl3":

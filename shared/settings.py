@@ -734,6 +734,14 @@ class EngineSettings(BaseSettings):
         "slowed a 64-stream step from 43 to 75 ms on an H200 (docs/benchmarks.md, issue 17)",
     )
 
+    engine_cpus: str | None = Field(
+        default=None,
+        pattern=r"^[0-9][0-9,\- ]*$",
+        description="CPUs the engine process runs on (Linux cpulist, e.g. 7); default: its "
+        "worker's. The engine's step is one thread launching kernels: a core of its own, its "
+        "hyperthread sibling left idle, keeps the other processes' work off it",
+    )
+
     # sim
     sim_step_ms: float = Field(
         default=20.0, ge=0, description="sim engine: milliseconds per decode step"

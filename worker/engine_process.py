@@ -25,6 +25,7 @@ import time
 
 from shared import logs
 from shared.settings import EngineSettings, RedisSettings
+from worker import cpus
 from worker.core import AddCommand, CancelCommand, Command, EngineCore
 from worker.engine import Engine, StepOutput, reserved_tokens
 from worker.engines import build_engine
@@ -50,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     init = first[0]
     logs.setup(RedisSettings(log_level=init.log_level, log_format=init.log_format))
     try:
-        engine = build_engine(EngineSettings.model_validate_json(init.settings))
+        settings = EngineSettings.model_validate_json(init.settings)
+        pinned = cpus.apply(settings.engine_cpus)  # before torch loads
+        if pinned is not None:
+            log.info("engine pinned to CPUs", extra={"cpus": settings.engine_cpus})
+        engine = build_engine(settings)
     except (Exception, SystemExit) as exc:
         log.exception("engine could not be built")
         channel.send(Failed(str(exc) or type(exc).__name__))

@@ -48,7 +48,7 @@ for step in $steps; do
         python3 -m pytest -q -m gpu $W -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest \
         "${sel[@]}" > "$OUT/gpu-$step.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/gpu-$step.log"; tail -n 15 "$OUT/gpu-$step.log" ;;
-    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|serveauto|batchcompare)
+    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|diag15*|serveauto|batchcompare)
       [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m genq synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
       timeout 200 python3 -m genq.benchgpu --model /tmp/m8b --streams 64 --bare --system \
@@ -105,6 +105,7 @@ for step in $steps; do
     exl3conv|exl3bench|exl3q4)  # the EXL3 4.0 bpw conversion (resumable: run again if cut off)
       [ -e /tmp/m8b-exl3/config.json ] || { timeout $(left) python3 -m genq synth-model \
         /tmp/m8b-exl3 --quantize exl3 --bits 4 --source /tmp/m8b --gpus "$GPUS" \
+        --calibration-rows ${EXL3_CAL_ROWS:-16} \
         >> "$OUT/exl3conv.log" 2>&1; tail -n 3 "$OUT/exl3conv.log"; } ;;&
     exl3bench|exl3q4)  # EXL3 4.0 bpw (exllamav2 cannot read it): bare exllamav3 loop + worker
       [ -e /tmp/m8b-exl3/config.json ] && exl3_matrix exllamav3 /tmp/m8b-exl3 exl3q4 --bare ;;
@@ -124,6 +125,25 @@ for step in $steps; do
           --logs /tmp/genq-logs/exl3sched-$cd-$sc > "$OUT/exl3sched-$cd-$sc.log" 2>&1
         grep -h '"run": "system"' "$OUT/exl3sched-$cd-$sc.log" | cut -c1-200
       done; done ;;
+    diag15*)  # issue 15's gap at 8 and 64 streams: what slows the engine's step? One call:
+      # the bare loop alone, with 4 busy processes beside it, the system, the bare loop again
+      # after it; then the same with the engine on a core of its own (--pin-engine: bare loop
+      # and engine process on one CPU, everything else off that core). diag15exl3: exllamav3.
+      lscpu -e > "$OUT/lscpu.txt" 2>&1
+      eng=$([[ $step == *exl3* ]] && echo "--engine exllamav3")
+      for pin in "" --pin-engine; do
+        name=$step$([ -n "$pin" ] && echo pin)
+        load=$([ -z "$pin" ] && echo "--bare-load 4")
+        timeout $(left) python3 -m genq.benchgpu --model /tmp/m8b $eng \
+          --compare ${COMPARE_LEVELS:-8,64} --max-batch 128 --requests-per-stream 2 \
+          --bare-again $load $pin --json-out "$OUT/$name.json" --logs /tmp/genq-logs/$name \
+          > "$OUT/$name.log" 2>&1
+        grep -h '^{' "$OUT/$name.log" | python3 -c 'import json, sys
+for line in sys.stdin:
+    r = json.loads(line); keys = ("run", "streams", "tokens_per_s", "decode_tok_s_p50",
+        "step_ms", "engine_step_ms", "worker_step_ms", "ttft_ms_p50", "ttft_p50_overhead_ms", "cpu")
+    print(json.dumps({k: r[k] for k in keys if k in r}))'
+      done ;;
     compare*)  # issue 15: the bare generator, then one worker (its engine process), at 1, 8, 64
       # and 128 streams in one call, genq's GPU sampling in both; a ratio row per level.
       # Suffixes (A/B of the engine process's options): wt (GENQ_DETOKENIZE=worker: text and

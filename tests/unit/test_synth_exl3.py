@@ -135,3 +135,22 @@ def test_quantizing_without_exllamav3_says_install_it(source: Path, tmp_path: Pa
     with pytest.raises(SystemExit, match=r"genq\[gpu\]"):
         quantize_exl3(tmp_path / "q", 4.0, source)
     assert not (tmp_path / "q").exists()
+
+
+def test_calibration_rows_reach_the_converter(
+    converter: Path, source: Path, tmp_path: Path
+) -> None:
+    quantize_exl3(tmp_path / "q", 4.0, source, calibration_rows=8)
+    quantize_exl3(tmp_path / "r", 4.0, source)
+    with_rows, default = calls(converter)
+    assert with_rows[with_rows.index("-cr") + 1] == "8"
+    assert "-cr" not in default
+
+
+def test_calibration_rows_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    from genq.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["synth-model", "/tmp/x", "--quantize", "exl3", "--calibration-rows", "0"])
+    assert exit_.value.code == 2
+    assert "--calibration-rows: must be a whole number of at least 1" in capsys.readouterr().err
