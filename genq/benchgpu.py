@@ -145,8 +145,12 @@ class Bare:
 
         torch.cuda.empty_cache()
 
-    def run(self, jobs: list[Job], streams: int) -> dict:
-        """Enqueue `streams` jobs, start the next as each ends (a job arrives when enqueued)."""
+    def run(self, jobs: list[Job], streams: int, arrivals: list[float] | None = None) -> dict:
+        """Enqueue `streams` jobs, start the next as each ends (a job arrives when enqueued);
+        or, given `arrivals` (seconds from the start, one per job), each job at its time, as
+        the system's clients sent them."""
+        if arrivals is not None:
+            return self._replay(jobs, streams, arrivals)
         gen = self.backend.make_generator()
         todo = list(reversed(jobs))
         traces: dict[int, TokenTimes] = {}
@@ -192,6 +196,48 @@ class Bare:
             step_ms=round(step_s / max(steps, 1) * 1000, 3),
             loop_ms=round(wall / max(steps, 1) * 1000, 3),
             **extra,
+        )
+
+    def _replay(self, jobs: list[Job], streams: int, arrivals: list[float]) -> dict:
+        gen = self.backend.make_generator()
+        sampling = Sampling()
+        stops = list(self.card.eos_token_ids)
+        order = sorted(range(len(jobs)), key=lambda i: arrivals[i])
+        traces = {i: TokenTimes(0.0) for i in order}
+        steps, step_s, nxt = 0, 0.0, 0
+        t0 = time.perf_counter()
+        while nxt < len(order) or gen.num_remaining_jobs():
+            now = time.perf_counter()
+            while nxt < len(order) and arrivals[order[nxt]] <= now - t0:
+                i = order[nxt]
+                job = jobs[i]
+                traces[i].start = now
+                handle = self.backend.make_job(
+                    job.ids, job.new_tokens, sampling, job.seed, stops, str(i)
+                )
+                gen.enqueue(handle)
+                nxt += 1
+            if not gen.num_remaining_jobs():
+                time.sleep(max(0.0, arrivals[order[nxt]] - (time.perf_counter() - t0)))
+                continue
+            t = time.perf_counter()
+            results = gen.iterate()
+            now = time.perf_counter()
+            steps, step_s = steps + 1, step_s + now - t
+            for r in results:
+                if r.get("stage") == "streaming":
+                    ids = r.get("token_ids")
+                    n = 0 if ids is None else int(ids.shape[-1])
+                    traces[int(r["identifier"])].arrived(now, n)
+        wall = time.perf_counter() - t0
+        return summary(
+            "bare generator, the system's arrivals",
+            streams,
+            list(traces.values()),
+            wall,
+            steps=steps,
+            step_ms=round(step_s / max(steps, 1) * 1000, 3),
+            loop_ms=round(wall / max(steps, 1) * 1000, 3),
         )
 
 
@@ -375,15 +421,17 @@ class System:
 
 
 async def drive_http(
-    url: str, model: str, jobs: list[Job], streams: int
+    url: str, model: str, jobs: list[Job], streams: int, sent: dict[int, float] | None = None
 ) -> tuple[list[TokenTimes], float]:
+    """Stream `jobs` through `streams` clients; `sent` gets each job's send time (seconds from
+    the start, by the job's index)."""
     target = Target("127.0.0.1", int(url.rsplit(":", 1)[1]), None)
-    todo = iter(jobs)
+    todo = iter(enumerate(jobs))
     traces: list[TokenTimes] = []
 
     async def client_loop() -> None:
         client = Client(target)
-        for job in todo:
+        for i, job in todo:
             body = json.dumps(
                 {
                     "model": model,
@@ -397,6 +445,8 @@ async def drive_http(
             if not res.ok:
                 raise RuntimeError(f"job failed: {res.error}")
             traces.append(res.times)
+            if sent is not None:
+                sent[i] = res.times.start - t0
         await client.close()
 
     t0 = time.perf_counter()
@@ -404,11 +454,13 @@ async def drive_http(
     return traces, time.perf_counter() - t0
 
 
-def run_system(system: System, jobs: list[Job], streams: int, label: str) -> dict:
+def run_system(
+    system: System, jobs: list[Job], streams: int, label: str, sent: dict[int, float] | None = None
+) -> dict:
     before = system.per_worker()
     counters = system.settled_counters()
     cpu = CpuUse(system)
-    traces, wall = asyncio.run(drive_http(system.url, system.model.name, jobs, streams))
+    traces, wall = asyncio.run(drive_http(system.url, system.model.name, jobs, streams, sent))
     cores = cpu.cores(wall)
     after = system.per_worker()
     shares = {
@@ -578,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
         "--bare-again",
         action="store_true",
         help="with --compare: run the bare loop again after the system (kept loaded meanwhile), "
-        "so each ratio has a bare figure before and after it",
+        "so each ratio has a bare figure before and after it; then once more with each job "
+        "arriving when the system's client sent it (the issue's 'takes jobs as they arrive')",
     )
     p.add_argument("--logs", default="/tmp/genq-bench-logs")
     p.add_argument("--json-out")
@@ -623,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling["engine_cpu"] = pin.engine
     bare_at: dict[int, dict] = {}
     system_at: dict[int, dict] = {}
+    sent_at: dict[int, list[float]] = {}
     bare: Bare | None = None
     if a.bare or (compare and a.model != SIM):
         bare = Bare(settings, a.sampler_probe)
@@ -667,11 +721,13 @@ def main(argv: list[str] | None = None) -> int:
             runs += [(c, "system compare") for c in compare]
             for c, label in runs:
                 print(f"# starting {c} streams", file=sys.stderr, flush=True)
-                row = run_system(system, jobs_for(c), c, label) | extra
+                sent: dict[int, float] = {}
+                row = run_system(system, jobs_for(c), c, label, sent) | extra
                 report(row)
                 if label != "system sweep" and c in bare_at:
                     report(ratio(bare_at[c], row))
                     system_at.setdefault(c, row)
+                    sent_at.setdefault(c, [sent[i] for i in range(len(sent))])
             if a.genq_bench:
                 mid = (a.prompt_min + a.prompt_max) // 2
                 report(
@@ -690,6 +746,11 @@ def main(argv: list[str] | None = None) -> int:
                 report(row | sampling | {"run": "bare generator, after the system"})
                 if c in system_at:
                     report(ratio(row, system_at[c]) | {"run": "ratio system/bare after"})
+                if c in sent_at:  # the same jobs, each when the system's client sent it
+                    with pin.on_engine() if pin else contextlib.nullcontext():
+                        row = bare.run(jobs_for(c), c, sent_at[c])
+                    report(row | sampling)
+                    report(ratio(row, system_at[c]) | {"run": "ratio system/bare, same arrivals"})
         finally:
             bare.close()
     return 0

@@ -125,6 +125,24 @@ for step in $steps; do
           --logs /tmp/genq-logs/exl3sched-$cd-$sc > "$OUT/exl3sched-$cd-$sc.log" 2>&1
         grep -h '"run": "system"' "$OUT/exl3sched-$cd-$sc.log" | cut -c1-200
       done; done ;;
+    diag15b*)  # issue 15's ratios as the issue defines them: the engine on a core of its own
+      # (--pin-engine), the bare loop before the system, after it, and with each job arriving
+      # when the system's client sent it; py-spy (3 s, non-blocking) of the bare loop and of
+      # the engine process at the first level. diag15bexl3: exllamav3.
+      eng=$([[ $step == *exl3* ]] && echo "--engine exllamav3")
+      levels=${COMPARE_LEVELS:-8,64}; first=${levels%%,*}; log="$OUT/$step.log"
+      python3 -m genq.benchgpu --model /tmp/m8b $eng --compare $levels --max-batch 128 \
+        --requests-per-stream 2 --bare-again --pin-engine --json-out "$OUT/$step.json" \
+        --logs /tmp/genq-logs/$step > "$log" 2>&1 &
+      bench=$!
+      spy() { sleep 1; timeout 10 /tmp/site/bin/py-spy record --pid "$1" -d 3 -r 250 --nonblocking \
+        --format raw -o "$OUT/$step.$2.raw.txt" > /dev/null 2>&1; }
+      until grep -q "# bare generator at $first streams" "$log" || ! kill -0 $bench 2>/dev/null; do sleep 0.2; done
+      spy $bench bare
+      until grep -q "# starting $first streams" "$log" || ! kill -0 $bench 2>/dev/null; do sleep 0.2; done
+      spy "$(pgrep -f worker.engine_process | head -n 1)" engine
+      timeout $(left) tail --pid=$bench -f /dev/null; kill $bench 2>/dev/null
+      grep -h '"ratio' "$log" ;;
     diag15*)  # issue 15's gap at 8 and 64 streams: what slows the engine's step? One call:
       # the bare loop alone, with 4 busy processes beside it, the system, the bare loop again
       # after it; then the same with the engine on a core of its own (--pin-engine: bare loop
