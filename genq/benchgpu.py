@@ -33,6 +33,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -633,6 +634,14 @@ def main(argv: list[str] | None = None) -> int:
         "so each ratio has a bare figure before and after it; then once more with each job "
         "arriving when the system's client sent it (the issue's 'takes jobs as they arrive')",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="with --compare: both loaded at once, the bare loop and the system take turns at "
+        "each level, this many rounds; ratios per round and their median (a GPU host drifts "
+        "by tens of percent within minutes: turns keep the two under the same drift)",
+    )
     p.add_argument("--logs", default="/tmp/genq-bench-logs")
     p.add_argument("--json-out")
     a = p.parse_args(argv)
@@ -671,6 +680,16 @@ def main(argv: list[str] | None = None) -> int:
         n = max(streams * a.requests_per_stream, 4)
         return workload(n, a.prompt_min, a.prompt_max, a.new_tokens, vocab)
 
+    if a.rounds and compare and a.model != SIM:
+        env = dict(kv.split("=", 1) for kv in a.worker_env)
+        if a.cpu_sampling:
+            env["GENQ_GPU_SAMPLING"] = "false"
+        turns = Turns(settings, model, worker_args, a.gateways, Path(a.logs), env, a.engine)
+        try:
+            turns.run(compare, a.rounds, jobs_for, report, sampling)
+        finally:
+            turns.close()
+        return 0
     pin = EnginePin.for_host() if a.pin_engine else None
     if pin is not None:
         sampling["engine_cpu"] = pin.engine
@@ -754,6 +773,84 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             bare.close()
     return 0
+
+
+class Turns:
+    """`--compare L --rounds R`: the bare loop and the system, both loaded, take turns at each
+    level of L, R rounds; a ratio row per turn and one with the medians per level."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        model: Path,
+        worker_args: list[str],
+        gateways: int,
+        logs: Path,
+        env: dict[str, str],
+        engine: str,
+    ) -> None:
+        self.bare = Bare(settings)
+        logs.mkdir(parents=True, exist_ok=True)
+        self.system: System | None = System(model, worker_args, gateways, logs, env, engine)
+        self.system.wait_ready()
+        self.extra = {"worker_args": " ".join(worker_args), "gateways": gateways, "env": env}
+
+    def run(
+        self,
+        levels: list[int],
+        rounds: int,
+        jobs_for: Any,
+        report: Any,
+        sampling: dict[str, str],
+    ) -> None:
+        assert self.system is not None
+        warm = workload(2, 64, 128, 8, _vocab(self.system.model))
+        run_system(self.system, warm, len(warm), "warm-up")
+        self.bare.run(warm, len(warm))
+        ratios: dict[int, list[dict]] = {c: [] for c in levels}
+        for r in range(rounds):
+            for c in levels:
+                # the order flips each round: neither always runs first after the other
+                order = ("bare", "system") if r % 2 == 0 else ("system", "bare")
+                rows: dict[str, dict] = {}
+                for who in order:
+                    print(f"# round {r}: {who} at {c} streams", file=sys.stderr, flush=True)
+                    if who == "bare":
+                        rows[who] = self.bare.run(jobs_for(c), c)
+                    else:
+                        label = "system compare"
+                        rows[who] = run_system(self.system, jobs_for(c), c, label) | self.extra
+                    report(rows[who] | sampling | {"round": r})
+                row = ratio(rows["bare"], rows["system"]) | {"round": r}
+                ratios[c].append(row)
+                report(row)
+        for c in levels:
+            report(median_ratio(c, ratios[c]))
+
+    def close(self) -> None:
+        if self.system is not None:
+            self.system.close()
+            self.system = None
+        self.bare.close()
+
+
+def median_ratio(streams: int, rows: list[dict]) -> dict:
+    """The median over the rounds of each ratio figure, with its range."""
+
+    def med(key: str) -> dict[str, float | None]:
+        xs = sorted(x for r in rows if (x := r.get(key)) is not None)
+        if not xs:
+            return {"median": None, "min": None, "max": None}
+        return {"median": round(statistics.median(xs), 3), "min": xs[0], "max": xs[-1]}
+
+    return {
+        "run": "ratio system/bare, median of the rounds",
+        "streams": streams,
+        "rounds": len(rows),
+        "tokens_per_s": med("tokens_per_s"),
+        "decode_tok_s_p50": med("decode_tok_s_p50"),
+        "ttft_p50_overhead_ms": med("ttft_p50_overhead_ms"),
+    }
 
 
 class EnginePin:

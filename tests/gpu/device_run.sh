@@ -48,7 +48,7 @@ for step in $steps; do
         python3 -m pytest -q -m gpu $W -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest \
         "${sel[@]}" > "$OUT/gpu-$step.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/gpu-$step.log"; tail -n 15 "$OUT/gpu-$step.log" ;;
-    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|diag15*|serveauto|batchcompare)
+    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|diag15*|turns*|serveauto|batchcompare)
       [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m genq synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
       timeout 200 python3 -m genq.benchgpu --model /tmp/m8b --streams 64 --bare --system \
@@ -125,6 +125,17 @@ for step in $steps; do
           --logs /tmp/genq-logs/exl3sched-$cd-$sc > "$OUT/exl3sched-$cd-$sc.log" 2>&1
         grep -h '"run": "system"' "$OUT/exl3sched-$cd-$sc.log" | cut -c1-200
       done; done ;;
+    turns|turnsexl3)  # issue 15 (turnsexl3: issue 17): the bare loop and one worker (defaults),
+      # both loaded, take turns at each level, the first to go flipping each round; a ratio
+      # row per turn and the median per level. This host drifts by tens of percent within
+      # one call (docs/benchmarks.md): turns put both under the same drift.
+      if [ $step = turns ]; then eng=""; lv=1,8,64,128; rounds=${ROUNDS:-3}; cap=340
+      else eng="--engine exllamav3"; lv=8,64,128; rounds=${ROUNDS3:-2}; cap=600; fi
+      t=$(left); t=$((t < cap ? t : cap))
+      timeout $t python3 -m genq.benchgpu --model /tmp/m8b $eng --compare $lv --max-batch 128 \
+        --requests-per-stream 2 --rounds $rounds --json-out "$OUT/$step.json" \
+        --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
+      grep -h '"ratio' "$OUT/$step.log" | cut -c1-330 ;;
     diag15b*)  # issue 15's ratios as the issue defines them: the engine on a core of its own
       # (--pin-engine), the bare loop before the system, after it, and with each job arriving
       # when the system's client sent it; py-spy (3 s, non-blocking) of the bare loop and of

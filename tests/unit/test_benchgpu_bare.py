@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from genq.benchgpu import Bare, Job
+import pytest
+
+from genq import benchgpu
+from genq.benchgpu import Bare, Job, Turns
 
 STEP_S = 0.002
 
@@ -91,3 +94,34 @@ def test_replayed_jobs_arrive_at_their_times_in_their_order() -> None:
     for key, at in gen.enqueued:
         assert at - start >= arrivals[int(key)] - 0.001
         assert at - start < arrivals[int(key)] + 0.25  # not all at once at the end
+
+
+def test_turns_alternate_who_goes_first_and_report_the_median(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    order: list[str] = []
+    # warm-up (system, bare), then bare, system, system, bare, bare, system
+    speed = iter([1.0, 1.0, 100.0, 95.0, 90.0, 99.0, 80.0, 60.0])
+
+    def fake_system(system: Any, jobs: list[Job], streams: int, label: str, *_: Any) -> dict:
+        order.append("system")
+        return {"streams": streams, "tokens_per_s": next(speed), "ttft_ms_p50": 10.0}
+
+    class FakeBare:
+        def run(self, jobs: list[Job], streams: int) -> dict:
+            order.append("bare")
+            return {"streams": streams, "tokens_per_s": next(speed), "ttft_ms_p50": 8.0}
+
+    monkeypatch.setattr(benchgpu, "run_system", fake_system)
+    monkeypatch.setattr(benchgpu, "_vocab", lambda model: 1000)
+    turns = Turns.__new__(Turns)
+    turns.bare, turns.extra = FakeBare(), {}  # type: ignore[assignment]
+    turns.system = SimpleNamespace(model=None)  # type: ignore[assignment]
+    rows: list[dict] = []
+    turns.run([8], 3, lambda c: JOBS, rows.append, {})
+    assert order[2:] == ["bare", "system", "system", "bare", "bare", "system"]  # after warm-up
+    per_round = [r["tokens_per_s"] for r in rows if r.get("run") == "ratio system/bare"]
+    assert per_round == [0.95, round(90 / 99, 3), 0.75]
+    [summary] = [r for r in rows if r.get("run") == "ratio system/bare, median of the rounds"]
+    assert summary["tokens_per_s"] == {"median": round(90 / 99, 3), "min": 0.75, "max": 0.95}
+    assert summary["ttft_p50_overhead_ms"]["median"] == 2.0
