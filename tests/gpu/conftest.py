@@ -108,6 +108,7 @@ class Outcome:
     finish: str | None = None
     error: str | None = None
     prompt_tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)
 
 
 def drive(engine, jobs: list[EngineJob], on_step=None) -> dict[str, Outcome]:  # type: ignore[no-untyped-def]
@@ -128,6 +129,7 @@ def drive(engine, jobs: list[EngineJob], on_step=None) -> dict[str, Outcome]:  #
 def _collect(res: Outcome, o: StepOutput) -> None:
     res.text += o.text
     res.token_ids += o.token_ids
+    res.logprobs += o.logprobs or []
     if o.finish_reason:
         res.finish = o.finish_reason
         res.prompt_tokens = o.prompt_tokens

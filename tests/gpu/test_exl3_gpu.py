@@ -44,14 +44,34 @@ def test_64_concurrent_jobs_finish_with_the_right_token_counts(exl3_engine: Any)
     assert sum(r.finish == "length" for r in out.values()) >= 48
 
 
+NEAR_TIE_NATS = 0.05
+"""Top two log-probabilities closer than this are a near-tie. exllamav3's quantized matmul
+takes another kernel for one row than for 64 (other rounding), so on random weights an
+argmax that close may flip between alone and in a batch: seen once in 256 tokens."""
+
+
 def test_greedy_output_is_the_same_alone_and_in_a_full_batch(exl3_engine: Any) -> None:
+    """Same tokens alone and among 63 others; where they part, only at a near-tie of the
+    alone run, to its second choice (after that the contexts differ). A batch that mixed up
+    another job's pages or sampler would part at a clear choice."""
     rng = random.Random(2)
     ids = prompt(rng, 100)
-    alone = drive(exl3_engine, [ejob("g", ids, temperature=0.0)])["g"]
+    alone = drive(exl3_engine, [ejob("g", ids, temperature=0.0, logprobs=2)])["g"]
     others = [ejob(f"o{i}", prompt(rng, rng.randint(8, 300))) for i in range(63)]
-    batched = drive(exl3_engine, [*others[:31], ejob("g", ids, temperature=0.0), *others[31:]])
-    assert alone.token_ids and batched["g"].token_ids == alone.token_ids
-    assert batched["g"].text == alone.text
+    job = ejob("g", ids, temperature=0.0, logprobs=2)
+    batched = drive(exl3_engine, [*others[:31], job, *others[31:]])["g"]
+    a, b = alone.token_ids, batched.token_ids
+    assert a and len(alone.logprobs) == len(a)
+    parted = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if parted is None:
+        assert b == a and batched.text == alone.text
+        return
+    first, second = alone.logprobs[parted]["top_logprobs"][:2]
+    assert first["token_id"] == a[parted]
+    assert b[parted] == second["token_id"], f"token {parted} parted to a third choice"
+    assert first["logprob"] - second["logprob"] < NEAR_TIE_NATS, (
+        f"token {parted} parted at a clear choice: {first} against {second}"
+    )
 
 
 def test_stop_string_ends_the_job_before_it(exl3_engine: Any) -> None:
