@@ -642,6 +642,12 @@ def main(argv: list[str] | None = None) -> int:
         "each level, this many rounds; ratios per round and their median (a GPU host drifts "
         "by tens of percent within minutes: turns keep the two under the same drift)",
     )
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="with --rounds: the bare loop takes each job when the system's last turn at that "
+        "level sent it, instead of all at once (the system goes first in round 0)",
+    )
     p.add_argument("--logs", default="/tmp/genq-bench-logs")
     p.add_argument("--json-out")
     a = p.parse_args(argv)
@@ -686,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
             env["GENQ_GPU_SAMPLING"] = "false"
         turns = Turns(settings, model, worker_args, a.gateways, Path(a.logs), env, a.engine)
         try:
-            turns.run(compare, a.rounds, jobs_for, report, sampling)
+            turns.run(compare, a.rounds, jobs_for, report, sampling, a.replay)
         finally:
             turns.close()
         return 0
@@ -802,24 +808,33 @@ class Turns:
         jobs_for: Any,
         report: Any,
         sampling: dict[str, str],
+        replay: bool = False,
     ) -> None:
+        """`replay`: each bare turn takes its jobs as the system's last turn at that level
+        sent them (the issue's "the bare loop takes jobs as they arrive"), not all at once."""
         assert self.system is not None
         warm = workload(2, 64, 128, 8, _vocab(self.system.model))
         run_system(self.system, warm, len(warm), "warm-up")
         self.bare.run(warm, len(warm))
         ratios: dict[int, list[dict]] = {c: [] for c in levels}
+        sent_at: dict[int, list[float]] = {}
         for r in range(rounds):
             for c in levels:
-                # the order flips each round: neither always runs first after the other
-                order = ("bare", "system") if r % 2 == 0 else ("system", "bare")
+                # the order flips each round: neither always runs first after the other (with
+                # `replay`, the system goes first in round 0: the bare loop needs its arrivals)
+                order = ("bare", "system") if (r + replay) % 2 == 0 else ("system", "bare")
                 rows: dict[str, dict] = {}
                 for who in order:
                     print(f"# round {r}: {who} at {c} streams", file=sys.stderr, flush=True)
                     if who == "bare":
-                        rows[who] = self.bare.run(jobs_for(c), c)
+                        arrivals = sent_at.get(c) if replay else None
+                        rows[who] = self.bare.run(jobs_for(c), c, arrivals)
                     else:
                         label = "system compare"
-                        rows[who] = run_system(self.system, jobs_for(c), c, label) | self.extra
+                        sent: dict[int, float] = {}
+                        row = run_system(self.system, jobs_for(c), c, label, sent)
+                        rows[who] = row | self.extra
+                        sent_at[c] = [sent[i] for i in range(len(sent))]
                     report(rows[who] | sampling | {"round": r})
                 row = ratio(rows["bare"], rows["system"]) | {"round": r}
                 ratios[c].append(row)

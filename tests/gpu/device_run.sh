@@ -125,15 +125,18 @@ for step in $steps; do
           --logs /tmp/genq-logs/exl3sched-$cd-$sc > "$OUT/exl3sched-$cd-$sc.log" 2>&1
         grep -h '"run": "system"' "$OUT/exl3sched-$cd-$sc.log" | cut -c1-200
       done; done ;;
-    turns|turnsexl3)  # issue 15 (turnsexl3: issue 17): the bare loop and one worker (defaults),
-      # both loaded, take turns at each level, the first to go flipping each round; a ratio
-      # row per turn and the median per level. This host drifts by tens of percent within
-      # one call (docs/benchmarks.md): turns put both under the same drift.
-      if [ $step = turns ]; then eng=""; lv=1,8,64,128; rounds=${ROUNDS:-3}; cap=340
+    turns|turnsexl3|turnsreplay|turnsreplayexl3)  # issue 15 (…exl3: issue 17): the bare loop
+      # and one worker (defaults), both loaded, take turns at each level, the first to go
+      # flipping each round; a ratio row per turn and the median per level. This host drifts
+      # by tens of percent within one call (docs/benchmarks.md): turns put both under the
+      # same drift. turnsreplay: the bare loop takes each job when the system's last turn
+      # sent it (--replay), so the decode rates compare under the same arrivals.
+      if [[ $step != *exl3 ]]; then eng=""; lv=1,8,64,128; rounds=${ROUNDS:-3}; cap=340
       else eng="--engine exllamav3"; lv=8,64,128; rounds=${ROUNDS3:-2}; cap=600; fi
+      replay=$([[ $step == *replay* ]] && echo --replay)
       t=$(left); t=$((t < cap ? t : cap))
       timeout $t python3 -m genq.benchgpu --model /tmp/m8b $eng --compare $lv --max-batch 128 \
-        --requests-per-stream 2 --rounds $rounds --json-out "$OUT/$step.json" \
+        --requests-per-stream 2 --rounds $rounds $replay --json-out "$OUT/$step.json" \
         --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h '"ratio' "$OUT/$step.log" | cut -c1-330 ;;
     diag15b*)  # issue 15's ratios as the issue defines them: the engine on a core of its own

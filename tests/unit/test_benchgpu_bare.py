@@ -108,7 +108,8 @@ def test_turns_alternate_who_goes_first_and_report_the_median(
         return {"streams": streams, "tokens_per_s": next(speed), "ttft_ms_p50": 10.0}
 
     class FakeBare:
-        def run(self, jobs: list[Job], streams: int) -> dict:
+        def run(self, jobs: list[Job], streams: int, arrivals: Any = None) -> dict:
+            assert arrivals is None
             order.append("bare")
             return {"streams": streams, "tokens_per_s": next(speed), "ttft_ms_p50": 8.0}
 
@@ -125,3 +126,39 @@ def test_turns_alternate_who_goes_first_and_report_the_median(
     [summary] = [r for r in rows if r.get("run") == "ratio system/bare, median of the rounds"]
     assert summary["tokens_per_s"] == {"median": round(90 / 99, 3), "min": 0.75, "max": 0.95}
     assert summary["ttft_p50_overhead_ms"]["median"] == 2.0
+
+
+def test_replayed_turns_give_the_bare_loop_the_systems_last_arrivals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    turns_seen: list[tuple[str, Any]] = []
+    sends = iter([[0.0, 0.1], [0.0, 0.2], [0.0, 0.3]])
+
+    def fake_system(
+        system: Any, jobs: list[Job], streams: int, label: str, sent: Any = None
+    ) -> dict:
+        if sent is not None:
+            sent.update(enumerate(next(sends)))
+            turns_seen.append(("system", None))
+        return {"streams": streams, "tokens_per_s": 10.0, "ttft_ms_p50": 1.0}
+
+    class FakeBare:
+        def run(self, jobs: list[Job], streams: int, arrivals: Any = None) -> dict:
+            turns_seen.append(("bare", arrivals))
+            return {"streams": streams, "tokens_per_s": 10.0, "ttft_ms_p50": 1.0}
+
+    monkeypatch.setattr(benchgpu, "run_system", fake_system)
+    monkeypatch.setattr(benchgpu, "_vocab", lambda model: 1000)
+    turns = Turns.__new__(Turns)
+    turns.bare, turns.extra = FakeBare(), {}  # type: ignore[assignment]
+    turns.system = SimpleNamespace(model=None)  # type: ignore[assignment]
+    turns.run([8], 3, lambda c: JOBS[:2], lambda row: None, {}, replay=True)
+    turns_seen = turns_seen[1:]  # the bare loop's warm-up (the system's has no `sent`)
+    assert turns_seen == [
+        ("system", None),
+        ("bare", [0.0, 0.1]),  # round 0: the system first, the bare loop its arrivals
+        ("bare", [0.0, 0.1]),  # round 1: the bare loop first, the system's last arrivals
+        ("system", None),  # [0.0, 0.2]
+        ("system", None),  # [0.0, 0.3]
+        ("bare", [0.0, 0.3]),
+    ]
