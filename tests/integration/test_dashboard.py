@@ -199,7 +199,10 @@ async def test_the_recent_jobs_stream_is_capped_and_can_be_off(
             r = await client.post("/v1/jobs", json={"model": "sim", "prompt": "x", "max_tokens": 1})
             assert r.status_code == 202
         assert await redis.xlen(keys.recent_jobs()) <= 10 + STREAM_NODE_ENTRIES
-        assert len((await _snapshot(client))["jobs"]) == small.dashboard_jobs
+        # `MAXLEN ~` keeps at least the cap; how much more depends on where a node ends (its
+        # byte limit too, and an entry's size depends on its ID's time): 10 to 50 are shown
+        shown = len((await _snapshot(client))["jobs"])
+        assert 10 <= shown <= small.dashboard_jobs
     off = Settings(**{**settings.model_dump(), "recent_jobs": 0})
     async with gateway_only(off, redis) as client:
         r = await client.post("/v1/jobs", json={"model": "sim", "prompt": "x", "max_tokens": 1})
