@@ -738,8 +738,9 @@ class EngineSettings(BaseSettings):
         default=None,
         pattern=r"^[0-9][0-9,\- ]*$",
         description="CPUs the engine process runs on (Linux cpulist, e.g. 7); default: its "
-        "worker's. The engine's step is one thread launching kernels: a core of its own, its "
-        "hyperthread sibling left idle, keeps the other processes' work off it",
+        "worker's. Its step is one thread launching kernels, for hosts that keep a core for "
+        "it; on an H200 host the gain was within that host's drift (docs/benchmarks.md, "
+        "issue 15)",
     )
 
     # sim
