@@ -4,6 +4,7 @@
         [--new-tokens 256] [--bare] [--system] [--sweep 1,8,32,64,128,256]
         [--compare 1,8,64,128] [--worker-arg=--procs-per-gpu=2 ...]
         [--worker-env GENQ_DETOKENIZE=worker ...] [--sampler-probe] [--json-out FILE]
+        [--rounds 3 [--replay]] [--bare-again] [--bare-load 4] [--pin-engine]
 
 Workload: `streams` closed-loop clients, each running jobs back to back (like `genq bench`);
 every job has a prompt of random token ids, uniform in [prompt-min, prompt-max], and asks
@@ -17,7 +18,11 @@ rate p50, and step times: the bare loop's `iterate()` (and its whole loop), and 
 system, from the workers' heartbeats, the engine's own step in its engine process beside the
 step as the worker's I/O process receives them (the difference is the boundary's cost).
 `--compare` runs the bare generator and then the system at each level in one call and
-reports their ratios.
+reports their ratios. A GPU host drifts by tens of percent within minutes, so `--rounds R`
+keeps both loaded and lets them take turns at each level (the first to go flipping each
+round): a ratio per turn and the median of the rounds; with `--replay` each bare turn takes its
+jobs when the system's last turn sent them rather than all at once. `--bare-again`,
+`--bare-load N` and `--pin-engine` are the diagnostics of docs/benchmarks.md (issue 15).
 
 Engine settings come from GENQ_* as for a worker (e.g. GENQ_PREFILL_COOLDOWN=4 for both the
 bare loop and the worker). `--sampler-probe` (exllamav3, bare): how long each step spends
