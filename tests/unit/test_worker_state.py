@@ -119,11 +119,19 @@ async def test_a_late_stop_of_an_old_attempt_never_touches_the_new_one(
     link.cancel(JOB, 1, Stop("dropped"))
     link.add(job, 2)
     link.cancel(JOB, 1, Stop("cancelled", "stale"))  # names attempt 1: ignored
-    out = await _outputs(link, 4)  # attempt 1's stop, then attempt 2's three tokens
+    out: list[StepOutput] = []
+    async with asyncio.timeout(5):  # until attempt 2 has ended
+        while not any(o.attempt == 2 and o.finish_reason for o in out):
+            out += link.drain()
+            await asyncio.sleep(0.005)
     assert [(o.attempt, o.stopped) for o in out if o.stopped] == [(1, Stop("dropped"))]
     second = [o for o in out if o.attempt == 2]
     assert len(second) == 3 and second[-1].finish_reason == "length"
     assert all(o.stopped is None for o in second)
+    # attempt 1 may have made a token before its stop reached the engine (the commands can
+    # arrive in separate reads), never after it
+    first = [o for o in out if o.attempt == 1]
+    assert first[-1].stopped == Stop("dropped") and all(o.token_ids for o in first[:-1])
 
 
 async def test_a_stop_is_sent_once(make_link: MakeLink) -> None:
