@@ -155,30 +155,37 @@ class Bare:
         """Enqueue `streams` jobs, start the next as each ends (a job arrives when enqueued);
         or, given `arrivals` (seconds from the start, one per job), each job at its time, as
         the system's clients sent them."""
-        if arrivals is not None:
-            return self._replay(jobs, streams, arrivals)
         gen = self.backend.make_generator()
-        todo = list(reversed(jobs))
         traces: dict[int, TokenTimes] = {}
         sampling = Sampling()
         stops = list(self.card.eos_token_ids)
+        # the jobs still to start, the next last
+        todo = sorted(range(len(jobs)), key=lambda i: (arrivals[i], i) if arrivals else (0.0, i))
+        todo.reverse()
 
         def start() -> None:
-            job = todo.pop()
-            key = len(traces)
+            i = todo.pop()
+            job = jobs[i]
             handle = self.backend.make_job(
-                job.ids, job.new_tokens, sampling, job.seed, stops, str(key)
+                job.ids, job.new_tokens, sampling, job.seed, stops, str(i)
             )
-            traces[key] = TokenTimes(time.perf_counter())
+            traces[i] = TokenTimes(time.perf_counter())
             gen.enqueue(handle)
 
         steps, step_s = 0, 0.0
         timer = SamplerTimer() if self.probe else contextlib.nullcontext()
         t0 = time.perf_counter()
         with timer:
-            for _ in range(min(streams, len(todo))):
-                start()
-            while gen.num_remaining_jobs():
+            if arrivals is None:
+                for _ in range(min(streams, len(todo))):
+                    start()
+            while todo or gen.num_remaining_jobs():
+                if arrivals is not None:
+                    while todo and arrivals[todo[-1]] <= time.perf_counter() - t0:
+                        start()
+                    if not gen.num_remaining_jobs():
+                        time.sleep(max(0.0, arrivals[todo[-1]] - (time.perf_counter() - t0)))
+                        continue
                 t = time.perf_counter()
                 results = gen.iterate()
                 now = time.perf_counter()
@@ -189,12 +196,12 @@ class Bare:
                     ids = r.get("token_ids")
                     n = 0 if ids is None else int(ids.shape[-1])
                     traces[int(r["identifier"])].arrived(now, n)
-                    if r.get("eos") and todo:
+                    if r.get("eos") and arrivals is None and todo:
                         start()
         wall = time.perf_counter() - t0
         extra = timer.report(wall, steps) if isinstance(timer, SamplerTimer) else {}
         return summary(
-            "bare generator",
+            "bare generator" if arrivals is None else "bare generator, the system's arrivals",
             streams,
             list(traces.values()),
             wall,
@@ -202,48 +209,6 @@ class Bare:
             step_ms=round(step_s / max(steps, 1) * 1000, 3),
             loop_ms=round(wall / max(steps, 1) * 1000, 3),
             **extra,
-        )
-
-    def _replay(self, jobs: list[Job], streams: int, arrivals: list[float]) -> dict:
-        gen = self.backend.make_generator()
-        sampling = Sampling()
-        stops = list(self.card.eos_token_ids)
-        order = sorted(range(len(jobs)), key=lambda i: arrivals[i])
-        traces = {i: TokenTimes(0.0) for i in order}
-        steps, step_s, nxt = 0, 0.0, 0
-        t0 = time.perf_counter()
-        while nxt < len(order) or gen.num_remaining_jobs():
-            now = time.perf_counter()
-            while nxt < len(order) and arrivals[order[nxt]] <= now - t0:
-                i = order[nxt]
-                job = jobs[i]
-                traces[i].start = now
-                handle = self.backend.make_job(
-                    job.ids, job.new_tokens, sampling, job.seed, stops, str(i)
-                )
-                gen.enqueue(handle)
-                nxt += 1
-            if not gen.num_remaining_jobs():
-                time.sleep(max(0.0, arrivals[order[nxt]] - (time.perf_counter() - t0)))
-                continue
-            t = time.perf_counter()
-            results = gen.iterate()
-            now = time.perf_counter()
-            steps, step_s = steps + 1, step_s + now - t
-            for r in results:
-                if r.get("stage") == "streaming":
-                    ids = r.get("token_ids")
-                    n = 0 if ids is None else int(ids.shape[-1])
-                    traces[int(r["identifier"])].arrived(now, n)
-        wall = time.perf_counter() - t0
-        return summary(
-            "bare generator, the system's arrivals",
-            streams,
-            list(traces.values()),
-            wall,
-            steps=steps,
-            step_ms=round(step_s / max(steps, 1) * 1000, 3),
-            loop_ms=round(wall / max(steps, 1) * 1000, 3),
         )
 
 

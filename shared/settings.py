@@ -650,6 +650,10 @@ class GatewaySettings(JobSettings):
         return [*self.api_keys, *self._file_keys, *self.admin_api_keys]
 
 
+CPU_LIST = r"^[0-9][0-9,\- ]*$"
+"""A Linux cpulist (`0-3,8`), as GENQ_CPUS and GENQ_ENGINE_CPUS take it."""
+
+
 class EngineSettings(BaseSettings):
     model_config = _CONFIG
 
@@ -736,7 +740,7 @@ class EngineSettings(BaseSettings):
 
     engine_cpus: str | None = Field(
         default=None,
-        pattern=r"^[0-9][0-9,\- ]*$",
+        pattern=CPU_LIST,
         description="CPUs the engine process runs on (Linux cpulist, e.g. 7); default: its "
         "worker's. Its step is one thread launching kernels, for hosts that keep a core for "
         "it; on an H200 host the gain was within that host's drift (docs/benchmarks.md, "
@@ -888,7 +892,7 @@ class WorkerSettings(JobSettings, EngineSettings):
     )
     cpus: str | None = Field(
         default=None,
-        pattern=r"^[0-9][0-9,\- ]*$",
+        pattern=CPU_LIST,
         description="CPUs this worker process runs on (Linux cpulist, e.g. 0-3,16-19); the "
         "launcher sets it per process",
     )
