@@ -99,6 +99,7 @@ LATENCY_DIGITS = 1
 
 def summary(label: str, streams: int, traces: list[TokenTimes], wall: float, **extra: Any) -> dict:
     tokens = sum(t.tokens for t in traces)
+    steps = extra.get("steps")
     return {
         "run": label,
         "streams": streams,
@@ -108,6 +109,8 @@ def summary(label: str, streams: int, traces: list[TokenTimes], wall: float, **e
         "tokens_per_s": round(tokens / wall, 1),
         **latency(traces, LATENCY_DIGITS),
         "decode_tok_s_p50": decode_rate_p50(traces),
+        # the mean batch a step decoded: below the bare loop's, jobs waited to start
+        "tokens_per_step": round(tokens / steps, 1) if steps else None,
         **extra,
     }
 
@@ -908,6 +911,10 @@ def ratio(bare: dict, system: dict) -> dict:
             "bare_loop": bare.get("loop_ms"),
             "engine": system.get("engine_step_ms"),
             "worker": system.get("worker_step_ms"),
+        },
+        "tokens_per_step": {
+            "bare": bare.get("tokens_per_step"),
+            "system": system.get("tokens_per_step"),
         },
     }
 

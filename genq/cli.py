@@ -214,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --quantize: rows of 2,048 calibration tokens (default: the converter's, 250); "
         "fewer convert faster, and random weights have nothing to calibrate",
     )
+    p.add_argument(
+        "--random-trellis",
+        action="store_true",
+        help="with --quantize exl3: write the EXL3 storage directly, random bits of --shape "
+        "(any machine, seconds; the same speed as a converted model) instead of converting",
+    )
     p = sub.add_parser("settings", help="every GENQ_ setting: default, who reads it, meaning")
     p.add_argument("--markdown", action="store_true", help="as the table in docs/settings.md")
     for command in sub.choices.values():
@@ -293,7 +299,15 @@ def main(argv: list[str] | None = None) -> int:
 def _synth_model(args: argparse.Namespace) -> int:
     from genq.synth import quantize_exl3, synth_model
 
-    if args.quantize is None:
+    if args.random_trellis:
+        if args.quantize is None:
+            raise SystemExit("genq: error: --random-trellis goes with --quantize exl3")
+        given = [f for f in ("source", "gpus", "calibration_rows") if getattr(args, f)]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise SystemExit(f"genq: error: {flag} is for a conversion, not --random-trellis")
+        print(synth_model(args.dir, args.shape, args.seed, exl3_bits=args.bits))
+    elif args.quantize is None:
         print(synth_model(args.dir, args.shape, args.seed))
     else:
         print(

@@ -1,5 +1,6 @@
 """`genq synth-model DIR --shape tiny|1b|8b`: a random-weight Llama checkpoint for testing;
-`--quantize exl3 --bits 4` converts one to EXL3 (exllamav3's converter, on the GPU).
+`--quantize exl3 --bits 4` converts one to EXL3 (exllamav3's converter, on the GPU), and
+`--quantize exl3 --random-trellis` writes an EXL3 one directly (any machine, seconds).
 
 No checkpoint can be downloaded on the GPU machines, and speed depends only on the shapes,
 so a random-weight model with a real model's shapes measures what that model would. The
@@ -13,6 +14,14 @@ the end, so an interrupted or failed run leaves no half-written model behind. A 
 keeps its work folder beside the destination until it finishes, so one that was interrupted
 (a time limit, a lost machine) resumes where it stopped when run again with the same
 arguments.
+
+A converted 8B model costs about ten minutes of GPU time, and what it computes is as
+meaningless as its fp16 source. `--random-trellis` writes the EXL3 storage itself instead:
+each projection (and the lm_head) as exllamav3 stores it -- `trellis` (int16, input/16 x
+output/16 x 16*bits, random bits), `suh` and `svh` (fp16 sign vectors, scaled so the weights
+have about the fp16 synth model's spread) and the `mul1` codebook marker -- beside fp16
+embeddings and norms. exllamav3's kernels run the same work on random bits as on trained
+ones, so speed is what a real EXL3 model of that shape and bit rate would give.
 """
 
 from __future__ import annotations
@@ -54,6 +63,15 @@ QUANT_MULTIPLE = 128
 """EXL3 quantizes weights in 128-wide blocks: every projection's dimensions (hidden,
 intermediate, vocabulary, attention heads x head size) must be multiples of it."""
 EXL3_CONVERTER = "exllamav3.conversion.convert_model"
+EXL3_BITS = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
+"""Bit rates an EXL3 trellis can hold (the half-integer ones with the mul1 codebook)."""
+EXL3_HEAD_BITS = 6
+"""The lm_head's bit rate (exllamav3's converter default)."""
+EXL3_MUL1_MARKER = 0x83DCD12D
+"""The value of a tensor's `.mul1` marker: the mul1 codebook's multiplier, which exllamav3
+checks once per file (an int32 scalar; safetensors has no uint32)."""
+EXL3_SIGN_SCALE = INIT_STD**0.5
+"""|suh| = |svh|: a weight is about suh * (a unit-spread codebook value) * svh."""
 EXL3_MODULES = ("torch", "exllamav3")
 
 
@@ -194,16 +212,33 @@ class _Sampler:
             self.rng = np.random.default_rng(seed)
 
     def draw(self, name: str, shape: tuple[int, ...]) -> Any:
-        norm = name.endswith("norm.weight")
+        """The tensor `name` by its kind: a norm (ones), an EXL3 part (see the module's
+        doc), or a weight (N(0, INIT_STD))."""
+        kind = name.rsplit(".", 1)[-1]
         if self.torch is not None:
             t = self.torch
-            if norm:
+            if name.endswith("norm.weight"):
                 return t.ones(shape, dtype=t.float16)
+            if kind == "mul1":
+                return t.tensor(EXL3_MUL1_MARKER - 2**32, dtype=t.int32)
+            if kind == "trellis":
+                bits = t.randint(-(2**15), 2**15, shape, generator=self.gen, device="cuda")
+                return bits.to(t.int16).cpu()
+            if kind in ("suh", "svh"):
+                coin = t.randint(0, 2, shape, generator=self.gen, device="cuda")
+                return ((coin * 2 - 1) * EXL3_SIGN_SCALE).to(t.float16).cpu()
             x = t.randn(shape, generator=self.gen, device="cuda", dtype=t.float16) * INIT_STD
             return x.cpu()
         np = self.np
-        if norm:
+        if name.endswith("norm.weight"):
             return np.ones(shape, dtype=np.float16)
+        if kind == "mul1":
+            return np.array(EXL3_MUL1_MARKER, dtype=np.uint32).view(np.int32).reshape(())
+        if kind == "trellis":
+            return self.rng.integers(-(2**15), 2**15, shape, dtype=np.int16)
+        if kind in ("suh", "svh"):
+            signs = self.rng.integers(0, 2, shape, dtype=np.int8) * 2 - 1
+            return (signs * EXL3_SIGN_SCALE).astype(np.float16)
         return (self.rng.standard_normal(shape, dtype=np.float32) * INIT_STD).astype(np.float16)
 
     def save(self, tensors: dict[str, Any], path: Path) -> None:
@@ -226,11 +261,30 @@ def _writer_modules() -> tuple[str, ...]:
     return ("numpy", "safetensors")
 
 
-def _write_weights(s: Shape, out: Path, seed: int) -> None:
+def exl3_tensor_shapes(
+    s: Shape, bits: float, head_bits: float = EXL3_HEAD_BITS
+) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """`tensor_shapes` as exllamav3 stores an EXL3 model of `bits` bits per weight: each
+    projection and the lm_head as trellis, sign vectors and codebook marker, the rest as is."""
+    for name, shape in tensor_shapes(s):
+        if len(shape) != 2 or name == "model.embed_tokens.weight":
+            yield name, shape
+            continue
+        key = name.removesuffix(".weight")
+        out, inp = shape  # HF stores (out, in); exllamav3 works on (in, out)
+        k = head_bits if key == "lm_head" else bits
+        yield f"{key}.suh", (inp,)
+        yield f"{key}.svh", (out,)
+        yield f"{key}.trellis", (inp // 16, out // 16, int(16 * k))
+        yield f"{key}.mul1", ()
+
+
+def _write_weights(s: Shape, out: Path, seed: int, exl3_bits: float | None = None) -> None:
     sampler = _Sampler(seed)
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
-    for name, shape in tensor_shapes(s):
+    tensors = tensor_shapes(s) if exl3_bits is None else exl3_tensor_shapes(s, exl3_bits)
+    for name, shape in tensors:
         n = 2
         for d in shape:
             n *= d
@@ -255,17 +309,28 @@ def _special_id(tok: Tokenizer, token: str) -> int:
     return int(token_id)
 
 
-def synth_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0) -> Path:
+def synth_model(
+    out_dir: str | Path, shape: str = "tiny", seed: int = 0, exl3_bits: float | None = None
+) -> Path:
     """Write a random-weight Llama checkpoint of `shape` into `out_dir` (new, empty, or an
-    earlier synth-model folder, which is replaced); returns the folder."""
+    earlier synth-model folder, which is replaced); returns the folder. `exl3_bits`: write it
+    as EXL3 of that many bits per weight, random trellis (see the module's doc)."""
     require_gpu_extra("genq synth-model", _writer_modules())
+    if exl3_bits is not None:
+        if exl3_bits not in EXL3_BITS:
+            raise SystemExit(
+                f"genq: error: --bits {exl3_bits:g}: an EXL3 trellis holds "
+                + ", ".join(f"{b:g}" for b in EXL3_BITS)
+            )
+        if not quantizable(SHAPES[shape]):
+            raise SystemExit(f"genq: error: shape {shape} has a dimension EXL3 cannot quantize")
     out = Path(out_dir)
     _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
     partial.mkdir()
     try:
-        _write_model(shape, partial, seed)
+        _write_model(shape, partial, seed, exl3_bits)
         _move_into_place(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -295,18 +360,27 @@ def _move_into_place(partial: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_model(shape: str, out: Path, seed: int) -> None:
+def _write_model(shape: str, out: Path, seed: int, exl3_bits: float | None = None) -> None:
     s = SHAPES[shape]
     tok = train_tokenizer(s.tokenizer_vocab, CORPUS_BYTES[shape])
     tok.save(str(out / "tokenizer.json"))
     bos_id = _special_id(tok, BOS)
     eos_ids = [_special_id(tok, EOS), _special_id(tok, EOT)]
-    (out / "config.json").write_text(json.dumps(_config(s, bos_id, eos_ids), indent=1))
+    config = _config(s, bos_id, eos_ids)
+    if exl3_bits is not None:
+        config["quantization_config"] = {
+            "quant_method": "exl3",
+            "bits": exl3_bits,
+            "head_bits": EXL3_HEAD_BITS,
+            "codebook": "mul1",
+            "genq_random_trellis": True,
+        }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tok), indent=1))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_ids}, indent=1)
     )
-    _write_weights(s, out, seed)
+    _write_weights(s, out, seed, exl3_bits)
 
 
 # ---- EXL3 -----------------------------------------------------------------------------------

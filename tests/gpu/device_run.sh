@@ -2,10 +2,11 @@
 # One call on the GPU machine: GPU tests on a tiny synth model, then the 8B benchmark.
 #   source .gpu/activate.sh && bash tests/gpu/device_run.sh [tests] [bench64] [sweep] [procs]
 #     [bare1] [compare] [comparewt] [comparegcoff] [compareinproc] [serveauto] [procs1] [procs2]
-# exllamav3 (issue 17): `tests3` (its GPU tests alone), `exl3conv` (the 8B synth converted to
-# EXL3 4.0 bpw; resumes where an earlier call stopped), then `exl3bench` (bare exllamav3 loop vs
-# genq's exllamav3 worker vs genq's exllamav2 worker, fp16 and EXL3, 1-256 streams) -- or its
-# halves `exl3fp16` and `exl3q4` in two calls if one runs out of time; `exl3probe` (time in
+# exllamav3 (issue 17): `tests3` (its GPU tests alone), `exl3bench` (bare exllamav3 loop vs
+# genq's exllamav3 worker vs genq's exllamav2 worker, fp16 and EXL3 4.0 bpw, 1-256 streams; the
+# EXL3 8B written with random trellis bits, or `exl3conv` first to convert the fp16 one, ~500 s)
+# -- or its halves `exl3fp16` and `exl3q4` in two calls if one runs out of time; `turnsq4`
+# (the turns of issue 15 on the EXL3 8B); `exl3probe` (time in
 # exllamav3's per-job sampler launches), `exl3sched` (prefill cooldown x shared chunk).
 # Step logs and JSON figures go to $OUT/res.tgz, process logs to $OUT/logs.tgz (default
 # OUT=/tmp/genq-out); each step's summary lines are printed as well.
@@ -49,7 +50,7 @@ for step in $steps; do
         "${sel[@]}" > "$OUT/gpu-$step.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/gpu-$step.log"; tail -n 15 "$OUT/gpu-$step.log" ;;
     bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|diag15*|turns*|serveauto|batchcompare)
-      [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m genq synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
+      [[ $step == *q4 ]] || [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m genq synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
       timeout 200 python3 -m genq.benchgpu --model /tmp/m8b --streams 64 --bare --system \
         --genq-bench --json-out "$OUT/bench64.json" --logs /tmp/genq-logs/bench64 > "$OUT/bench64.log" 2>&1 ;;
@@ -102,11 +103,16 @@ for step in $steps; do
     exl3bench|exl3fp16)  # fp16: bare exllamav3 loop + genq's exllamav3 worker; genq's exllamav2 worker
       exl3_matrix exllamav3 /tmp/m8b exl3fp16 --bare
       exl3_matrix exllamav2 /tmp/m8b exl2fp16 ;;&
-    exl3conv|exl3bench|exl3q4)  # the EXL3 4.0 bpw conversion (resumable: run again if cut off)
+    exl3conv)  # the 8B converted to EXL3 4.0 bpw (~500 s; resumable: run again if cut off)
       [ -e /tmp/m8b-exl3/config.json ] || { timeout $(left) python3 -m genq synth-model \
         /tmp/m8b-exl3 --quantize exl3 --bits 4 --source /tmp/m8b --gpus "$GPUS" \
         --calibration-rows ${EXL3_CAL_ROWS:-16} \
-        >> "$OUT/exl3conv.log" 2>&1; tail -n 3 "$OUT/exl3conv.log"; } ;;&
+        >> "$OUT/exl3conv.log" 2>&1; tail -n 3 "$OUT/exl3conv.log"; } ;;
+    exl3bench|exl3q4|turnsq4*)  # the 8B as EXL3 4.0 bpw storage with random bits (seconds;
+      # the same kernels and speed as a conversion) unless exl3conv made one
+      [ -e /tmp/m8b-exl3/config.json ] || { /usr/bin/time -v python3 -m genq synth-model \
+        /tmp/m8b-exl3 --shape 8b --quantize exl3 --random-trellis --bits 4 \
+        > "$OUT/synth8b-exl3.log" 2>&1; tail -n 1 "$OUT/synth8b-exl3.log"; } ;;&
     exl3bench|exl3q4)  # EXL3 4.0 bpw (exllamav2 cannot read it): bare exllamav3 loop + worker
       [ -e /tmp/m8b-exl3/config.json ] && exl3_matrix exllamav3 /tmp/m8b-exl3 exl3q4 --bare ;;
     exl3probe)  # how long each step spends launching exllamav3's per-job samplers (bare loop)
@@ -125,17 +131,20 @@ for step in $steps; do
           --logs /tmp/genq-logs/exl3sched-$cd-$sc > "$OUT/exl3sched-$cd-$sc.log" 2>&1
         grep -h '"run": "system"' "$OUT/exl3sched-$cd-$sc.log" | cut -c1-200
       done; done ;;
-    turns|turnsexl3|turnsreplay|turnsreplayexl3)  # issue 15 (…exl3: issue 17): the bare loop
+    turns|turnsexl3|turnsreplay|turnsreplayexl3|turnsq4|turnsreplayq4)  # issue 15 (…exl3,
+      # …q4: issue 17, the 8B in fp16 / EXL3 4.0 bpw): the bare loop
       # and one worker (defaults), both loaded, take turns at each level, the first to go
       # flipping each round; a ratio row per turn and the median per level. This host drifts
       # by tens of percent within one call (docs/benchmarks.md): turns put both under the
       # same drift. turnsreplay: the bare loop takes each job when the system's last turn
       # sent it (--replay), so the decode rates compare under the same arrivals.
-      if [[ $step != *exl3 ]]; then eng=""; lv=1,8,64,128; rounds=${ROUNDS:-3}; cap=340
-      else eng="--engine exllamav3"; lv=8,64,128; rounds=${ROUNDS3:-2}; cap=600; fi
+      model=/tmp/m8b
+      if [[ $step != *exl3 && $step != *q4 ]]; then eng=""; lv=1,8,64,128; rounds=${ROUNDS:-3}; cap=340
+      else eng="--engine exllamav3"; lv=${LEVELS3:-8,64,128}; rounds=${ROUNDS3:-2}; cap=600; fi
+      [[ $step == *q4 ]] && model=/tmp/m8b-exl3
       replay=$([[ $step == *replay* ]] && echo --replay)
       t=$(left); t=$((t < cap ? t : cap))
-      timeout $t python3 -m genq.benchgpu --model /tmp/m8b $eng --compare $lv --max-batch 128 \
+      timeout $t python3 -m genq.benchgpu --model $model $eng --compare $lv --max-batch 128 \
         --requests-per-stream 2 --rounds $rounds $replay --json-out "$OUT/$step.json" \
         --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h '"ratio' "$OUT/$step.log" | cut -c1-330 ;;

@@ -14,7 +14,8 @@ import pytest
 
 from shared.model_format import folder_format
 from shared.schemas import Sampling
-from tests.gpu.conftest import drive
+from shared.settings import Settings
+from tests.gpu.conftest import EXL3_TEST_BITS, TEST_CACHE_TOKENS, drive
 from tests.gpu.test_exl2_gpu import MAX_TOKENS, ejob, prompt
 from tests.prefixes import test_prefix
 from tests.procs import Cluster, wait_for
@@ -260,3 +261,30 @@ def test_gateway_to_worker_to_sse_with_the_real_engine(exl3_model: Path, tmp_pat
         assert r.status_code == 400 and "maximum context length" in r.text
     finally:
         cluster.close()
+
+
+def test_a_random_trellis_model_loads_and_generates(tmp_path: Path) -> None:
+    """`genq synth-model --quantize exl3 --random-trellis` (the 8B EXL3 benchmark's model):
+    exllamav3 loads every projection as EXL3 and generates with finite log-probabilities."""
+    import math
+
+    from genq.synth import synth_model
+    from worker.exl3.engine import ExLlamaV3Engine
+
+    model = synth_model(tmp_path / "tiny-rt", "tiny", exl3_bits=EXL3_TEST_BITS)
+    assert folder_format(model) == "exl3"
+    settings = Settings(
+        model_dir=str(model), engine="exllamav3", max_batch=8, cache_tokens=TEST_CACHE_TOKENS
+    )
+    e = ExLlamaV3Engine.from_settings(settings)
+    try:
+        rng = random.Random(5)
+        jobs = [ejob(f"r{i}", prompt(rng, rng.randint(8, 200)), logprobs=1) for i in range(8)]
+        out = drive(e, jobs)
+    finally:
+        e.close()
+    for j in jobs:
+        res = out[j.id]
+        assert res.error is None and res.token_ids, res
+        assert len(res.logprobs) == len(res.token_ids)
+        assert all(math.isfinite(lp["logprob"]) for lp in res.logprobs)

@@ -82,6 +82,14 @@ def test_the_closed_loop_starts_a_job_as_one_ends() -> None:
     assert gen.enqueued[2][1] - start >= 3 * STEP_S
 
 
+def test_the_mean_batch_per_step_is_reported_for_both() -> None:
+    bare, _ = _bare()
+    row = bare.run(JOBS, streams=2)  # 2 at a time, 3 tokens each: 12 tokens in 6 steps
+    assert row["steps"] == 6 and row["tokens_per_step"] == 2.0
+    system = {**row, "run": "system", "tokens_per_step": 1.5}
+    assert benchgpu.ratio(row, system)["tokens_per_step"] == {"bare": 2.0, "system": 1.5}
+
+
 def test_replayed_jobs_arrive_at_their_times_in_their_order() -> None:
     bare, backend = _bare()
     arrivals = [0.0, 0.05, 0.02, 0.03]

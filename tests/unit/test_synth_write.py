@@ -23,7 +23,7 @@ def _fast(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _weights_then(fail: bool) -> Any:
-    def write(shape: synth.Shape, out: Path, seed: int) -> None:
+    def write(shape: synth.Shape, out: Path, seed: int, exl3_bits: float | None = None) -> None:
         (out / "model-00001-of-00001.safetensors").write_bytes(b"half a shard")
         if fail:
             raise OSError(28, "No space left on device")
@@ -41,7 +41,7 @@ def test_a_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monke
 def test_an_interrupted_write_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def interrupted(shape: synth.Shape, out: Path, seed: int) -> None:
+    def interrupted(shape: synth.Shape, out: Path, seed: int, exl3_bits: object = None) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(synth, "_write_weights", interrupted)
