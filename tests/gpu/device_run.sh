@@ -144,7 +144,7 @@ for step in $steps; do
       [[ $step == *q4 ]] && model=/tmp/m8b-exl3
       replay=$([[ $step == *replay* ]] && echo --replay)
       t=$(left); t=$((t < cap ? t : cap))
-      timeout $t python3 -m genq.benchgpu --model $model $eng --compare $lv --max-batch 128 \
+      timeout $t python3 -m genq.benchgpu --model $model $eng --compare $lv --max-batch ${MAXB:-128} \
         --requests-per-stream 2 --rounds $rounds $replay --json-out "$OUT/$step.json" \
         --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h '"ratio' "$OUT/$step.log" | cut -c1-330 ;;
