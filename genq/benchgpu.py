@@ -244,9 +244,8 @@ class SamplerTimer:
         self.job_cls.receive_logits = self.original
 
     def report(self, wall: float, steps: int) -> dict[str, Any]:
+        """The sampler's figures, beside the row's own (steps, step_ms)."""
         return {
-            "steps": steps,
-            "step_ms": round(wall / max(steps, 1) * 1000, 3),
             "sampler_launch_ms_per_step": round(self.seconds / max(steps, 1) * 1000, 3),
             "sampler_launch_share": round(self.seconds / wall, 4) if wall else None,
             "sampler_calls": self.calls,

@@ -108,15 +108,17 @@ for step in $steps; do
         /tmp/m8b-exl3 --quantize exl3 --bits 4 --source /tmp/m8b --gpus "$GPUS" \
         --calibration-rows ${EXL3_CAL_ROWS:-16} \
         >> "$OUT/exl3conv.log" 2>&1; tail -n 3 "$OUT/exl3conv.log"; } ;;
-    exl3bench|exl3q4|turnsq4*)  # the 8B as EXL3 4.0 bpw storage with random bits (seconds;
+    exl3bench|exl3q4|turnsq4*|exl3probeq4)  # the 8B as EXL3 4.0 bpw storage with random bits (seconds;
       # the same kernels and speed as a conversion) unless exl3conv made one
       [ -e /tmp/m8b-exl3/config.json ] || { /usr/bin/time -v python3 -m genq synth-model \
         /tmp/m8b-exl3 --shape 8b --quantize exl3 --random-trellis --bits 4 \
         > "$OUT/synth8b-exl3.log" 2>&1; tail -n 1 "$OUT/synth8b-exl3.log"; } ;;&
     exl3bench|exl3q4)  # EXL3 4.0 bpw (exllamav2 cannot read it): bare exllamav3 loop + worker
       [ -e /tmp/m8b-exl3/config.json ] && exl3_matrix exllamav3 /tmp/m8b-exl3 exl3q4 --bare ;;
-    exl3probe)  # how long each step spends launching exllamav3's per-job samplers (bare loop)
-      for m in m8b m8b-exl3; do
+    exl3probe|exl3probeq4)  # how long each step spends launching exllamav3's per-job samplers
+      # (bare loop); exl3probeq4: on the EXL3 8B alone
+      models="m8b m8b-exl3"; [ $step = exl3probeq4 ] && models=m8b-exl3
+      for m in $models; do
         [ -e /tmp/$m/config.json ] || continue
         timeout 200 python3 -m genq.benchgpu --engine exllamav3 --model /tmp/$m --bare \
           --sampler-probe --sweep 1,64,256 --requests-per-stream 1 \

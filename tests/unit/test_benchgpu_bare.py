@@ -90,6 +90,24 @@ def test_the_mean_batch_per_step_is_reported_for_both() -> None:
     assert benchgpu.ratio(row, system)["tokens_per_step"] == {"bare": 2.0, "system": 1.5}
 
 
+def test_the_sampler_probe_adds_its_figures_to_the_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Probe(benchgpu.SamplerTimer):  # exllamav3's Job.receive_logits, timed: 3 calls, 6 ms
+        def __enter__(self) -> Probe:
+            self.seconds, self.calls = 0.006, 3
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    monkeypatch.setattr(benchgpu, "SamplerTimer", Probe)
+    bare, _ = _bare()
+    bare.probe = True
+    row = bare.run(JOBS, streams=2)
+    assert row["steps"] == 6 and row["tokens"] == 12
+    assert row["sampler_calls"] == 3 and row["sampler_launch_ms_per_step"] == 1.0
+    assert 0 < row["sampler_launch_share"] <= 1
+
+
 def test_replayed_jobs_arrive_at_their_times_in_their_order() -> None:
     bare, backend = _bare()
     arrivals = [0.0, 0.05, 0.02, 0.03]
