@@ -108,7 +108,7 @@ for step in $steps; do
         /tmp/m8b-exl3 --quantize exl3 --bits 4 --source /tmp/m8b --gpus "$GPUS" \
         --calibration-rows ${EXL3_CAL_ROWS:-16} \
         >> "$OUT/exl3conv.log" 2>&1; tail -n 3 "$OUT/exl3conv.log"; } ;;
-    exl3bench|exl3q4|turnsq4*|exl3probeq4)  # the 8B as EXL3 4.0 bpw storage with random bits (seconds;
+    exl3bench|exl3q4|turnsq4*|exl3probeq4|exl3schedq4)  # the 8B as EXL3 4.0 bpw storage with random bits (seconds;
       # the same kernels and speed as a conversion) unless exl3conv made one
       [ -e /tmp/m8b-exl3/config.json ] || { /usr/bin/time -v python3 -m genq synth-model \
         /tmp/m8b-exl3 --shape 8b --quantize exl3 --random-trellis --bits 4 \
@@ -125,13 +125,15 @@ for step in $steps; do
           --json-out "$OUT/exl3probe-$m.json" > "$OUT/exl3probe-$m.log" 2>&1
         grep -h "^{" "$OUT/exl3probe-$m.log" | cut -c1-400
       done ;;
-    exl3sched)  # exllamav3's prefill scheduling: cooldown x shared chunk, worker, 64 and 128 streams
+    exl3sched|exl3schedq4)  # exllamav3's prefill scheduling: cooldown x shared chunk, worker,
+      # 64 and 128 streams; exl3schedq4: on the EXL3 8B (random trellis), no fp16 model needed
+      model=/tmp/m8b; [ $step = exl3schedq4 ] && model=/tmp/m8b-exl3
       for cd in 0 4; do for sc in 512 2048; do
-        timeout 140 python3 -m genq.benchgpu --engine exllamav3 --model /tmp/m8b --sweep 64,128 \
+        timeout 140 python3 -m genq.benchgpu --engine exllamav3 --model $model --sweep 64,128 \
           --max-batch 128 --requests-per-stream 1 --worker-env GENQ_PREFILL_COOLDOWN=$cd \
           --worker-env GENQ_SHARED_CHUNK_SIZE=$sc --json-out "$OUT/exl3sched-$cd-$sc.json" \
           --logs /tmp/genq-logs/exl3sched-$cd-$sc > "$OUT/exl3sched-$cd-$sc.log" 2>&1
-        grep -h '"run": "system"' "$OUT/exl3sched-$cd-$sc.log" | cut -c1-200
+        grep -h '"run": "system' "$OUT/exl3sched-$cd-$sc.log" | cut -c1-200
       done; done ;;
     turns|turnsexl3|turnsreplay|turnsreplayexl3|turnsq4|turnsreplayq4)  # issue 15 (…exl3,
       # …q4: issue 17, the 8B in fp16 / EXL3 4.0 bpw): the bare loop
