@@ -67,9 +67,10 @@ EXL3_BITS = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
 """Bit rates an EXL3 trellis can hold (the half-integer ones with the mul1 codebook)."""
 EXL3_HEAD_BITS = 6
 """The lm_head's bit rate (exllamav3's converter default)."""
-EXL3_MUL1_MARKER = 0x83DCD12D
-"""The value of a tensor's `.mul1` marker: the mul1 codebook's multiplier, which exllamav3
-checks once per file (an int32 scalar; safetensors has no uint32)."""
+EXL3_MUL1_MARKER = 0x83DCD12D - 2**32
+"""The value of a tensor's `.mul1` marker: the mul1 codebook's multiplier 0x83DCD12D, which
+exllamav3 checks once per file, as the int32 scalar it is stored as (safetensors has no
+uint32)."""
 EXL3_SIGN_SCALE = INIT_STD**0.5
 """|suh| = |svh|: a weight is about suh * (a unit-spread codebook value) * svh."""
 EXL3_MODULES = ("torch", "exllamav3")
@@ -220,7 +221,7 @@ class _Sampler:
             if name.endswith("norm.weight"):
                 return t.ones(shape, dtype=t.float16)
             if kind == "mul1":
-                return t.tensor(EXL3_MUL1_MARKER - 2**32, dtype=t.int32)
+                return t.tensor(EXL3_MUL1_MARKER, dtype=t.int32)
             if kind == "trellis":
                 bits = t.randint(-(2**15), 2**15, shape, generator=self.gen, device="cuda")
                 return bits.to(t.int16).cpu()
@@ -233,7 +234,7 @@ class _Sampler:
         if name.endswith("norm.weight"):
             return np.ones(shape, dtype=np.float16)
         if kind == "mul1":
-            return np.array(EXL3_MUL1_MARKER, dtype=np.uint32).view(np.int32).reshape(())
+            return np.array(EXL3_MUL1_MARKER, dtype=np.int32)
         if kind == "trellis":
             return self.rng.integers(-(2**15), 2**15, shape, dtype=np.int16)
         if kind in ("suh", "svh"):
@@ -322,8 +323,7 @@ def synth_model(
                 f"genq: error: --bits {exl3_bits:g}: an EXL3 trellis holds "
                 + ", ".join(f"{b:g}" for b in EXL3_BITS)
             )
-        if not quantizable(SHAPES[shape]):
-            raise SystemExit(f"genq: error: shape {shape} has a dimension EXL3 cannot quantize")
+        _check_quantizable(shape)
     out = Path(out_dir)
     _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -393,6 +393,11 @@ def quantizable(s: Shape) -> bool:
     return all(d % QUANT_MULTIPLE == 0 for d in dims)
 
 
+def _check_quantizable(shape: str) -> None:
+    if not quantizable(SHAPES[shape]):
+        raise SystemExit(f"genq: error: shape {shape} has a dimension EXL3 cannot quantize")
+
+
 def quantize_exl3(
     out_dir: str | Path,
     bits: float,
@@ -417,8 +422,7 @@ def quantize_exl3(
     if source:
         _check_source(src)
     elif not src.exists():  # synth_model writes it whole or not at all
-        if not quantizable(SHAPES[shape]):
-            raise SystemExit(f"genq: error: shape {shape} has a dimension EXL3 cannot quantize")
+        _check_quantizable(shape)
         synth_model(src, shape, seed)
     partial = out.with_name(f".{out.name}.exl3-partial")
     _convert(src, partial, work / "job", bits, gpus, calibration_rows)
