@@ -713,14 +713,22 @@ class EngineSettings(BaseSettings):
         default=0,
         ge=0,
         description="exllamav3: decode steps between two prefill passes while other jobs "
-        "generate (exllamav3's own default, 4, raises time to first token under load); 0 = a "
-        "prefill pass on every step. Provisional until the GPU benchmark picks it",
+        "generate; 0 = a prefill pass on every step. On an H200 (EXL3 8B, 64 and 128 streams) "
+        "exllamav3's own 4 gave 28-47 % fewer tokens/s and 1.3-9.6x the time to first token "
+        "(docs/benchmarks.md, issue 17)",
     )
     shared_chunk_size: int | None = Field(
         default=None,
         ge=256,
         description="exllamav3: prefill chunk while other jobs generate (rounded to 256 "
-        "tokens, at most max_chunk_size); default: max_chunk_size (exllamav3's own: half)",
+        "tokens, at most max_chunk_size); default: max_chunk_size (exllamav3's own: half). "
+        "512 on an H200 gave 12-29 % fewer tokens/s at 64 and 128 streams",
+    )
+    batched_sampling: bool = Field(
+        default=False,
+        description="exllamav3: sample the jobs without penalties or top logprobs in one "
+        "batched pass per step (genq's GPU sampler) instead of one exllamav3 sampler launch per "
+        "job (10.7 % of a 64-stream step on an H200); off until the GPU benchmark measures it",
     )
     triton_cache_dir: str | None = Field(
         default=None,

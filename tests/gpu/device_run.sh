@@ -118,13 +118,14 @@ for step in $steps; do
     exl3probe|exl3probeq4)  # how long each step spends launching exllamav3's per-job samplers
       # (bare loop); exl3probeq4: on the EXL3 8B alone
       models="m8b m8b-exl3"; [ $step = exl3probeq4 ] && models=m8b-exl3
-      for m in $models; do
+      # (--bare runs at --streams alone: one run per level, nothing else loaded)
+      for m in $models; do for n in 1 64 256; do
         [ -e /tmp/$m/config.json ] || continue
-        timeout 200 python3 -m genq.benchgpu --engine exllamav3 --model /tmp/$m --bare \
-          --sampler-probe --sweep 1,64,256 --requests-per-stream 1 \
-          --json-out "$OUT/exl3probe-$m.json" > "$OUT/exl3probe-$m.log" 2>&1
-        grep -h "^{" "$OUT/exl3probe-$m.log" | cut -c1-400
-      done ;;
+        timeout 120 python3 -m genq.benchgpu --engine exllamav3 --model /tmp/$m --bare \
+          --sampler-probe --streams $n --requests-per-stream 1 \
+          --json-out "$OUT/exl3probe-$m-$n.json" > "$OUT/exl3probe-$m-$n.log" 2>&1
+        grep -h "^{" "$OUT/exl3probe-$m-$n.log" | cut -c1-400
+      done; done ;;
     exl3sched|exl3schedq4)  # exllamav3's prefill scheduling: cooldown x shared chunk, worker,
       # 64 and 128 streams; exl3schedq4: on the EXL3 8B (random trellis), no fp16 model needed
       model=/tmp/m8b; [ $step = exl3schedq4 ] && model=/tmp/m8b-exl3

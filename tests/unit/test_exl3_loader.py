@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
+from shared.schemas import Sampling
 from shared.settings import Settings
 from tests.unit.test_exl3_engine import FakeComboSampler, FakeGenerator, FakeJob
-from worker.exl3 import loader
+from worker.exl3 import batch_sampling, loader
 
 VOCAB = 4096
 EOS_ID = 2
@@ -139,6 +140,7 @@ def stand_in(events: list[tuple[Any, ...]]) -> types.ModuleType:
             assert cache.initialized, "Construct the Cache BEFORE calling model.load()"
             events.append(("generator", max_chunk_size, shared_chunk_size, prefill_cooldown))
             super().__init__(cache.max_num_tokens // loader.PAGE_TOKENS, max_batch_size)
+            self.model, self.tokenizer = model, tokenizer
             self.enqueued = 0
 
         def enqueue(self, job: FakeJob) -> int:
@@ -231,3 +233,30 @@ def test_the_triton_cache_is_set_before_exllamav3_loads(
     kernels = tmp_path / "kernels"
     loader.load_backend(settings(model_dir, triton_cache_dir=str(kernels)))
     assert os.environ["TRITON_CACHE_DIR"] == str(kernels) and kernels.is_dir()
+
+
+def test_batched_sampling_hooks_every_generator_and_marks_the_jobs_it_serves(
+    events: list[tuple[Any, ...]], model_dir: Path
+) -> None:
+    batch_sampling.job_class.cache_clear()  # the stand-in's Job, not another test's
+    try:
+        backend, _, _ = loader.load_backend(settings(model_dir, batched_sampling=True))
+        for gen in (backend.make_generator(), backend.make_generator()):  # warmed, then new
+            assert isinstance(gen.genq_sampler, batch_sampling.BatchSampler)
+            assert isinstance(gen.model, batch_sampling._SamplingModel)
+        plain = backend.make_job([5, 6], 4, Sampling(), 0, [], "a")
+        penalised = backend.make_job([5, 6], 4, Sampling(presence_penalty=0.5), 0, [], "b")
+        assert isinstance(plain, sys.modules["exllamav3"].Job)
+        assert plain.genq_params == batch_sampling.row_params(Sampling())
+        assert penalised.genq_params is None
+    finally:
+        batch_sampling.job_class.cache_clear()
+
+
+def test_without_batched_sampling_jobs_and_generators_are_exllamav3s_own(
+    events: list[tuple[Any, ...]], model_dir: Path
+) -> None:
+    backend, _, _ = loader.load_backend(settings(model_dir))
+    assert not hasattr(backend.make_generator(), "genq_sampler")
+    job = backend.make_job([5, 6], 4, Sampling(), 0, [], "a")
+    assert type(job) is sys.modules["exllamav3"].Job and not hasattr(job, "genq_params")

@@ -152,6 +152,15 @@ def sample_on_device(logits: Any, params: Sequence[tuple[float, ...]], truncates
     Queued behind the forward pass on the same stream; the one copy back waits for both."""
     import torch
 
+    token, prob = pick_on_device(logits, params, truncates)
+    return torch.cat([token.double(), prob.double()], dim=1).cpu()
+
+
+def pick_on_device(logits: Any, params: Sequence[tuple[float, ...]], truncates: bool) -> Any:
+    """`sample_on_device`'s tokens, (n, 1) int64, and probabilities, (n, 1) float32, left on
+    the device (nothing waits for them)."""
+    import torch
+
     dev = logits.device
     p = torch.tensor(params, dtype=torch.float32)
     if dev.type != "cpu":
@@ -178,7 +187,7 @@ def sample_on_device(logits: Any, params: Sequence[tuple[float, ...]], truncates
     token = at if order is None else order.gather(1, at)
     token = torch.where(greedy, best, token)
     prob = torch.where(greedy, 1.0, probs.gather(1, at) / mass)
-    return torch.cat([token.double(), prob.double()], dim=1).cpu()
+    return token, prob
 
 
 class GpuSampler:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared.schemas import ModelCard, Sampling
 from worker.exl2.loader import Backend, build_card, cache_tokens, eos_ids
+from worker.exl3 import batch_sampling
 from worker.exl3.sampling import checked_kwargs, make_sampler
 
 if TYPE_CHECKING:
@@ -101,12 +102,21 @@ def generator_kwargs(model: Any, cache: Any, tokenizer: Any, shape: Shape) -> di
 
 
 def generator_builder(
-    generator_cls: Callable[..., Any], kwargs: dict[str, Any]
+    generator_cls: Callable[..., Any],
+    kwargs: dict[str, Any],
+    install: Callable[[Any], Any] | None = None,
 ) -> Callable[[], Any]:
     """A fresh generator over the loaded model and cache on each call (after a failed step:
-    the new one takes the cache over, the old one refuses to run)."""
+    the new one takes the cache over, the old one refuses to run), `install`ed on if given."""
     checked = checked_kwargs(generator_cls, kwargs)
-    return lambda: generator_cls(**checked)
+
+    def build() -> Any:
+        gen = generator_cls(**checked)
+        if install is not None:
+            install(gen)
+        return gen
+
+    return build
 
 
 def job_args(
@@ -140,10 +150,14 @@ def job_args(
 
 
 def job_factory(
-    job_cls: Callable[..., Any], sampler_cls: Callable[..., Any], as_ids: Callable[[list[int]], Any]
+    job_cls: Callable[..., Any],
+    sampler_cls: Callable[..., Any],
+    as_ids: Callable[[list[int]], Any],
+    batched: bool = False,
 ) -> Callable[..., Any]:
     """`Backend.make_job`: (ids, max_new, sampling, seed, stops, identifier) → a `Job` with
-    its own explicit `ComboSampler`."""
+    its own explicit `ComboSampler`; `batched`: marked for the batched pass where its
+    settings allow (`batch_sampling.row_params`)."""
 
     def make_job(
         ids: list[int],
@@ -155,7 +169,10 @@ def job_factory(
     ) -> Any:
         sampler = make_sampler(sampler_cls, sampling)
         args = job_args(as_ids(ids), max_new, sampler, seed, stops, identifier, sampling.logprobs)
-        return job_cls(**checked_kwargs(job_cls, args))
+        job = job_cls(**checked_kwargs(job_cls, args))
+        if batched:
+            job.genq_params = batch_sampling.row_params(sampling)
+        return job
 
     return make_job
 
@@ -192,15 +209,26 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
     def as_ids(ids: list[int]) -> Any:
         return torch.tensor([ids], dtype=torch.long)
 
-    make_job = job_factory(ex.Job, ex.ComboSampler, as_ids)
-    build = generator_builder(ex.Generator, generator_kwargs(model, cache, tokenizer, shape))
+    batched = settings.batched_sampling
+    job_cls = batch_sampling.job_class() if batched else ex.Job
+    make_job = job_factory(job_cls, ex.ComboSampler, as_ids, batched)
+    build = generator_builder(
+        ex.Generator,
+        generator_kwargs(model, cache, tokenizer, shape),
+        batch_sampling.install if batched else None,
+    )
     warmed = [_warm(model, cache, build, make_job, shape, int(tokenizer.actual_vocab_size))]
     tokenizer_json = (model_dir / "tokenizer.json").read_text()
     eos = eos_ids(model_dir, config.eos_token_id_list)
     card = build_card(
         settings, model_dir, tokenizer_json, shape.max_seq_len, shape.max_batch, eos, "exllamav3"
     )
-    extra = {"model": card.name, "cache_mode": settings.cache_mode, **asdict(shape)}
+    extra = {
+        "model": card.name,
+        "cache_mode": settings.cache_mode,
+        "batched_sampling": batched,
+        **asdict(shape),
+    }
     log.info("exllamav3 model loaded", extra=extra)
 
     def make_generator() -> Any:

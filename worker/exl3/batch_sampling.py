@@ -1,0 +1,181 @@
+"""Batched sampling for the exllamav3 engine (`GENQ_BATCHED_SAMPLING`).
+
+exllamav3 samples each job on the GPU, but one job at a time: after every decode pass its
+generator calls each job's `receive_logits`, which launches that job's `ComboSampler` (a
+masking fill, then its fused kernel) from Python. The bare loop's probe (`genq.benchgpu
+--sampler-probe`, docs/benchmarks.md, issue 17) measured those launches at 3.4 ms of a
+31.8 ms step at 64 streams on the EXL3 8B: 10.7 % of the step, growing with the batch.
+
+With this on, genq samples the jobs it can in one batched pass instead, the one exllamav2's
+engine uses (`worker/exl2/gpu_sampling.py`, `pick_on_device`), and hands each job its token:
+
+- `install(generator)` wraps the generator's model (`_SamplingModel`): after each decode
+  forward pass (the one `iterate` makes with `pinned_staging`), `plan()` finds the rows of the
+  jobs this serves, in the generator's own row order (each active job whose prefill is done,
+  one row per sequence), and one pass picks their tokens. One copy puts them in a pinned host
+  buffer, queued behind the pass; the generator's own synchronize, before it reads any job's
+  token, waits for it.
+- Jobs are made with `job_class()`, a subclass of exllamav3's `Job` whose `receive_logits`
+  returns that token instead of launching its sampler.
+
+What stays on exllamav3's own sampler (per job): repetition, presence and frequency
+penalties, top logprobs, and every job's first token (exllamav3 checks the first logits for
+NaN and infinity there; token healing and forced tokens happen there too).
+
+Semantics on this path are genq's GPU sampler's (the module above): one uniform draw from the
+job's own seeded RNG per token; temperature below 0.01 or top_k = 1 is greedy; otherwise
+temperature, then top_k, then top_p, then min_p, then the draw: the same distribution on
+either engine. exllamav3's own ComboSampler truncates by min_p before top_k and top_p, so with
+min_p and one of the others set the two can keep different tokens.
+
+This module imports torch and exllamav3 only inside functions, so it loads on a CPU install;
+`row_params`, `plan` and `take` are plain Python and tested there.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from shared.schemas import Sampling
+from worker.exl2.gpu_sampling import Plan, RowParams, pick_on_device
+
+log = logging.getLogger(__name__)
+
+
+def row_params(s: Sampling) -> RowParams | None:
+    """How the batched pass serves a job with these settings, or None: exllamav3's sampler."""
+    if (
+        s.repetition_penalty != 1.0
+        or s.presence_penalty != 0.0
+        or s.frequency_penalty != 0.0
+        or s.logprobs is not None
+    ):
+        return None
+    return RowParams(s.temperature, s.top_k, s.top_p, s.min_p)
+
+
+def plan(active_jobs: Iterable[Any]) -> Plan:
+    """The rows of this decode pass in the order exllamav3's `iterate_gen` stacks them, and
+    which of them the batched pass samples; draws each one's uniform from the job's own RNG."""
+    out = Plan([], [], [], 0, False)
+    for job in active_jobs:
+        if not job.is_prefill_done():
+            continue
+        p: RowParams | None = getattr(job, "genq_params", None)
+        if (
+            p is not None
+            and len(job.sequences) == 1
+            and job.new_tokens >= 1
+            and job.forced_ids is None
+            and not job.filters
+        ):
+            out.rows.append(out.total_rows)
+            out.jobs.append(job)
+            out.params.append((p.temperature, p.top_k, p.top_p, p.min_p, job.rng.random()))
+            out.truncates = out.truncates or p.truncates
+        out.total_rows += len(job.sequences)
+    return out
+
+
+def take(job: Any) -> Any | None:
+    """The token the last decode pass sampled for `job` in the batch, or None (then the job
+    samples itself); either way the job's hand-off is cleared."""
+    picked, job.genq_next = job.genq_next, None
+    sampler = getattr(job.generator, "genq_sampler", None)
+    if picked is None or sampler is None or picked[0] != sampler.step:
+        return None
+    return picked[1]
+
+
+class BatchSampler:
+    """Installed on one generator by `install`; counts what it sampled."""
+
+    def __init__(self, generator: Any) -> None:
+        self.gen = generator
+        self.vocab = int(generator.tokenizer.actual_vocab_size)
+        self._host: Any = None
+        """The sampled tokens' host buffer (pinned beside a GPU), one row per job."""
+        self.step = 0
+        """Decode passes seen; a job takes a token only from the pass it was sampled in."""
+        self.batched_tokens = 0
+
+    def after_decode(self, logits: Any) -> None:
+        self.step += 1
+        if logits.dim() != 3 or logits.shape[1] != 1:
+            return
+        p = plan(self.gen.active_jobs)
+        if not p.rows or p.total_rows != logits.shape[0]:
+            return
+        import torch
+
+        rows = logits[:, 0, : self.vocab]
+        if not p.every_row:
+            rows = rows.index_select(0, torch.tensor(p.rows, device=logits.device))
+        token, _ = pick_on_device(rows, p.params, p.truncates)
+        n = len(p.jobs)
+        if self._host is None or n > self._host.shape[0]:
+            size = max(n, int(self.gen.max_batch_size))
+            self._host = torch.empty((size, 1), dtype=torch.long, pin_memory=logits.is_cuda)
+        host = self._host[:n]
+        host.copy_(token, non_blocking=True)
+        for i, job in enumerate(p.jobs):
+            job.genq_next = (self.step, host[i : i + 1])  # (1, 1), as its sampler returns
+        self.batched_tokens += n
+
+
+class _SamplingModel:
+    """The generator's model, with `BatchSampler.after_decode` after each decode pass."""
+
+    def __init__(self, model: Any, sampler: BatchSampler) -> None:
+        self._model = model
+        self._sampler = sampler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._model.forward(*args, **kwargs)
+        if (kwargs.get("params") or {}).get("pinned_staging"):  # iterate_gen's decode pass
+            self._sampler.after_decode(out)
+        return out
+
+
+_GENERATOR_NEEDS = ("active_jobs", "model", "tokenizer", "max_batch_size")
+
+
+def install(generator: Any) -> BatchSampler | None:
+    """Sample `generator`'s eligible jobs in one batched pass; None (and a warning) when this
+    exllamav3 lacks what the hook relies on, so each job keeps its own sampler."""
+    missing = [a for a in _GENERATOR_NEEDS if not hasattr(generator, a)]
+    if missing:
+        lacks = ", ".join(missing)
+        log.warning("batched sampling is off: this exllamav3 generator lacks %s", lacks)
+        return None
+    sampler = BatchSampler(generator)
+    generator.model = _SamplingModel(generator.model, sampler)
+    generator.genq_sampler = sampler
+    return sampler
+
+
+@functools.cache
+def job_class() -> type:
+    """exllamav3's `Job`, taking the token the batched pass sampled for it when there is one.
+    Its constructor is `Job`'s (genq names every argument it passes); `genq_params` is set
+    after it."""
+    from exllamav3 import Job
+
+    class GenqJob(Job):  # type: ignore[misc, valid-type]
+        genq_params: RowParams | None = None
+        genq_next: tuple[int, Any] | None = None
+        """(decode pass, token) sampled in the batch for this job."""
+
+        def receive_logits(self, logits: Any) -> Any:
+            token = take(self)
+            if token is None:
+                return super().receive_logits(logits)
+            return token, None, None, None
+
+    return GenqJob
