@@ -2,6 +2,7 @@
 # One call on the GPU machine: GPU tests on a tiny synth model, then the 8B benchmark.
 #   source .gpu/activate.sh && bash tests/gpu/device_run.sh [tests] [bench64] [sweep] [procs]
 #     [bare1] [compare] [comparewt] [comparegcoff] [compareinproc] [serveauto] [procs1] [procs2]
+# BENCH_ARGS (environment): more flags for the exl3 matrix and turns steps' benchgpu.
 # exllamav3 (issue 17): `tests3` (its GPU tests alone), `exl3bench` (bare exllamav3 loop vs
 # genq's exllamav3 worker vs genq's exllamav2 worker, fp16 and EXL3 4.0 bpw, 1-256 streams; the
 # EXL3 8B written with random trellis bits, or `exl3conv` first to convert the fp16 one, ~500 s)
@@ -26,7 +27,7 @@ GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | paste -s
 EXL3_LEVELS=1,8,64,128,256
 exl3_matrix() {  # ENGINE MODEL NAME [--bare]: the levels on that engine and model, 2 gateways
   local t=$(left); t=$((t < 280 ? t : 280))
-  timeout $t python3 -m genq.benchgpu --engine "$1" --model "$2" $4 --system \
+  timeout $t python3 -m genq.benchgpu --engine "$1" --model "$2" $4 $BENCH_ARGS --system \
     --sweep $EXL3_LEVELS --max-batch 256 --requests-per-stream 1 --gateways 2 \
     --json-out "$OUT/$3.json" --logs /tmp/genq-logs/$3 > "$OUT/$3.log" 2>&1
   grep -h "^{" "$OUT/$3.log" | cut -c1-300
@@ -149,8 +150,9 @@ for step in $steps; do
       [[ $step == *q4 ]] && model=/tmp/m8b-exl3
       replay=$([[ $step == *replay* ]] && echo --replay)
       t=$(left); t=$((t < cap ? t : cap))
+      # BENCH_ARGS: more benchgpu flags, e.g. "--worker-env GENQ_BATCHED_SAMPLING=true"
       timeout $t python3 -m genq.benchgpu --model $model $eng --compare $lv --max-batch ${MAXB:-128} \
-        --requests-per-stream 2 --rounds $rounds $replay --json-out "$OUT/$step.json" \
+        --requests-per-stream 2 --rounds $rounds $replay $BENCH_ARGS --json-out "$OUT/$step.json" \
         --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h '"ratio' "$OUT/$step.log" | cut -c1-330 ;;
     diag15b*)  # issue 15's ratios as the issue defines them: the engine on a core of its own
