@@ -51,7 +51,7 @@ for step in $steps; do
         "${sel[@]}" > "$OUT/gpu-$step.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/gpu-$step.log"; tail -n 15 "$OUT/gpu-$step.log" ;;
     bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|diag15*|turns*|serveauto|batchcompare)
-      [[ $step == *q4 ]] || [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m genq synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
+      [[ $step == *q4* ]] || [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m genq synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
       timeout 200 python3 -m genq.benchgpu --model /tmp/m8b --streams 64 --bare --system \
         --genq-bench --json-out "$OUT/bench64.json" --logs /tmp/genq-logs/bench64 > "$OUT/bench64.log" 2>&1 ;;
@@ -137,22 +137,25 @@ for step in $steps; do
           --logs /tmp/genq-logs/exl3sched-$cd-$sc > "$OUT/exl3sched-$cd-$sc.log" 2>&1
         grep -h '"run": "system' "$OUT/exl3sched-$cd-$sc.log" | cut -c1-200
       done; done ;;
-    turns|turnsexl3|turnsreplay|turnsreplayexl3|turnsq4|turnsreplayq4)  # issue 15 (…exl3,
-      # …q4: issue 17, the 8B in fp16 / EXL3 4.0 bpw): the bare loop
-      # and one worker (defaults), both loaded, take turns at each level, the first to go
+    turns|turnsexl3|turnsreplay|turnsreplayexl3|turnsq4|turnsreplayq4|turnsq4batched*)  # issue 15
+      # (…exl3, …q4: issue 17, the 8B in fp16 / EXL3 4.0 bpw; turnsq4batched: the worker with
+      # GENQ_BATCHED_SAMPLING, against the stock bare loop; turnsq4batchedboth: both with it):
+      # the bare loop and one worker (defaults), both loaded, take turns at each level, the first to go
       # flipping each round; a ratio row per turn and the median per level. This host drifts
       # by tens of percent within one call (docs/benchmarks.md): turns put both under the
       # same drift. turnsreplay: the bare loop takes each job when the system's last turn
       # sent it (--replay), so the decode rates compare under the same arrivals.
       model=/tmp/m8b
-      if [[ $step != *exl3 && $step != *q4 ]]; then eng=""; lv=1,8,64,128; rounds=${ROUNDS:-3}; cap=340
+      if [[ $step != *exl3 && $step != *q4* ]]; then eng=""; lv=1,8,64,128; rounds=${ROUNDS:-3}; cap=340
       else eng="--engine exllamav3"; lv=${LEVELS3:-8,64,128}; rounds=${ROUNDS3:-2}; cap=600; fi
-      [[ $step == *q4 ]] && model=/tmp/m8b-exl3
+      [[ $step == *q4* ]] && model=/tmp/m8b-exl3
+      batched=$([[ $step == *batched* ]] && echo "--worker-env GENQ_BATCHED_SAMPLING=true")
+      both=$([[ $step == *both ]] && echo GENQ_BATCHED_SAMPLING=true)  # the bare loop's too
       replay=$([[ $step == *replay* ]] && echo --replay)
       t=$(left); t=$((t < cap ? t : cap))
-      # BENCH_ARGS: more benchgpu flags, e.g. "--worker-env GENQ_BATCHED_SAMPLING=true"
-      timeout $t python3 -m genq.benchgpu --model $model $eng --compare $lv --max-batch ${MAXB:-128} \
-        --requests-per-stream 2 --rounds $rounds $replay $BENCH_ARGS --json-out "$OUT/$step.json" \
+      env $both timeout $t python3 -m genq.benchgpu --model $model $eng --compare $lv \
+        --max-batch ${MAXB:-128} --requests-per-stream 2 --rounds $rounds $replay $batched \
+        $BENCH_ARGS --json-out "$OUT/$step.json" \
         --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h '"ratio' "$OUT/$step.log" | cut -c1-330 ;;
     diag15b*)  # issue 15's ratios as the issue defines them: the engine on a core of its own
