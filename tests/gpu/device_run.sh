@@ -25,10 +25,12 @@ END=$((SECONDS + ${DEVICE_BUDGET_S:-570}))
 left() { local l=$((END - SECONDS - 20)); echo $((l > 10 ? l : 10)); }  # leave time to pack up
 GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | paste -sd, -)
 EXL3_LEVELS=1,8,64,128,256
-exl3_matrix() {  # ENGINE MODEL NAME [--bare]: the levels on that engine and model, 2 gateways
+exl3_matrix() {  # ENGINE MODEL NAME [bare]: the levels on that engine and model, 2 gateways;
+  # bare: the bare loop at each level first, then the worker (--compare: a ratio row per level)
   local t=$(left); t=$((t < 280 ? t : 280))
-  timeout $t python3 -m genq.benchgpu --engine "$1" --model "$2" $4 $BENCH_ARGS --system \
-    --sweep $EXL3_LEVELS --max-batch 256 --requests-per-stream 1 --gateways 2 \
+  local levels="--sweep $EXL3_LEVELS"; [ "$4" = bare ] && levels="--compare $EXL3_LEVELS"
+  timeout $t python3 -m genq.benchgpu --engine "$1" --model "$2" $levels $BENCH_ARGS \
+    --max-batch 256 --requests-per-stream 1 --gateways 2 \
     --json-out "$OUT/$3.json" --logs /tmp/genq-logs/$3 > "$OUT/$3.log" 2>&1
   grep -h "^{" "$OUT/$3.log" | cut -c1-300
 }
@@ -102,7 +104,7 @@ for step in $steps; do
         --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h "^{" "$OUT/$step.log" | tail -n 3 ;;
     exl3bench|exl3fp16)  # fp16: bare exllamav3 loop + genq's exllamav3 worker; genq's exllamav2 worker
-      exl3_matrix exllamav3 /tmp/m8b exl3fp16 --bare
+      exl3_matrix exllamav3 /tmp/m8b exl3fp16 bare
       exl3_matrix exllamav2 /tmp/m8b exl2fp16 ;;&
     exl3conv)  # the 8B converted to EXL3 4.0 bpw (~500 s; resumable: run again if cut off)
       [ -e /tmp/m8b-exl3/config.json ] || { timeout $(left) python3 -m genq synth-model \
@@ -115,7 +117,7 @@ for step in $steps; do
         /tmp/m8b-exl3 --shape 8b --quantize exl3 --random-trellis --bits 4 \
         > "$OUT/synth8b-exl3.log" 2>&1; tail -n 1 "$OUT/synth8b-exl3.log"; } ;;&
     exl3bench|exl3q4)  # EXL3 4.0 bpw (exllamav2 cannot read it): bare exllamav3 loop + worker
-      [ -e /tmp/m8b-exl3/config.json ] && exl3_matrix exllamav3 /tmp/m8b-exl3 exl3q4 --bare ;;
+      [ -e /tmp/m8b-exl3/config.json ] && exl3_matrix exllamav3 /tmp/m8b-exl3 exl3q4 bare ;;
     exl3probe|exl3probeq4)  # how long each step spends launching exllamav3's per-job samplers
       # (bare loop); exl3probeq4: on the EXL3 8B alone
       models="m8b m8b-exl3"; [ $step = exl3probeq4 ] && models=m8b-exl3
