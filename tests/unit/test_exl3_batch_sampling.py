@@ -193,7 +193,7 @@ def test_seeded_draws_follow_the_distribution() -> None:
     """Temperature 1 over two tokens of probability 0.25 and 0.75: the draws (one per job and
     pass, from the job's RNG) land in proportion."""
     torch = pytest.importorskip("torch")
-    logits = torch.tensor([[[0.0, float(torch.log(torch.tensor(3.0)))]]]).repeat(1, 1, 1)
+    logits = torch.tensor([[[0.0, float(torch.log(torch.tensor(3.0)))]]])
     jobs = [job(seed=5)]
     gen = stand_in_generator(jobs, logits, 2)
     install(gen)
