@@ -200,7 +200,7 @@ def test_batched_sampling_takes_every_plain_token_after_the_first(exl3_batched: 
     rng = random.Random(21)
     kinds = [{}, {"temperature": 0.0}, {"presence_penalty": 0.5}, {"logprobs": 2}]
     jobs = [ejob(f"b{i}", prompt(rng, rng.randint(8, 300)), **kinds[i % 4]) for i in range(64)]
-    sampler = exl3_batched._gen.genq_sampler
+    sampler = exl3_batched.batch_sampler
     before = sampler.batched_tokens
     out = drive(exl3_batched, jobs)
     served = 0

@@ -262,7 +262,7 @@ def by_job(outputs: list[StepOutput]) -> dict[str, list[StepOutput]]:
 
 def test_importing_the_engine_needs_no_torch() -> None:
     modules = "worker.exl3, worker.exl3.engine, worker.exl3.loader, worker.exl3.results, " + (
-        "worker.exl3.sampling"
+        "worker.exl3.sampling, worker.exl3.batch_sampling"
     )
     code = f"import sys, {modules}; assert not {{'torch', 'exllamav3'}} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -77,6 +77,11 @@ class ExLlamaV3Engine:
     def reserved_tokens(self) -> int:
         return RESERVED_TOKENS
 
+    @property
+    def batch_sampler(self) -> Any:
+        """The current generator's `batch_sampling.BatchSampler` (its counters), or None."""
+        return getattr(self._gen, "genq_sampler", None)
+
     def free_pages(self) -> int:
         """Pages no job holds (prefix-cache pages count as free: the generator reuses them),
         less what jobs waiting inside the generator will take when they start."""
