@@ -112,8 +112,11 @@ class BatchSampler:
         import torch
 
         rows = logits[:, 0, : self.vocab]
-        if not p.every_row:
-            rows = rows.index_select(0, torch.tensor(p.rows, device=logits.device))
+        if not p.every_row:  # through pinned memory: a pageable copy would wait for the pass
+            index = torch.tensor(p.rows)
+            if logits.is_cuda:
+                index = index.pin_memory().to(logits.device, non_blocking=True)
+            rows = rows.index_select(0, index)
         token, _ = pick_on_device(rows, p.params, p.truncates)
         n = len(p.jobs)
         if self._host is None or n > self._host.shape[0]:
