@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,16 +128,23 @@ class Plan:
         return len(self.rows) == self.total_rows
 
 
-def plan(active_jobs: Iterable[Any]) -> Plan:
+def served_this_step(job: Any) -> bool:
+    """exllamav2: a job with `genq_params` takes its token from the pass unless it is inside a
+    banned-string checkpoint or healing a token."""
+    return job.checkpoint is None and job.new_tokens >= 0
+
+
+def plan(active_jobs: Iterable[Any], served: Callable[[Any], bool] = served_this_step) -> Plan:
     """The rows of this decode step, in the order the generator stacks them (each active job
-    whose prefill is done, one row per sequence), and which of them are sampled here. Draws
-    each sampled job's uniform from its own RNG, as the CPU sampler would."""
+    whose prefill is done, one row per sequence), and which of them are sampled here (those
+    with `genq_params` that `served` takes this step). Draws each sampled job's uniform from
+    its own RNG, as the CPU sampler would."""
     out = Plan([], [], [], 0, False)
     for job in active_jobs:
         if not job.is_prefill_done():
             continue
         p: RowParams | None = getattr(job, "genq_params", None)
-        if p is not None and job.checkpoint is None and job.new_tokens >= 0:
+        if p is not None and served(job):
             out.rows.append(out.total_rows)
             out.jobs.append(job)
             out.params.append((p.temperature, p.top_k, p.top_p, p.min_p, job.rng.random()))

@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from shared.schemas import Sampling
+from worker.exl2 import gpu_sampling
 from worker.exl2.gpu_sampling import Plan, RowParams, pick_on_device
 
 log = logging.getLogger(__name__)
@@ -57,27 +58,22 @@ def row_params(s: Sampling) -> RowParams | None:
     return RowParams(s.temperature, s.top_k, s.top_p, s.min_p)
 
 
+def served_this_step(job: Any) -> bool:
+    """A job with `genq_params` takes its token from the pass from its second token on (the
+    first keeps exllamav3's NaN check, and token healing), with one sequence, no forced
+    tokens and no filters."""
+    return (
+        len(job.sequences) == 1
+        and job.new_tokens >= 1
+        and job.forced_ids is None
+        and not job.filters
+    )
+
+
 def plan(active_jobs: Iterable[Any]) -> Plan:
-    """The rows of this decode pass in the order exllamav3's `iterate_gen` stacks them, and
-    which of them the batched pass samples; draws each one's uniform from the job's own RNG."""
-    out = Plan([], [], [], 0, False)
-    for job in active_jobs:
-        if not job.is_prefill_done():
-            continue
-        p: RowParams | None = getattr(job, "genq_params", None)
-        if (
-            p is not None
-            and len(job.sequences) == 1
-            and job.new_tokens >= 1
-            and job.forced_ids is None
-            and not job.filters
-        ):
-            out.rows.append(out.total_rows)
-            out.jobs.append(job)
-            out.params.append((p.temperature, p.top_k, p.top_p, p.min_p, job.rng.random()))
-            out.truncates = out.truncates or p.truncates
-        out.total_rows += len(job.sequences)
-    return out
+    """The rows of this decode pass in the order exllamav3's `iterate_gen` stacks them (as
+    exllamav2's generator does), and which of them the batched pass samples."""
+    return gpu_sampling.plan(active_jobs, served_this_step)
 
 
 def take(job: Any) -> Any | None:
