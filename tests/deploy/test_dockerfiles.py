@@ -110,3 +110,46 @@ def test_dockerignore_keeps_the_venv_out() -> None:
     assert _dockerignored(".venv/bin/python", patterns)
     assert _dockerignored("gateway/__pycache__/app.cpython-311.pyc", patterns)
     assert not _dockerignored("gateway/app.py", patterns)
+
+
+def _stages(path: Path) -> tuple[list[m.Instruction], list[m.Instruction]]:
+    """(the build stage, the final stage) of a two-stage Dockerfile."""
+    instructions = m.dockerfile(path)
+    final = m.final_stage(instructions)
+    return instructions[: len(instructions) - len(final)], final
+
+
+def test_the_gpu_image_installs_exllamav3s_extension_built() -> None:
+    """exllamav3's wheel builds its CUDA extension at first import unless a module
+    `exllamav3_ext` is installed; the runtime image has no nvcc, so the build stage builds it
+    (for the architectures it names, no GPU needed) and checks that exllamav3 finds it."""
+    build, final = _stages(m.DOCKERFILES["gpu"])
+    runs = [i.args for i in build if i.keyword == "RUN"]
+    (made,) = [r for r in runs if "exllamav3.ext" in r]
+    assert made.index("import torch, exllamav3.ext") < made.index("exllamav3_ext.so")
+    assert "is_precompiled_extension_available()" in made
+    assert "TORCH_CUDA_ARCH_LIST" in m.dockerfile_env(build)
+    copied = [i.args for i in final if i.keyword == "COPY"]
+    assert "--from=build /opt/genq /opt/genq" in copied  # the venv it was installed into
+
+
+def test_the_gpu_runtime_has_what_triton_compiles_with() -> None:
+    """Triton (exllamav3's attention kernels) builds a launcher per kernel on first use with
+    the system C compiler and the Python headers; without them an EXL3 model fails to load."""
+    _, final = _stages(m.DOCKERFILES["gpu"])
+    apt = " ".join(i.args for i in final if i.keyword == "RUN" and "apt-get install" in i.args)
+    for package in ("gcc", "libc6-dev", "python3-dev"):
+        assert package in apt.split(), f"the runtime stage lacks {package}"
+
+
+def test_the_triton_cache_is_the_workers_own_and_a_volume_everywhere() -> None:
+    _, final = _stages(m.DOCKERFILES["gpu"])
+    cache = m.dockerfile_env(final)["GENQ_TRITON_CACHE_DIR"]
+    runs = " ".join(i.args for i in final if i.keyword == "RUN")
+    assert f"install -d -o genq -g genq {cache}" in runs  # a new named volume takes its owner
+    worker = m.compose()["services"]["worker"]
+    assert any(v.split(":")[1] == cache for v in worker["volumes"])
+    pod = m.k8s_find("Deployment", "genq-worker")["spec"]["template"]["spec"]
+    (c,) = [c for c in pod["containers"] if c["name"] == "worker"]
+    mounted = {v["mountPath"]: v["name"] for v in c["volumeMounts"]}
+    assert mounted[cache] in {v["name"] for v in pod["volumes"]}
