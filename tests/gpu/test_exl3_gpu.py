@@ -231,10 +231,11 @@ def test_batched_greedy_is_exllamav3s_greedy(exl3_engine: Any, exl3_batched: Any
 
 def test_a_seeded_job_repeats_itself_under_batched_sampling(exl3_batched: Any) -> None:
     ids = prompt(random.Random(23), 40)
-    runs = [drive(exl3_batched, [ejob("s", ids, top_p=0.9)])["s"].token_ids for _ in range(2)]
-    other = drive(exl3_batched, [EngineJob("s", ids, MAX_TOKENS, Sampling(top_p=0.9), seed=99)])
+    job = ejob("s", ids, top_p=0.9)
+    runs = [drive(exl3_batched, [job])["s"].token_ids for _ in range(2)]
+    reseeded = EngineJob("s", ids, MAX_TOKENS, job.sampling, seed=job.seed + 1)
     assert runs[0] == runs[1] and len(runs[0]) > 1
-    assert other["s"].token_ids != runs[0]  # the seed is what repeats it
+    assert drive(exl3_batched, [reseeded])["s"].token_ids != runs[0]  # the seed repeats it
 
 
 def describe(sampler: Any) -> list[tuple[str, dict[str, Any]]]:
