@@ -203,6 +203,12 @@ class Bare:
                         start()
         wall = time.perf_counter() - t0
         extra = timer.report(wall, steps) if isinstance(timer, SamplerTimer) else {}
+        batched: Any = getattr(gen, "genq_sampler", None)
+        if hasattr(batched, "batched_tokens"):  # exllamav3's GENQ_BATCHED_SAMPLING
+            extra |= {
+                "batched_tokens": batched.batched_tokens,
+                "batched_pass_ms_per_step": round(batched.seconds / max(steps, 1) * 1000, 3),
+            }
         return summary(
             "bare generator" if arrivals is None else "bare generator, the system's arrivals",
             streams,

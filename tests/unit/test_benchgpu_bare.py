@@ -108,6 +108,20 @@ def test_the_sampler_probe_adds_its_figures_to_the_row(monkeypatch: pytest.Monke
     assert 0 < row["sampler_launch_share"] <= 1
 
 
+def test_a_batched_sampler_reports_its_tokens_and_its_cost_per_step() -> None:
+    """exllamav3 with GENQ_BATCHED_SAMPLING: the pass's own host time beside the per-job
+    launches it replaces (the probe's figures)."""
+    bare, backend = _bare()
+    gen = FakeGenerator()
+    gen.genq_sampler = SimpleNamespace(batched_tokens=8, seconds=0.012)  # type: ignore[attr-defined]
+    backend.make_generator = lambda: gen  # type: ignore[method-assign]
+    row = bare.run(JOBS, streams=2)
+    assert row["steps"] == 6
+    assert row["batched_tokens"] == 8 and row["batched_pass_ms_per_step"] == 2.0
+    bare, _ = _bare()
+    assert "batched_tokens" not in bare.run(JOBS, streams=2)  # exllamav3's own sampler
+
+
 def test_replayed_jobs_arrive_at_their_times_in_their_order() -> None:
     bare, backend = _bare()
     arrivals = [0.0, 0.05, 0.02, 0.03]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -97,8 +98,18 @@ class BatchSampler:
         self.step = 0
         """Decode passes seen; a job takes a token only from the pass it was sampled in."""
         self.batched_tokens = 0
+        self.seconds = 0.0
+        """Host time in `after_decode` (the plan and the pass's launches): what the pass costs
+        the step, against the per-job launches it replaces."""
 
     def after_decode(self, logits: Any) -> None:
+        started = time.perf_counter()
+        try:
+            self._sample(logits)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _sample(self, logits: Any) -> None:
         self.step += 1
         if logits.dim() != 3 or logits.shape[1] != 1:
             return
