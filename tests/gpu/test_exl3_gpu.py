@@ -112,10 +112,14 @@ def test_cancel_returns_the_free_pages_to_the_baseline(exl3_engine: Any) -> None
     jobs = [ejob(f"c{i}", prompt(rng, 300), max_tokens=200) for i in range(16)]
     for j in jobs:
         exl3_engine.add(j)
-    for _ in range(5):
-        exl3_engine.step()
+    outs = [o for _ in range(5) for o in exl3_engine.step()]
     assert exl3_engine.free_pages() < baseline
-    assert all(exl3_engine.cancel(j.id) for j in jobs)
+    assert [o.error for o in outs if o.error] == []
+    # a job of the random model may sample EOS in its first tokens: it has ended by itself
+    ended = {o.job_id for o in outs if o.finish_reason}
+    assert len(ended) < len(jobs) // 2
+    cancelled = [exl3_engine.cancel(j.id) for j in jobs if j.id not in ended]  # every one
+    assert all(cancelled)
     assert exl3_engine.active() == 0
     assert exl3_engine.free_pages() == baseline
     assert admission(exl3_engine).fits(exl3_engine.total_pages * exl3_engine.page_size - 1, 0)
