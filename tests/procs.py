@@ -267,6 +267,10 @@ class StallProxy:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        # each transport closes on a later turn of this loop: let it, before the loop stops (a
+        # transport left open is reported at its garbage collection, in whatever test runs then)
+        closing = asyncio.gather(*(w.wait_closed() for w in self._writers), return_exceptions=True)
+        await asyncio.wait_for(closing, 5)
         if self._server is not None:
             await self._server.wait_closed()
 
