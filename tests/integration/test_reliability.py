@@ -129,8 +129,9 @@ async def test_a_job_whose_keys_redis_rejects_does_not_block_the_others(stack: S
     keys = stack.worker.st.keys
     damaged = await stack.submit(prompt="the model", max_tokens=LONG)
     await stack.wait_status(damaged["id"], "running")
-    await stack.redis.delete(keys.events(damaged["id"]))
-    await stack.redis.set(keys.events(damaged["id"]), "not a stream")  # WRONGTYPE from now on
+    # SET replaces the stream in one command (WRONGTYPE from now on); a DELETE first left a
+    # moment without a log, which the worker may read as a log lost beyond repair instead
+    await stack.redis.set(keys.events(damaged["id"]), "not a stream")
     healthy = [await stack.submit(prompt=f"job {i}", max_tokens=20) for i in range(3)]
     for job in healthy:
         assert (await stack.wait_status(job["id"], "succeeded"))["attempt"] == 1
