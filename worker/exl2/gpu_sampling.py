@@ -244,15 +244,20 @@ class GpuSampler:
         return {**out, "logits": logits[:, :, :1]}
 
 
-class _SamplingModel:
-    """The generator's model, with `GpuSampler.after_forward` after each decode pass."""
+class ModelProxy:
+    """A generator's model with one method wrapped (by a subclass); everything else is the
+    model's own. Both engines' sampling hooks sit there."""
 
-    def __init__(self, model: Any, sampler: GpuSampler) -> None:
+    def __init__(self, model: Any, sampler: Any) -> None:
         self._model = model
         self._sampler = sampler
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
+
+
+class _SamplingModel(ModelProxy):
+    """The generator's model, with `GpuSampler.after_forward` after each decode pass."""
 
     def forward_chunk(self, *args: Any, **kwargs: Any) -> Any:
         out = self._model.forward_chunk(*args, **kwargs)

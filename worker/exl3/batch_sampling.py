@@ -136,15 +136,8 @@ class BatchSampler:
         self.batched_tokens += n
 
 
-class _SamplingModel:
+class _SamplingModel(gpu_sampling.ModelProxy):
     """The generator's model, with `BatchSampler.after_decode` after each decode pass."""
-
-    def __init__(self, model: Any, sampler: BatchSampler) -> None:
-        self._model = model
-        self._sampler = sampler
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self._model.forward(*args, **kwargs)
