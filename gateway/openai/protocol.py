@@ -45,8 +45,9 @@ log = logging.getLogger(__name__)
 
 MAX_NAME_CHARS = MAX_MODEL_NAME_CHARS
 MAX_CHAT_MESSAGES = 10_000
-"""Most messages in one chat request: pydantic checks the count before it builds them all,
-so a 200,000-message body costs a few milliseconds of the event loop, not a second."""
+"""Most messages in one chat request; a body over it is counted and refused before it is parsed
+(gateway/openai/counted_lists.py): 200,000 messages cost ~20 ms of the event loop, not the
+~250 ms of `json.loads` and pydantic."""
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None

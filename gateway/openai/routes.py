@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Header, Request, Response
 from gateway.deps import Authorized, Caller, RateLimited, State
 from gateway.http_errors import error_responses, sse_response
 from gateway.job_service import IDEMPOTENCY_KEY_PATTERN
+from gateway.openai.counted_lists import CountedListsRoute
 from gateway.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -26,6 +27,7 @@ router = APIRouter(
     tags=["openai"],
     dependencies=[Authorized, RateLimited],
     responses=error_responses(400, 401, 404, 409, 413, 422, 429, 503),
+    route_class=CountedListsRoute,
 )
 IdempotencyKey = Annotated[
     str | None,

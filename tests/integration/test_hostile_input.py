@@ -10,7 +10,10 @@ from urllib.parse import quote
 
 import pytest
 import redis.asyncio as aioredis
+from pydantic import ValidationError
+from starlette.requests import Request
 
+from gateway.openai.protocol import MAX_CHAT_MESSAGES, ChatCompletionRequest
 from shared.schemas import MAX_METADATA_DEPTH, MAX_SEED
 from shared.settings import Settings
 from tests.conftest import REDIS_URL, Stack, running_stack
@@ -278,3 +281,34 @@ async def test_a_job_id_with_a_trailing_newline_is_no_job(stack: Stack) -> None:
         assert err["param"] == "id" and "\n" not in err["message"]
     err = error_of(await stack.client.delete(f"/v1/jobs/{quote(job_id + chr(10))}"), 404)
     assert err["param"] == "id"
+
+
+@pytest.mark.parametrize("extra", [1, 190_000])
+async def test_a_chat_over_its_message_limit_is_refused_before_the_body_is_parsed(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, extra: int
+) -> None:
+    """The count comes from a raw scan: Starlette's `json.loads` (and pydantic after it) never
+    sees the messages, and the 422 is the one pydantic gives for the same body."""
+    parsed: list[int] = []
+    json_of = Request.json
+
+    async def counting(self: Request) -> object:
+        parsed.append(1)
+        return await json_of(self)
+
+    monkeypatch.setattr(Request, "json", counting)
+    messages = [{"role": "user", "content": "hi"}] * (MAX_CHAT_MESSAGES + extra)
+    r = await stack.client.post("/v1/chat/completions", json={"model": "sim", "messages": messages})
+    err = error_of(r, 422)
+    with pytest.raises(ValidationError) as pydantics:
+        ChatCompletionRequest.model_validate({"model": "sim", "messages": messages})
+    assert (
+        err["param"] == "messages"
+        and err["message"] == f"messages: {pydantics.value.errors()[0]['msg']}"
+    )
+    assert str(MAX_CHAT_MESSAGES) in err["message"] and not parsed
+    # at the limit, the body goes on to FastAPI's parse as any other
+    r = await stack.client.post(
+        "/v1/chat/completions", json={"model": "sim", "messages": messages[:2]}
+    )
+    assert r.status_code == 200 and parsed
