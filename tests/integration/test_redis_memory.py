@@ -17,8 +17,9 @@ from tests.conftest import gateway_only
 from tests.procs import RedisServer, redis_server
 
 JOB = {"model": "sim", "prompt": "x", "max_tokens": 4}
-FULL_HEADROOM_BYTES = 1024
-"""maxmemory this far below what Redis uses: every write is refused."""
+FULL_MAXMEMORY = 1
+"""Bytes: far below anything Redis uses, so every write is refused (maxmemory 1 KiB below its
+use was not always: freed client buffers took it back under, and a probe went through)."""
 NEARLY_FULL = 0.95
 """Of maxmemory, above the gateway's limit (0.9) with room left for Redis's own writes."""
 WAIT_S = 10.0
@@ -40,9 +41,11 @@ async def server() -> AsyncIterator[tuple[RedisServer, aioredis.Redis]]:
 
 async def _set_maxmemory(client: aioredis.Redis, fraction_used: float | None) -> None:
     """maxmemory so that Redis uses `fraction_used` of it (None: past it, writes refused)."""
+    if fraction_used is None:
+        await client.config_set("maxmemory", FULL_MAXMEMORY)
+        return
     used = int((await client.info("memory"))["used_memory"])
-    limit = used - FULL_HEADROOM_BYTES if fraction_used is None else int(used / fraction_used)
-    await client.config_set("maxmemory", limit)
+    await client.config_set("maxmemory", int(used / fraction_used))
 
 
 async def test_a_full_redis_is_named_in_errors_and_in_readiness(
