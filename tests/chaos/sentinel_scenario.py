@@ -45,8 +45,11 @@ STREAM_TOKENS = 150
 """Long enough that the streams are still under way when the master dies."""
 QUEUED_TOKENS = 16
 SUBMITTERS = 16
-STEP_MS = 30
+STEP_MS = 60
+"""The streams then last 9 s: on a loaded 2-core host the steps before the kill (offsets, the
+cut) took 3.3 s, and at 30 ms a stream was all but done by then."""
 MAX_BATCH = 32
+POLL_S = 0.02
 
 
 @dataclass
@@ -142,6 +145,11 @@ async def failover(
             gateway = cluster.gateway()
             for _ in range(2):
                 cluster.worker("--step-ms", str(STEP_MS), "--max-batch", str(MAX_BATCH))
+
+            async def both_workers_up() -> bool:  # else one runs its 32 streams alone, early
+                return len([k async for k in redis.scan_iter(match=f"{PREFIX}worker:*")]) >= 2
+
+            await until(both_workers_up, limit_s, "both workers up")
             watched = [Stream(_body(i, STREAM_TOKENS)) for i in range(streams)]
             followers = [
                 asyncio.create_task(follow(http, lambda: [gateway.url], s)) for s in watched
@@ -152,7 +160,13 @@ async def failover(
 
             await until(streaming, limit_s, "every stream under way")
             accepted, killed_at = await _submit_and_kill(
-                http, gateway.url, group, result, queued, kill_after or queued // 4, stall_ms
+                http,
+                gateway.url,
+                group,
+                result,
+                (queued, kill_after or queued // 4),
+                watched,
+                stall_ms,
             )
             after = [a.at - killed_at for a in accepted if a.sent > killed_at]
             result.submit_recovery_s = min(after) if after else None
@@ -175,12 +189,15 @@ async def _submit_and_kill(
     url: str,
     group: SentinelGroup,
     result: FailoverResult,
-    queued: int,
-    kill_after: int,
+    counts: tuple[int, int],
+    streams: list[Stream],
     stall_ms: int,
 ) -> tuple[list[Accepted], float]:
-    """Submit `queued` jobs; SIGKILL the master while they are still arriving. The accepted
-    jobs, and when the kill was."""
+    """Submit `queued` jobs; SIGKILL the master while they are still arriving (once
+    `kill_after` are accepted) and the streams still under way (at the latest when one of
+    them is half done: on a busy host the submits can be slow). The accepted jobs, and
+    when the kill was."""
+    queued, kill_after = counts
     gate = asyncio.Semaphore(SUBMITTERS)
     accepted: list[Accepted] = []
     enough = asyncio.Event()
@@ -191,8 +208,15 @@ async def _submit_and_kill(
             if len(accepted) >= kill_after:
                 enough.set()
 
+    async def half_done() -> None:
+        while max(s.tokens() for s in streams) < STREAM_TOKENS // 2:
+            await asyncio.sleep(POLL_S)
+        enough.set()
+
     submitters = asyncio.gather(*(one(i) for i in range(queued)))
+    watcher = asyncio.create_task(half_done())
     await enough.wait()
+    watcher.cancel()
     replica_at = await _offset(group.replica.port, "slave_repl_offset")
     if stall_ms:
         await _cut_replica(group, stall_ms)
