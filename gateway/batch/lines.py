@@ -12,9 +12,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 from pydantic import BaseModel, ValidationError
 
 from gateway.http_errors import field_of
+from gateway.openai.counted_lists import Counter
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.serving import Plan, plan, prepare_jobs, refuse
 from gateway.state import GatewayState
@@ -27,6 +29,17 @@ _BODIES: dict[str, type[CompletionRequest | ChatCompletionRequest]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
 }
+_COUNTERS = {url: Counter(model) for url, model in _BODIES.items()}
+
+
+class _Addressed(msgspec.Struct):
+    """What a line's lists are counted by: its url, and its body as raw bytes."""
+
+    url: str | None = None
+    body: msgspec.Raw = msgspec.Raw()
+
+
+_ADDRESSED = msgspec.json.Decoder(_Addressed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +80,7 @@ class LineChecker:
     async def check(self, line: int, raw: bytes) -> PreparedLine | LineProblem:
         """The job line `line` (1-based; `raw` without its newline) asks for, or its problem."""
         try:
+            _count_lists(raw)
             request = _request_line(raw)
             req = _validated(_BODIES[request.url], request.body, "body")
             p = _batch_plan(req)
@@ -78,6 +92,20 @@ class LineChecker:
             param = f"body.{exc.param}" if exc.param else "body"
             return LineProblem(line, param, exc.message, exc.code)
         return PreparedLine(line, request, p, body, spec)
+
+
+def _count_lists(raw: bytes) -> None:
+    """A body whose long list is over its limit (200,000 messages) is refused from a scan,
+    before `json.loads` and pydantic build every item on the event loop."""
+    try:
+        line = _ADDRESSED.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return  # `_request_line` says what is wrong with it
+    counter = _COUNTERS.get(line.url or "")
+    if counter is not None and line.body:
+        over = counter.first_too_long(line.body)
+        if over is not None:
+            raise _Refused(f"body.{over.field}", over.message, "invalid_value")
 
 
 def _request_line(raw: bytes) -> RequestLine:

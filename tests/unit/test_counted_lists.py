@@ -1,0 +1,67 @@
+"""A body's long lists are counted from a raw scan before anything parses it: the OpenAI
+routes (tests/integration/test_hostile_input.py) and a batch file's lines, here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.batch import lines
+from gateway.batch.lines import LineChecker, LineProblem
+from gateway.openai.counted_lists import Counter
+from gateway.openai.protocol import MAX_CHAT_MESSAGES, ChatCompletionRequest, CompletionRequest
+
+MESSAGES = [{"role": "user", "content": "hi"}] * (MAX_CHAT_MESSAGES + 1)
+
+
+def _line(url: str, body: dict) -> bytes:
+    return json.dumps({"custom_id": "a", "method": "POST", "url": url, "body": body}).encode()
+
+
+def test_the_limits_are_the_models_own() -> None:
+    assert Counter(ChatCompletionRequest).limits == {"messages": MAX_CHAT_MESSAGES}
+    assert Counter(CompletionRequest).limits == {}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"messages": "not a list"}',
+        b'{"messages": [1, 2',
+        b"[1, 2, 3]",
+        b'{"model": "m"}',
+        json.dumps({"messages": MESSAGES[:MAX_CHAT_MESSAGES]}).encode(),
+    ],
+)
+def test_what_the_scan_cannot_judge_goes_on_to_the_parse(body: bytes) -> None:
+    assert Counter(ChatCompletionRequest).first_too_long(body) is None
+
+
+async def test_a_batch_line_over_its_message_limit_is_refused_before_it_is_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    body = {"model": "sim", "messages": MESSAGES}
+    parsed: list[bytes] = []
+    loads = json.loads
+
+    def counting(s: str | bytes, *a: object, **k: object) -> object:
+        parsed.append(s if isinstance(s, bytes) else s.encode())
+        return loads(s, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(json, "loads", counting)
+    # refused before the line needs the gateway's state (no model is looked up)
+    problem = await LineChecker(None).check(3, _line("/v1/chat/completions", body))  # type: ignore[arg-type]
+    assert not parsed
+    with pytest.raises(ValidationError) as pydantics:
+        ChatCompletionRequest.model_validate(body)
+    assert isinstance(problem, LineProblem)
+    assert (problem.line, problem.param) == (3, "body.messages")
+    assert problem.message == pydantics.value.errors()[0]["msg"]
+
+
+def test_a_completion_line_is_not_counted_by_the_chat_limit() -> None:
+    """`messages` is no field of a completion (ignored, as any unknown field)."""
+    body = {"model": "sim", "prompt": "x", "messages": MESSAGES}
+    lines._count_lists(_line("/v1/completions", body))  # does not raise
