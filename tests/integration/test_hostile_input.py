@@ -307,7 +307,7 @@ async def test_a_chat_over_its_message_limit_is_refused_before_the_body_is_parse
         and err["message"] == f"messages: {pydantics.value.errors()[0]['msg']}"
     )
     assert str(MAX_CHAT_MESSAGES) in err["message"] and not parsed
-    # at the limit, the body goes on to FastAPI's parse as any other
+    # under the limit, the body goes on to FastAPI's parse as any other
     r = await stack.client.post(
         "/v1/chat/completions", json={"model": "sim", "messages": messages[:2]}
     )
