@@ -145,11 +145,7 @@ class JobService:
         """`asked`, or what the context leaves (at most GENQ_DEFAULT_MAX_TOKENS)."""
         room = context - prompt_tokens
         if room < 1:
-            raise PromptTooLong(
-                f"prompt is {prompt_tokens} tokens, the model's maximum context length is "
-                f"{context} tokens: no room is left to generate",
-                param="prompt",
-            )
+            raise no_room(prompt_tokens, context)
         if asked is None:
             return min(self.settings.default_max_tokens, room)
         if asked > room:
@@ -461,6 +457,15 @@ def check_idempotency_key(key: str) -> str:
             "Idempotency-Key must be 1 to 255 visible ASCII characters", param="Idempotency-Key"
         )
     return key
+
+
+def no_room(prompt_tokens: int, context: int) -> PromptTooLong:
+    """The 400 of a prompt that leaves its model no room to generate."""
+    return PromptTooLong(
+        f"prompt is {prompt_tokens} tokens, the model's maximum context length is "
+        f"{context} tokens: no room is left to generate",
+        param="prompt",
+    )
 
 
 def _check_vocab(loaded: LoadedCard, ids: list[int], param: str) -> None:

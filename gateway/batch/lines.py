@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 import msgspec
 from pydantic import BaseModel, ValidationError
 
+from gateway.body_scan import Counter
 from gateway.http_errors import field_of
-from gateway.openai.counted_lists import Counter
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.serving import Plan, plan, prepare_jobs, refuse
 from gateway.state import GatewayState

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 MAX_NAME_CHARS = MAX_MODEL_NAME_CHARS
 MAX_CHAT_MESSAGES = 10_000
 """Most messages in one chat request; a body over it is counted and refused before it is parsed
-(gateway/openai/counted_lists.py): 200,000 messages cost ~20 ms of the event loop, not the
+(gateway/body_scan.py): 200,000 messages cost ~20 ms of the event loop, not the
 ~250 ms of `json.loads` and pydantic."""
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]

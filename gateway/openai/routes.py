@@ -10,10 +10,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request, Response
 
+from gateway.body_scan import CountedListsRoute
 from gateway.deps import Authorized, Caller, RateLimited, State
 from gateway.http_errors import error_responses, sse_response
 from gateway.job_service import IDEMPOTENCY_KEY_PATTERN
-from gateway.openai.counted_lists import CountedListsRoute
 from gateway.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Header, Query
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
+from gateway.body_scan import CountedListsRoute
 from gateway.deps import Authorized, Caller, RateLimited, State
 from gateway.http_errors import error_responses, sse_response
 from gateway.identity import Identity
@@ -31,6 +32,7 @@ router = APIRouter(
     tags=["jobs"],
     dependencies=[Authorized, RateLimited],
     responses=error_responses(401, 404, 422, 429, 503),
+    route_class=CountedListsRoute,
 )
 
 IdempotencyKey = Annotated[

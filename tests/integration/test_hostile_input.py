@@ -17,6 +17,7 @@ from gateway.openai.protocol import MAX_CHAT_MESSAGES, ChatCompletionRequest
 from shared.schemas import MAX_METADATA_DEPTH, MAX_SEED
 from shared.settings import Settings
 from tests.conftest import REDIS_URL, Stack, running_stack
+from worker.sim import SimEngine
 
 JSON = {"content-type": "application/json"}
 BODY_LIMIT = 4096
@@ -312,3 +313,42 @@ async def test_a_chat_over_its_message_limit_is_refused_before_the_body_is_parse
         "/v1/chat/completions", json={"model": "sim", "messages": messages[:2]}
     )
     assert r.status_code == 200 and parsed
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "shape"),
+    [
+        ("/v1/jobs", "input_ids", "ids"),
+        ("/v1/completions", "prompt", "ids"),
+        ("/v1/completions", "prompt", "prompts"),
+    ],
+)
+async def test_a_prompt_of_ids_with_no_room_is_refused_before_the_body_is_parsed(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, path: str, field: str, shape: str
+) -> None:
+    """Its length comes from a raw scan against the model's context (5,000,000 ids: seconds of
+    parsing and checking each id before); the 400 is the job's own check's."""
+    parsed: list[int] = []
+    json_of = Request.json
+
+    async def counting(self: Request) -> object:
+        parsed.append(1)
+        return await json_of(self)
+
+    monkeypatch.setattr(Request, "json", counting)
+    context = SimEngine().card.max_seq_len
+    ids = [300 + i % 100 for i in range(context)]
+    prompt: object = ids if shape == "ids" else [[5, 6], ids, [7]]
+    body = {"model": "sim", field: prompt, "max_tokens": 1}
+    err = error_of(await stack.client.post(path, json=body), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert err["message"] == (
+        f"prompt is {context} tokens, the model's maximum context length is {context} tokens: "
+        "no room is left to generate"
+    )
+    assert not parsed
+    # with room left, the body goes on to the full parse and the job runs
+    body[field] = ids[:8] if shape == "ids" else [[5, 6], ids[:8]]
+    r = await stack.client.post(path, json=body)
+    assert r.status_code in (200, 202), r.text
+    assert parsed

@@ -1,5 +1,5 @@
-"""A body's long lists are counted from a raw scan before anything parses it: the OpenAI
-routes (tests/integration/test_hostile_input.py) and a batch file's lines, here."""
+"""A body's long lists and its prompt's length in ids are read from a raw scan before anything
+parses it: the routes (tests/integration/test_hostile_input.py) and a batch file's lines, here."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from gateway.batch import lines
 from gateway.batch.lines import LineChecker, LineProblem
-from gateway.openai.counted_lists import Counter
+from gateway.body_scan import MAX_SCANNED_PROMPTS, Counter, longest_prompt
 from gateway.openai.protocol import MAX_CHAT_MESSAGES, ChatCompletionRequest, CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}] * (MAX_CHAT_MESSAGES + 1)
@@ -65,3 +65,36 @@ def test_a_completion_line_is_not_counted_by_the_chat_limit() -> None:
     """`messages` is no field of a completion (ignored, as any unknown field)."""
     body = {"model": "sim", "prompt": "x", "messages": MESSAGES}
     lines._count_lists(_line("/v1/completions", body))  # does not raise
+
+
+@pytest.mark.parametrize(
+    ("body", "found"),
+    [
+        (b'{"model": "m", "input_ids": [1, 2, 3]}', ("m", 3)),
+        (b'{"model": "m", "input_ids": [ 1 , 2 ,3 ] }', ("m", 3)),
+        (b'{"model": "m", "prompt": [5, 6]}', ("m", 2)),
+        (b'{"model": "m", "prompt": [[1], [1, 2, 3, 4], []]}', ("m", 4)),
+        (b'{"model": "m", "prompt": "text, with, commas"}', None),
+        (b'{"model": "m", "prompt": ["a, b", "c"]}', None),
+        (b'{"model": "m", "input_ids": ["1,2,3"]}', None),
+        (b'{"model": "m", "input_ids": [{"a": 1}, 2]}', None),
+        (b'{"model": "m", "input_ids": []}', None),
+        (b'{"model": "m", "input_ids": null}', None),
+        (b'{"input_ids": [1, 2]}', None),
+        (b'{"model": "m", "input_ids": [1, 2', None),
+        (b"[1, 2, 3]", None),
+    ],
+)
+def test_a_prompts_length_in_ids_is_read_from_the_raw_body(
+    body: bytes, found: tuple[str, int] | None
+) -> None:
+    """Counted from the commas of an array of numbers only: strings, objects and nesting it
+    cannot count leave the judgement to the full check."""
+    assert longest_prompt(body) == found
+
+
+def test_past_the_scanned_prompts_the_full_check_counts() -> None:
+    many = json.dumps({"model": "m", "prompt": [[1]] * (MAX_SCANNED_PROMPTS + 1)}).encode()
+    assert longest_prompt(many) is None
+    few = json.dumps({"model": "m", "prompt": [[1]] * MAX_SCANNED_PROMPTS}).encode()
+    assert longest_prompt(few) == ("m", 1)
