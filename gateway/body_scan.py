@@ -59,7 +59,7 @@ class Counter:
             return None
         try:
             counted = self._decoder.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             return None  # the full parse reports it, as for any other body
         for name, limit in self.limits.items():
             items = getattr(counted, name)
@@ -90,12 +90,12 @@ def longest_prompt(raw: bytes) -> tuple[str, int] | None:
     of ids, or of lists of ids); None where it holds none or the scan cannot judge it."""
     try:
         body = _PROMPT_IDS.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        lengths = [n for n in (_ids_in(bytes(body.input_ids)), _ids_in(bytes(body.prompt))) if n]
+        prompt = bytes(body.prompt)
+        if prompt.startswith(b"[[") and prompt.count(b"[") <= MAX_SCANNED_PROMPTS + 1:
+            lengths += [n for item in _RAW_LIST.decode(prompt) if (n := _ids_in(bytes(item)))]
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
-    lengths = [n for n in (_ids_in(bytes(body.input_ids)), _ids_in(bytes(body.prompt))) if n]
-    prompt = bytes(body.prompt)
-    if prompt.startswith(b"[[") and prompt.count(b"[") <= MAX_SCANNED_PROMPTS + 1:
-        lengths += [n for item in _RAW_LIST.decode(prompt) if (n := _ids_in(bytes(item)))]
     if not body.model or not lengths:
         return None
     return body.model, max(lengths)

@@ -99,7 +99,7 @@ def _count_lists(raw: bytes) -> None:
     before `json.loads` and pydantic build every item on the event loop."""
     try:
         line = _ADDRESSED.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return  # `_request_line` says what is wrong with it
     counter = _COUNTERS.get(line.url or "")
     if counter is not None and line.body:

@@ -98,3 +98,10 @@ def test_past_the_scanned_prompts_the_full_check_counts() -> None:
     assert longest_prompt(many) is None
     few = json.dumps({"model": "m", "prompt": [[1]] * MAX_SCANNED_PROMPTS}).encode()
     assert longest_prompt(few) == ("m", 1)
+
+
+def test_a_body_nested_too_deeply_for_the_scan_goes_on_to_the_parse() -> None:
+    deep = b'{"model": "m", "messages": [' + b"[" * 5000 + b"]" * 5000 + b"]}"
+    assert Counter(ChatCompletionRequest).first_too_long(deep) is None
+    assert longest_prompt(deep.replace(b"messages", b"input_ids")) is None
+    lines._count_lists(_line("/v1/chat/completions", {}).replace(b"{}", deep))  # no raise
