@@ -24,6 +24,7 @@ from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
+from redis.exceptions import RedisError
 
 from gateway.job_service import no_room
 from shared.errors import GenqError
@@ -119,7 +120,7 @@ async def check_room(request: Request, raw: bytes) -> None:
     model, tokens = found
     try:
         loaded = await request.app.state.genq.registry.get(model)
-    except (GenqError, OSError, ConnectionError):
+    except (GenqError, RedisError, OSError):
         return
     context = loaded.card.max_seq_len
     if tokens >= context:
