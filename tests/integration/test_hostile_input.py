@@ -284,20 +284,26 @@ async def test_a_job_id_with_a_trailing_newline_is_no_job(stack: Stack) -> None:
     assert err["param"] == "id"
 
 
-@pytest.mark.parametrize("extra", [1, 190_000])
-async def test_a_chat_over_its_message_limit_is_refused_before_the_body_is_parsed(
-    stack: Stack, monkeypatch: pytest.MonkeyPatch, extra: int
-) -> None:
-    """The count comes from a raw scan: Starlette's `json.loads` (and pydantic after it) never
-    sees the messages, and the 422 is the one pydantic gives for the same body."""
-    parsed: list[int] = []
+@pytest.fixture
+def parsed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry for each body Starlette parses as JSON (`Request.json`) from now on."""
+    seen: list[int] = []
     json_of = Request.json
 
     async def counting(self: Request) -> object:
-        parsed.append(1)
+        seen.append(1)
         return await json_of(self)
 
     monkeypatch.setattr(Request, "json", counting)
+    return seen
+
+
+@pytest.mark.parametrize("extra", [1, 190_000])
+async def test_a_chat_over_its_message_limit_is_refused_before_the_body_is_parsed(
+    stack: Stack, parsed: list[int], extra: int
+) -> None:
+    """The count comes from a raw scan: Starlette's `json.loads` (and pydantic after it) never
+    sees the messages, and the 422 is the one pydantic gives for the same body."""
     messages = [{"role": "user", "content": "hi"}] * (MAX_CHAT_MESSAGES + extra)
     r = await stack.client.post("/v1/chat/completions", json={"model": "sim", "messages": messages})
     err = error_of(r, 422)
@@ -324,18 +330,10 @@ async def test_a_chat_over_its_message_limit_is_refused_before_the_body_is_parse
     ],
 )
 async def test_a_prompt_of_ids_with_no_room_is_refused_before_the_body_is_parsed(
-    stack: Stack, monkeypatch: pytest.MonkeyPatch, path: str, field: str, shape: str
+    stack: Stack, parsed: list[int], path: str, field: str, shape: str
 ) -> None:
     """Its length comes from a raw scan against the model's context (5,000,000 ids: seconds of
     parsing and checking each id before); the 400 is the job's own check's."""
-    parsed: list[int] = []
-    json_of = Request.json
-
-    async def counting(self: Request) -> object:
-        parsed.append(1)
-        return await json_of(self)
-
-    monkeypatch.setattr(Request, "json", counting)
     context = SimEngine().card.max_seq_len
     ids = [300 + i % 100 for i in range(context)]
     prompt: object = ids if shape == "ids" else [[5, 6], ids, [7]]
