@@ -130,6 +130,18 @@ def decode_rate_p50(traces: list[TokenTimes]) -> float | None:
 # ---- bare generator -------------------------------------------------------------------------
 
 
+BATCHED_ENV = "GENQ_BATCHED_SAMPLING"
+
+
+def stock_unless_asked(settings: Settings, environ: dict[str, str] | os._Environ[str]) -> Settings:
+    """The bare exllamav3 loop samples each job with exllamav3's own sampler (the stock loop
+    the worker is measured against), whatever the worker's default; `GENQ_BATCHED_SAMPLING` in
+    benchgpu's own environment gives it genq's batched pass too."""
+    if BATCHED_ENV in environ:
+        return settings
+    return settings.model_copy(update={"batched_sampling": False})
+
+
 def load_backend(settings: Settings) -> Any:
     if settings.engine == "exllamav3":
         from worker.exl3.loader import load_backend as load_exl3
@@ -646,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_tokens=cache,
         gpu_sampling=not a.cpu_sampling,
     )
+    settings = stock_unless_asked(settings, os.environ)
     setup_logging(settings)  # the processes it starts are `genq` commands: they set up their own
     sampling = {
         "engine": SIM if a.model == SIM else a.engine,

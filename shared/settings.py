@@ -725,10 +725,12 @@ class EngineSettings(BaseSettings):
         "512 on an H200 gave 12-29 % fewer tokens/s at 64 and 128 streams",
     )
     batched_sampling: bool = Field(
-        default=False,
+        default=True,
         description="exllamav3: sample the jobs without penalties or top logprobs in one "
         "batched pass per step (genq's GPU sampler) instead of one exllamav3 sampler launch per "
-        "job (10.7 % of a 64-stream step on an H200); off until the GPU benchmark measures it",
+        "job. On an H200 (EXL3 8B, against the stock bare loop) the worker went from 0.93x to "
+        "1.12x at 256 streams and 1.01-1.10x to 1.08-1.22x at 64-128; 0.96-0.98x at 1-8 "
+        "(docs/benchmarks.md, issue 17)",
     )
     triton_cache_dir: str | None = Field(
         default=None,

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.chaos.harness import quantile
-from tests.chaos.sentinel_scenario import FailoverResult, failover, sentinel_cluster, submit
+from tests.chaos.harness import quantile, submit
+from tests.chaos.sentinel_scenario import FailoverResult, failover, sentinel_cluster
 from tests.chaos.sentinels import sentinel_group
 
 

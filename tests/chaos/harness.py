@@ -37,6 +37,34 @@ POLL_S = 0.05
 
 
 @dataclass
+class Accepted:
+    job_id: str
+    sent: float
+    """time.monotonic() when the POST that was accepted went out."""
+    at: float
+    """... and of its 2xx."""
+
+
+async def submit(
+    http: httpx.AsyncClient, url: str, body: dict, *, retry_5xx: bool = True
+) -> Accepted:
+    """POST until accepted, the same Idempotency-Key every time: a client's retry after a
+    dropped connection or (`retry_5xx`, as while Redis fails over) a 5xx, which the key makes
+    safe (the job is queued once)."""
+    key = uuid.uuid4().hex
+    while True:
+        sent = time.monotonic()
+        try:
+            r = await http.post(f"{url}/v1/jobs", json=body, headers={"Idempotency-Key": key})
+            if r.status_code < 500 or not retry_5xx:  # 200: a retry the earlier POST queued
+                assert r.status_code in (200, 202), r.text
+                return Accepted(str(r.json()["id"]), sent, time.monotonic())
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(RECONNECT_PAUSE_S)
+
+
+@dataclass
 class Event:
     seq: int
     type: str

@@ -16,7 +16,6 @@ import contextlib
 import itertools
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,11 +28,12 @@ from shared.redisconn import connect
 from shared.settings import RedisSettings
 from tests.chaos.harness import (
     FAST_LEASES,
-    RECONNECT_PAUSE_S,
+    Accepted,
     Reference,
     Stream,
     follow,
     stream_faults,
+    submit,
     until,
 )
 from tests.chaos.sentinels import MASTER_NAME, SentinelGroup
@@ -50,15 +50,6 @@ STEP_MS = 60
 cut) took 3.3 s, and at 30 ms a stream was all but done by then."""
 MAX_BATCH = 32
 POLL_S = 0.02
-
-
-@dataclass
-class Accepted:
-    job_id: str
-    sent: float
-    """time.monotonic() when the POST that was accepted went out."""
-    at: float
-    """... and of its 2xx."""
 
 
 @dataclass
@@ -99,21 +90,6 @@ def client_of(group: SentinelGroup) -> aioredis.Redis:
     """The test's own client: genq's, so it follows the failover as the processes do."""
     settings = RedisSettings(redis_sentinels=group.addresses, redis_sentinel_master=MASTER_NAME)
     return connect(settings)
-
-
-async def submit(http: httpx.AsyncClient, url: str, body: dict) -> Accepted:
-    """POST until accepted, the same Idempotency-Key every time."""
-    key = uuid.uuid4().hex
-    while True:
-        sent = time.monotonic()
-        try:
-            r = await http.post(f"{url}/v1/jobs", json=body, headers={"Idempotency-Key": key})
-            if r.status_code < 500:  # 200: a retry the earlier POST had queued already
-                assert r.status_code in (200, 202), r.text
-                return Accepted(str(r.json()["id"]), sent, time.monotonic())
-        except httpx.TransportError:
-            pass
-        await asyncio.sleep(RECONNECT_PAUSE_S)
 
 
 async def failover(

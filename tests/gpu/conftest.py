@@ -79,6 +79,7 @@ def exl3_engine(exl3_model: Path) -> Iterator[object]:
         engine="exllamav3",
         max_batch=TEST_BATCH,
         cache_tokens=TEST_CACHE_TOKENS,
+        batched_sampling=False,  # exllamav3's own sampler; the batched pass has its fixture
     )
     e = ExLlamaV3Engine.from_settings(settings)
     yield e

@@ -139,9 +139,11 @@ for step in $steps; do
           --logs /tmp/genq-logs/exl3sched-$cd-$sc > "$OUT/exl3sched-$cd-$sc.log" 2>&1
         grep -h '"run": "system' "$OUT/exl3sched-$cd-$sc.log" | cut -c1-200
       done; done ;;
-    turns|turnsexl3|turnsreplay|turnsreplayexl3|turnsq4|turnsreplayq4|turnsq4batched*)  # issue 15
-      # (…exl3, …q4: issue 17, the 8B in fp16 / EXL3 4.0 bpw; turnsq4batched: the worker with
-      # GENQ_BATCHED_SAMPLING, against the stock bare loop; turnsq4batchedboth: both with it):
+    turns|turnsexl3|turnsreplay|turnsreplayexl3|turnsq4|turnsreplayq4|turnsq4batched*|turnsq4stock)
+      # issue 15 (…exl3, …q4: issue 17, the 8B in fp16 / EXL3 4.0 bpw; the worker samples in
+      # one batched pass by default, GENQ_BATCHED_SAMPLING; the bare loop is the stock one:
+      # turnsq4stock: the worker with exllamav3's own sampler too; turnsq4batchedboth: the
+      # bare loop with the batched pass too; turnsq4batched: the worker's default said aloud):
       # the bare loop and one worker (defaults), both loaded, take turns at each level, the first to go
       # flipping each round; a ratio row per turn and the median per level. This host drifts
       # by tens of percent within one call (docs/benchmarks.md): turns put both under the
@@ -152,6 +154,7 @@ for step in $steps; do
       else eng="--engine exllamav3"; lv=${LEVELS3:-8,64,128}; rounds=${ROUNDS3:-2}; cap=600; fi
       [[ $step == *q4* ]] && model=/tmp/m8b-exl3
       batched=$([[ $step == *batched* ]] && echo "--worker-env GENQ_BATCHED_SAMPLING=true")
+      [[ $step == *stock ]] && batched="--worker-env GENQ_BATCHED_SAMPLING=false"
       both=$([[ $step == *both ]] && echo GENQ_BATCHED_SAMPLING=true)  # the bare loop's too
       replay=$([[ $step == *replay* ]] && echo --replay)
       t=$(left); t=$((t < cap ? t : cap))

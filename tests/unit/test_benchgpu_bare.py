@@ -13,6 +13,7 @@ import pytest
 
 from genq import benchgpu
 from genq.benchgpu import Bare, Job, Turns
+from shared.settings import Settings
 
 STEP_S = 0.002
 
@@ -120,6 +121,18 @@ def test_a_batched_sampler_reports_its_tokens_and_its_cost_per_step() -> None:
     assert row["batched_tokens"] == 8 and row["batched_pass_ms_per_step"] == 2.0
     bare, _ = _bare()
     assert "batched_tokens" not in bare.run(JOBS, streams=2)  # exllamav3's own sampler
+
+
+def test_the_bare_loop_keeps_exllamav3s_own_sampler_unless_its_environment_asks() -> None:
+    """The worker samples in one batched pass by default; the loop it is measured against is
+    the stock one, unless GENQ_BATCHED_SAMPLING is set for the benchmark itself."""
+    base = Settings(engine="exllamav3", model_dir="/m")
+    assert base.batched_sampling  # the worker's default
+    assert not benchgpu.stock_unless_asked(base, {}).batched_sampling
+    asked = Settings(engine="exllamav3", model_dir="/m", batched_sampling=True)
+    assert benchgpu.stock_unless_asked(asked, {"GENQ_BATCHED_SAMPLING": "true"}).batched_sampling
+    off = Settings(engine="exllamav3", model_dir="/m", batched_sampling=False)
+    assert not benchgpu.stock_unless_asked(off, {"GENQ_BATCHED_SAMPLING": "false"}).batched_sampling
 
 
 def test_replayed_jobs_arrive_at_their_times_in_their_order() -> None:

@@ -256,7 +256,7 @@ def test_batched_sampling_hooks_every_generator_and_marks_the_jobs_it_serves(
 def test_without_batched_sampling_jobs_and_generators_are_exllamav3s_own(
     events: list[tuple[Any, ...]], model_dir: Path
 ) -> None:
-    backend, _, _ = loader.load_backend(settings(model_dir))
+    backend, _, _ = loader.load_backend(settings(model_dir, batched_sampling=False))
     assert not hasattr(backend.make_generator(), "genq_sampler")
     job = backend.make_job([5, 6], 4, Sampling(), 0, [], "a")
     assert type(job) is sys.modules["exllamav3"].Job and not hasattr(job, "genq_params")
