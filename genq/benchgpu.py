@@ -4,7 +4,8 @@
         [--new-tokens 256] [--bare] [--system] [--sweep 1,8,32,64,128,256]
         [--compare 1,8,64,128] [--worker-arg=--procs-per-gpu=2 ...]
         [--worker-env GENQ_DETOKENIZE=worker ...] [--sampler-probe] [--json-out FILE]
-        [--rounds 3 [--replay]] [--bare-again] [--bare-load 4] [--pin-engine]
+        [--rounds 3 [--replay] [--ab-worker-env GENQ_X=Y ...]] [--bare-again] [--bare-load 4]
+        [--pin-engine]
 
 Workload: `streams` closed-loop clients, each running jobs back to back (like `genq bench`);
 every job has a prompt of random token ids, uniform in [prompt-min, prompt-max], and asks
@@ -21,7 +22,9 @@ step as the worker's I/O process receives them (the difference is the boundary's
 reports their ratios. A GPU host drifts by tens of percent within minutes, so `--rounds R`
 keeps both loaded and lets them take turns at each level (the first to go flipping each
 round): a ratio per turn and the median of the rounds; with `--replay` each bare turn takes its
-jobs when the system's last turn sent them rather than all at once. `--bare-again`,
+jobs when the system's last turn sent them rather than all at once; with `--ab-worker-env` a
+second system with those settings takes its turns too (an option against the defaults under
+the same drift: `ratio alt/system` per round and its median). `--bare-again`,
 `--bare-load N` and `--pin-engine` are the diagnostics of docs/benchmarks.md (issue 15).
 
 Engine settings come from GENQ_* as for a worker (e.g. GENQ_PREFILL_COOLDOWN=4 for both the
@@ -296,11 +299,13 @@ class System:
         logs: Path,
         env: dict[str, str] | None = None,
         engine: str = "exllamav2",
+        index: int = 0,
     ) -> None:
+        """`index`: which of the systems one benchmark runs side by side (its port and keys)."""
         self.model = model
-        self.port = 18000 + os.getpid() % 1000
+        self.port = 18000 + 1000 * index + os.getpid() % 1000
         self.logs = logs
-        prefix = f"genqbench{int(time.time())}:"
+        prefix = f"genqbench{int(time.time())}-{index}:"
         self.keys = Keys(prefix)
         url = os.environ.get("GENQ_REDIS_URL", "redis://127.0.0.1:6379/0")
         self.redis = redis.Redis.from_url(url, decode_responses=True)
@@ -633,6 +638,14 @@ def main(argv: list[str] | None = None) -> int:
         "by tens of percent within minutes: turns keep the two under the same drift)",
     )
     p.add_argument(
+        "--ab-worker-env",
+        action="append",
+        default=[],
+        help="with --rounds: K=V for a second system's processes, on top of --worker-env; it "
+        "takes its turns beside the first (ratio rows alt/bare and alt/system): an option "
+        "against the defaults under the same drift",
+    )
+    p.add_argument(
         "--replay",
         action="store_true",
         help="with --rounds: the bare loop takes each job when the system's last turn at that "
@@ -681,7 +694,9 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(kv.split("=", 1) for kv in a.worker_env)
         if a.cpu_sampling:
             env["GENQ_GPU_SAMPLING"] = "false"
-        turns = Turns(settings, model, worker_args, a.gateways, Path(a.logs), env, a.engine)
+        alt = dict(kv.split("=", 1) for kv in a.ab_worker_env)
+        logs = Path(a.logs)
+        turns = Turns(settings, model, worker_args, a.gateways, logs, env, a.engine, alt)
         try:
             turns.run(compare, a.rounds, jobs_for, report, sampling, a.replay)
         finally:
@@ -774,7 +789,15 @@ def main(argv: list[str] | None = None) -> int:
 
 class Turns:
     """`--compare L --rounds R`: the bare loop and the system, both loaded, take turns at each
-    level of L, R rounds; a ratio row per turn and one with the medians per level."""
+    level of L, R rounds; a ratio row per turn and one with the medians per level.
+
+    `alt_env` (`--ab-worker-env`): a second system, its workers with those settings on top,
+    takes its turns too, so an option is measured against the defaults under the same drift:
+    each round `ratio alt/bare` beside `ratio system/bare` (the same bare turn) and `ratio
+    alt/system`, and their medians."""
+
+    alt: System | None = None
+    alt_env: dict[str, str] | None = None
 
     def __init__(
         self,
@@ -785,11 +808,23 @@ class Turns:
         logs: Path,
         env: dict[str, str],
         engine: str,
+        alt_env: dict[str, str] | None = None,
     ) -> None:
         self.bare = Bare(settings)
+        self.system: System | None = None
+        self.alt_env = alt_env
         logs.mkdir(parents=True, exist_ok=True)
-        self.system: System | None = System(model, worker_args, gateways, logs, env, engine)
-        self.system.wait_ready()
+        try:
+            self.system = System(model, worker_args, gateways, logs, env, engine)
+            if alt_env:
+                (logs / "alt").mkdir(exist_ok=True)
+                alt = {**env, **alt_env}
+                self.alt = System(model, worker_args, gateways, logs / "alt", alt, engine, 1)
+                self.alt.wait_ready()
+            self.system.wait_ready()
+        except BaseException:
+            self.close()
+            raise
         self.extra = {"worker_args": " ".join(worker_args), "gateways": gateways, "env": env}
 
     def run(
@@ -804,16 +839,22 @@ class Turns:
         """`replay`: each bare turn takes its jobs as the system's last turn at that level
         sent them (the issue's "the bare loop takes jobs as they arrive"), not all at once."""
         assert self.system is not None
+        systems = {"system": self.system} | ({"alt": self.alt} if self.alt else {})
         warm = workload(2, 64, 128, 8, _vocab(self.system.model))
-        run_system(self.system, warm, len(warm), "warm-up")
+        for system in systems.values():
+            run_system(system, warm, len(warm), "warm-up")
         self.bare.run(warm, len(warm))
-        ratios: dict[int, list[dict]] = {c: [] for c in levels}
+        turns = ["bare", *systems]
+        kinds = ["system/bare"] + (["alt/bare", "alt/system"] if self.alt else [])
+        ratios: dict[tuple[int, str], list[dict]] = {(c, k): [] for c in levels for k in kinds}
         sent_at: dict[int, list[float]] = {}
         for r in range(rounds):
             for c in levels:
-                # the order flips each round: neither always runs first after the other (with
-                # `replay`, the system goes first in round 0: the bare loop needs its arrivals)
-                order = ("bare", "system") if (r + replay) % 2 == 0 else ("system", "bare")
+                # the order turns each round: none always runs first or after the same one
+                # (with `replay`, the system goes first in round 0: the bare loop needs its
+                # arrivals)
+                shift = (r + replay) % len(turns)
+                order = turns[shift:] + turns[:shift]
                 rows: dict[str, dict] = {}
                 for who in order:
                     print(f"# round {r}: {who} at {c} streams", file=sys.stderr, flush=True)
@@ -821,26 +862,33 @@ class Turns:
                         arrivals = sent_at.get(c) if replay else None
                         rows[who] = self.bare.run(jobs_for(c), c, arrivals)
                     else:
-                        label = "system compare"
+                        label = "system compare" if who == "system" else "alt compare"
                         sent: dict[int, float] = {}
-                        row = run_system(self.system, jobs_for(c), c, label, sent)
+                        row = run_system(systems[who], jobs_for(c), c, label, sent)
                         rows[who] = row | self.extra
-                        sent_at[c] = [sent[i] for i in range(len(sent))]
+                        if who == "alt":
+                            rows[who]["alt_env"] = self.alt_env
+                        else:
+                            sent_at[c] = [sent[i] for i in range(len(sent))]
                     report(rows[who] | sampling | {"round": r})
-                row = ratio(rows["bare"], rows["system"]) | {"round": r}
-                ratios[c].append(row)
-                report(row)
+                for kind in kinds:
+                    top, under = kind.split("/")
+                    row = ratio(rows[under], rows[top], kind) | {"round": r}
+                    ratios[c, kind].append(row)
+                    report(row)
         for c in levels:
-            report(median_ratio(c, ratios[c]))
+            for kind in kinds:
+                report(median_ratio(c, ratios[c, kind], kind))
 
     def close(self) -> None:
-        if self.system is not None:
-            self.system.close()
-            self.system = None
+        for system in (self.system, self.alt):
+            if system is not None:
+                system.close()
+        self.system = self.alt = None
         self.bare.close()
 
 
-def median_ratio(streams: int, rows: list[dict]) -> dict:
+def median_ratio(streams: int, rows: list[dict], kind: str = "system/bare") -> dict:
     """The median over the rounds of each ratio figure, with its range."""
 
     def med(key: str) -> dict[str, float | None]:
@@ -850,7 +898,7 @@ def median_ratio(streams: int, rows: list[dict]) -> dict:
         return {"median": round(statistics.median(xs), 3), "min": xs[0], "max": xs[-1]}
 
     return {
-        "run": "ratio system/bare, median of the rounds",
+        "run": f"ratio {kind}, median of the rounds",
         "streams": streams,
         "rounds": len(rows),
         "tokens_per_s": med("tokens_per_s"),
@@ -909,23 +957,24 @@ class Busy:
             p.wait()
 
 
-def ratio(bare: dict, system: dict) -> dict:
+def ratio(bare: dict, system: dict, kind: str = "system/bare") -> dict:
     """The issue's targets at one level: tokens/s and per-stream decode rate as a share of the
     bare generator's (≥ 0.97), time to first token p50 over it; the engine's step in the
-    worker's engine process and as the worker sees it, beside the bare loop's."""
+    worker's engine process and as the worker sees it, beside the bare loop's. `kind`
+    "alt/system": `bare` is the defaults' system row (its engine step under `bare`)."""
 
     def share(key: str) -> float | None:
         b, s = bare.get(key), system.get(key)
         return round(s / b, 3) if b and s is not None else None
 
     return {
-        "run": "ratio system/bare",
+        "run": f"ratio {kind}",
         "streams": system["streams"],
         "tokens_per_s": share("tokens_per_s"),
         "decode_tok_s_p50": share("decode_tok_s_p50"),
         "ttft_p50_overhead_ms": round(system["ttft_ms_p50"] - bare["ttft_ms_p50"], 1),
         "step_ms": {
-            "bare": bare.get("step_ms"),
+            "bare": bare.get("step_ms", bare.get("engine_step_ms")),
             "bare_loop": bare.get("loop_ms"),
             "engine": system.get("engine_step_ms"),
             "worker": system.get("worker_step_ms"),

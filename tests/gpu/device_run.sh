@@ -3,6 +3,8 @@
 #   source .gpu/activate.sh && bash tests/gpu/device_run.sh [tests] [bench64] [sweep] [procs]
 #     [bare1] [compare] [comparewt] [comparegcoff] [compareinproc] [serveauto] [procs1] [procs2]
 # BENCH_ARGS (environment): more flags for the exl3 matrix and turns steps' benchgpu.
+# An option against the defaults, in turns (both workers and the bare loop loaded): `abwt`,
+# `abgcoff` (issue 15), `abq4stock` (issue 17).
 # exllamav3 (issue 17): `tests3` (its GPU tests alone), `exl3bench` (bare exllamav3 loop vs
 # genq's exllamav3 worker vs genq's exllamav2 worker, fp16 and EXL3 4.0 bpw, 1-256 streams; the
 # EXL3 8B written with random trellis bits, or `exl3conv` first to convert the fp16 one, ~500 s)
@@ -52,7 +54,7 @@ for step in $steps; do
         python3 -m pytest -q -m gpu $W -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest \
         "${sel[@]}" > "$OUT/gpu-$step.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/gpu-$step.log"; tail -n 15 "$OUT/gpu-$step.log" ;;
-    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|diag15*|turns*|serveauto|batchcompare)
+    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|diag15*|turns*|ab*|serveauto|batchcompare)
       [[ $step == *q4* ]] || [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m genq synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     bench64)
       timeout 200 python3 -m genq.benchgpu --model /tmp/m8b --streams 64 --bare --system \
@@ -111,7 +113,7 @@ for step in $steps; do
         /tmp/m8b-exl3 --quantize exl3 --bits 4 --source /tmp/m8b --gpus "$GPUS" \
         --calibration-rows ${EXL3_CAL_ROWS:-16} \
         >> "$OUT/exl3conv.log" 2>&1; tail -n 3 "$OUT/exl3conv.log"; } ;;
-    exl3bench|exl3q4|turnsq4*|exl3probeq4|exl3schedq4)  # the 8B as EXL3 4.0 bpw storage with random bits (seconds;
+    exl3bench|exl3q4|turnsq4*|exl3probeq4|exl3schedq4|abq4*)  # the 8B as EXL3 4.0 bpw storage with random bits (seconds;
       # the same kernels and speed as a conversion) unless exl3conv made one
       [ -e /tmp/m8b-exl3/config.json ] || { /usr/bin/time -v python3 -m genq synth-model \
         /tmp/m8b-exl3 --shape 8b --quantize exl3 --random-trellis --bits 4 \
@@ -163,6 +165,22 @@ for step in $steps; do
         $BENCH_ARGS --json-out "$OUT/$step.json" \
         --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h '"ratio' "$OUT/$step.log" | cut -c1-330 ;;
+    abwt|abgcoff|abq4stock)  # an option against the defaults, in turns: the bare loop, the
+      # defaults' worker and the option's worker, all loaded, take turns at each level (none
+      # always first); per round `ratio alt/system`, and its median. abwt: GENQ_DETOKENIZE=worker,
+      # abgcoff: GENQ_ENGINE_GC_IN_STEPS=false (issue 15, exllamav2 fp16); abq4stock: exllamav3's
+      # own sampler on every job, GENQ_BATCHED_SAMPLING=false (issue 17, the EXL3 8B)
+      case $step in
+        abwt) opt=GENQ_DETOKENIZE=worker ;; abgcoff) opt=GENQ_ENGINE_GC_IN_STEPS=false ;;
+        abq4stock) opt=GENQ_BATCHED_SAMPLING=false ;;
+      esac
+      model=/tmp/m8b; eng=""; lv=${COMPARE_LEVELS:-1,8,64,128}
+      [[ $step == *q4* ]] && { model=/tmp/m8b-exl3; eng="--engine exllamav3"; lv=${LEVELS3:-1,8,256}; }
+      timeout $(left) python3 -m genq.benchgpu --model $model $eng --compare $lv \
+        --max-batch ${MAXB:-128} --requests-per-stream 2 --rounds ${ROUNDS:-2} \
+        --ab-worker-env $opt $BENCH_ARGS --json-out "$OUT/$step.json" \
+        --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
+      grep -h '"ratio alt/system' "$OUT/$step.log" | cut -c1-330 ;;
     diag15b*)  # issue 15's ratios as the issue defines them: the engine on a core of its own
       # (--pin-engine), the bare loop before the system, after it, and with each job arriving
       # when the system's client sent it; py-spy (3 s, non-blocking) of the bare loop and of

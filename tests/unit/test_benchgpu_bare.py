@@ -181,6 +181,89 @@ def test_turns_alternate_who_goes_first_and_report_the_median(
     assert summary["ttft_p50_overhead_ms"]["median"] == 2.0
 
 
+def test_an_option_takes_its_turns_beside_the_defaults_against_the_same_bare_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--ab-worker-env`: a second system (the option) turns with the bare loop and the
+    defaults' system, none always first; each round both are measured against that round's
+    bare turn, and the option against the defaults directly."""
+    order: list[str] = []
+    speed = {  # tokens/s by round and turn; the host drifts: round 1 is slower for everyone
+        0: {"bare": 100.0, "system": 90.0, "alt": 99.0},
+        1: {"bare": 50.0, "system": 40.0, "alt": 48.0},
+        2: {"bare": 100.0, "system": 95.0, "alt": 95.0},
+    }
+    now = {"round": -1}
+
+    def fake_system(system: Any, jobs: list[Job], streams: int, label: str, *_: Any) -> dict:
+        if label == "warm-up":
+            return {}
+        assert label == f"{system.name} compare"
+        order.append(system.name)
+        tps = speed[now["round"]][system.name]
+        return {
+            "run": label,
+            "streams": streams,
+            "tokens_per_s": tps,
+            "ttft_ms_p50": 10.0,
+            "engine_step_ms": 1000 / tps,
+        }
+
+    class FakeBare:
+        def run(self, jobs: list[Job], streams: int, arrivals: Any = None) -> dict:
+            if len(jobs) == 2:  # the warm-up
+                return {}
+            order.append("bare")
+            return {
+                "streams": streams,
+                "tokens_per_s": speed[now["round"]]["bare"],
+                "ttft_ms_p50": 8.0,
+            }
+
+    def report(row: dict) -> None:
+        rows.append(row)
+
+    def jobs_for(c: int) -> list[Job]:
+        if not order or len(order) % 3 == 0:
+            now["round"] += 1
+        return JOBS
+
+    monkeypatch.setattr(benchgpu, "run_system", fake_system)
+    monkeypatch.setattr(benchgpu, "_vocab", lambda model: 1000)
+    turns = Turns.__new__(Turns)
+    turns.bare, turns.extra = FakeBare(), {}  # type: ignore[assignment]
+    turns.system = SimpleNamespace(model=None, name="system")  # type: ignore[assignment]
+    turns.alt = SimpleNamespace(name="alt")  # type: ignore[assignment]
+    turns.alt_env = {"GENQ_ENGINE_GC_IN_STEPS": "false"}
+    rows: list[dict] = []
+    turns.run([8], 3, jobs_for, report, {})
+    assert order == [
+        *("bare", "system", "alt"),
+        *("system", "alt", "bare"),
+        *("alt", "bare", "system"),
+    ]
+    alt_rows = [r for r in rows if r.get("run") == "alt compare"]
+    assert [r["alt_env"] for r in alt_rows] == [turns.alt_env] * 3
+
+    def per_round(kind: str) -> list[float]:
+        return [r["tokens_per_s"] for r in rows if r.get("run") == f"ratio {kind}"]
+
+    assert per_round("system/bare") == [0.9, 0.8, 0.95]
+    assert per_round("alt/bare") == [0.99, 0.96, 0.95]
+    assert per_round("alt/system") == [1.1, 1.2, 1.0]
+    [direct] = [r for r in rows if r.get("run") == "ratio alt/system, median of the rounds"]
+    assert direct["tokens_per_s"] == {"median": 1.1, "min": 1.0, "max": 1.2}
+    first = next(r for r in rows if r.get("run") == "ratio alt/system")
+    assert first["step_ms"]["bare"] == 1000 / 90  # the defaults' engine step, beside the option's
+    assert first["step_ms"]["engine"] == 1000 / 99
+    medians = [r["run"] for r in rows if "median" in r.get("run", "")]
+    assert medians == [
+        "ratio system/bare, median of the rounds",
+        "ratio alt/bare, median of the rounds",
+        "ratio alt/system, median of the rounds",
+    ]
+
+
 def test_replayed_turns_give_the_bare_loop_the_systems_last_arrivals(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
