@@ -654,6 +654,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", default="/tmp/genq-bench-logs")
     p.add_argument("--json-out")
     a = p.parse_args(argv)
+    if a.ab_worker_env and not (a.rounds and a.compare):
+        p.error("--ab-worker-env takes its turns with --compare LEVELS --rounds R")
     # `timeout` ends a run with SIGTERM: leave through `finally`, which stops the gateway and
     # worker processes (left running, they would hold the GPU for the next run)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(TERMINATED))

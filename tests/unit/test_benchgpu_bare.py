@@ -264,6 +264,14 @@ def test_an_option_takes_its_turns_beside_the_defaults_against_the_same_bare_tur
     ]
 
 
+def test_an_option_without_turns_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """A second system only makes sense in turns: alone it would be measured under other drift."""
+    with pytest.raises(SystemExit) as refused:
+        benchgpu.main(["--model", "sim", "--sweep", "8", "--ab-worker-env", "GENQ_X=1"])
+    assert refused.value.code == 2
+    assert "--ab-worker-env takes its turns with --compare" in capsys.readouterr().err
+
+
 def test_replayed_turns_give_the_bare_loop_the_systems_last_arrivals(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
