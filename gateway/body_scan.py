@@ -91,8 +91,8 @@ def longest_prompt(raw: bytes) -> tuple[str, int] | None:
     of ids, or of lists of ids); None where it holds none or the scan cannot judge it."""
     try:
         body = _PROMPT_IDS.decode(raw)
-        lengths = [n for n in (_ids_in(bytes(body.input_ids)), _ids_in(bytes(body.prompt))) if n]
         prompt = bytes(body.prompt)
+        lengths = [n for n in (_ids_in(bytes(body.input_ids)), _ids_in(prompt)) if n]
         if prompt.startswith(b"[[") and prompt.count(b"[") <= MAX_SCANNED_PROMPTS + 1:
             lengths += [n for item in _RAW_LIST.decode(prompt) if (n := _ids_in(bytes(item)))]
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
@@ -107,8 +107,9 @@ def _ids_in(value: bytes) -> int | None:
     syntax, so each separates two); None for any other value."""
     if not value.startswith(b"[") or value.count(b"[") != 1 or b'"' in value or b"{" in value:
         return None
-    inner = value[1:-1].strip()
-    return inner.count(b",") + 1 if inner else 0
+    if commas := value.count(b","):
+        return commas + 1
+    return 1 if value[1:-1].strip() else 0  # one item or none: no copy of a long array
 
 
 async def check_room(request: Request, raw: bytes) -> None:
