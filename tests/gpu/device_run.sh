@@ -3,6 +3,7 @@
 #   source .gpu/activate.sh && bash tests/gpu/device_run.sh [tests] [bench64] [sweep] [procs]
 #     [bare1] [compare] [comparewt] [comparegcoff] [compareinproc] [serveauto] [procs1] [procs2]
 # BENCH_ARGS (environment): more flags for the exl3 matrix and turns steps' benchgpu.
+# LEVELS / ROUNDS (exllamav2) and LEVELS3 / ROUNDS3 (exllamav3): the turns steps' levels and rounds.
 # An option against the defaults, in turns (both workers and the bare loop loaded): `abwt`,
 # `abgcoff` (issue 15), `abq4stock` (issue 17).
 # exllamav3 (issue 17): `tests3` (its GPU tests alone), `exl3bench` (bare exllamav3 loop vs
@@ -152,7 +153,7 @@ for step in $steps; do
       # same drift. turnsreplay: the bare loop takes each job when the system's last turn
       # sent it (--replay), so the decode rates compare under the same arrivals.
       model=/tmp/m8b
-      if [[ $step != *exl3 && $step != *q4* ]]; then eng=""; lv=1,8,64,128; rounds=${ROUNDS:-3}; cap=340
+      if [[ $step != *exl3 && $step != *q4* ]]; then eng=""; lv=${LEVELS:-1,8,64,128}; rounds=${ROUNDS:-3}; cap=340
       else eng="--engine exllamav3"; lv=${LEVELS3:-8,64,128}; rounds=${ROUNDS3:-2}; cap=600; fi
       [[ $step == *q4* ]] && model=/tmp/m8b-exl3
       batched=$([[ $step == *batched* ]] && echo "--worker-env GENQ_BATCHED_SAMPLING=true")
