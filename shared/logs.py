@@ -125,4 +125,9 @@ def log_config(settings: RedisSettings) -> dict[str, Any]:
 
 
 def setup(settings: RedisSettings) -> None:
+    # No line shows its caller's file, line or thread: skip looking them up for every record
+    # (the logging HOWTO's "Optimization"; ~2 µs of a ~10 µs line).
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logMultiprocessing = False
     logging.config.dictConfig(log_config(settings))
