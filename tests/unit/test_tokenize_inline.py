@@ -1,6 +1,6 @@
 """gateway/job_service.py: a short prompt is tokenized on the event loop, a long one in a
 thread. The hop to a thread and back cost the gateway more CPU than a short prompt's
-tokenizing (~0.13 ms against ~0.03 ms): the CPU pipeline had fallen to ~0.85 x its speed
+tokenizing (~0.13 ms against ~0.03 ms): the CPU pipeline had fallen to 0.83-0.97 x its speed
 before the production surface (docs/benchmarks.md)."""
 
 from __future__ import annotations
