@@ -166,17 +166,19 @@ for step in $steps; do
         $BENCH_ARGS --json-out "$OUT/$step.json" \
         --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h '"ratio' "$OUT/$step.log" | cut -c1-330 ;;
-    abwt|abgcoff|abq4stock)  # an option against the defaults, in turns: the bare loop, the
+    abwt|abgcoff|abq4stock|abexl3stock)  # an option against the defaults, in turns: the bare loop, the
       # defaults' worker and the option's worker, all loaded, take turns at each level (none
       # always first); per round `ratio alt/system`, and its median. abwt: GENQ_DETOKENIZE=worker,
       # abgcoff: GENQ_ENGINE_GC_IN_STEPS=false (issue 15, exllamav2 fp16); abq4stock: exllamav3's
-      # own sampler on every job, GENQ_BATCHED_SAMPLING=false (issue 17, the EXL3 8B)
+      # own sampler on every job, GENQ_BATCHED_SAMPLING=false (issue 17, the EXL3 8B;
+      # abexl3stock: the same on the fp16 8B, exllamav3's unquantized path, default 1 stream)
       case $step in
         abwt) opt=GENQ_DETOKENIZE=worker ;; abgcoff) opt=GENQ_ENGINE_GC_IN_STEPS=false ;;
-        abq4stock) opt=GENQ_BATCHED_SAMPLING=false ;;
+        abq4stock|abexl3stock) opt=GENQ_BATCHED_SAMPLING=false ;;
       esac
       model=/tmp/m8b; eng=""; lv=${COMPARE_LEVELS:-1,8,64,128}
       [[ $step == *q4* ]] && { model=/tmp/m8b-exl3; eng="--engine exllamav3"; lv=${LEVELS3:-1,8,256}; }
+      [[ $step == *exl3* ]] && { eng="--engine exllamav3"; lv=${LEVELS3:-1}; }
       timeout $(left) python3 -m genq.benchgpu --model $model $eng --compare $lv \
         --max-batch ${MAXB:-128} --requests-per-stream 2 --rounds ${ROUNDS:-2} \
         --ab-worker-env $opt $BENCH_ARGS --json-out "$OUT/$step.json" \
