@@ -206,7 +206,8 @@ async def prepare_jobs(
 
 async def _render(state: GatewayState, loaded: LoadedCard, req: ChatCompletionRequest) -> str:
     """The chat as prompt text: its size checked first, then rendered off the event loop (a
-    template over thousands of messages is seconds of pure Python)."""
+    template over thousands of messages is seconds of pure Python); a small chat renders on
+    the loop (`off_loop`, `RENDER_CHARS_PER_MESSAGE`)."""
     settings = state.settings
     card = loaded.card
     template = card.chat_template or settings.default_chat_template
