@@ -692,21 +692,21 @@ def main(argv: list[str] | None = None) -> int:
         n = max(streams * a.requests_per_stream, 4)
         return workload(n, a.prompt_min, a.prompt_max, a.new_tokens, vocab)
 
+    pin = EnginePin.for_host() if a.pin_engine else None
+    if pin is not None:
+        sampling["engine_cpu"] = str(pin.engine)
     if a.rounds and compare and a.model != SIM:
         env = dict(kv.split("=", 1) for kv in a.worker_env)
         if a.cpu_sampling:
             env["GENQ_GPU_SAMPLING"] = "false"
         alt = dict(kv.split("=", 1) for kv in a.ab_worker_env)
         logs = Path(a.logs)
-        turns = Turns(settings, model, worker_args, a.gateways, logs, env, a.engine, alt)
+        turns = Turns(settings, model, worker_args, a.gateways, logs, env, a.engine, alt, pin)
         try:
             turns.run(compare, a.rounds, jobs_for, report, sampling, a.replay)
         finally:
             turns.close()
         return 0
-    pin = EnginePin.for_host() if a.pin_engine else None
-    if pin is not None:
-        sampling["engine_cpu"] = pin.engine
     bare_at: dict[int, dict] = {}
     system_at: dict[int, dict] = {}
     sent_at: dict[int, list[float]] = {}
@@ -811,11 +811,16 @@ class Turns:
         env: dict[str, str],
         engine: str,
         alt_env: dict[str, str] | None = None,
+        pin: EnginePin | None = None,
     ) -> None:
         self.bare = Bare(settings)
         self.system: System | None = None
         self.alt_env = alt_env
+        self.pin = pin
         logs.mkdir(parents=True, exist_ok=True)
+        if pin is not None:  # each worker's engine on the pin's CPU, the rest off it
+            env = {**env, "GENQ_ENGINE_CPUS": str(pin.engine)}
+            pin.off_engine()  # this process's other threads and every process it starts
         try:
             self.system = System(model, worker_args, gateways, logs, env, engine)
             if alt_env:
@@ -862,7 +867,8 @@ class Turns:
                     print(f"# round {r}: {who} at {c} streams", file=sys.stderr, flush=True)
                     if who == "bare":
                         arrivals = sent_at.get(c) if replay else None
-                        rows[who] = self.bare.run(jobs_for(c), c, arrivals)
+                        with self.pin.on_engine() if self.pin else contextlib.nullcontext():
+                            rows[who] = self.bare.run(jobs_for(c), c, arrivals)
                     else:
                         label = "system compare" if who == "system" else "alt compare"
                         sent: dict[int, float] = {}
