@@ -800,6 +800,7 @@ class Turns:
 
     alt: System | None = None
     alt_env: dict[str, str] | None = None
+    pin: EnginePin | None = None
 
     def __init__(
         self,

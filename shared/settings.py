@@ -729,8 +729,16 @@ class EngineSettings(BaseSettings):
         description="exllamav3: sample the jobs without penalties or top logprobs in one "
         "batched pass per step (genq's GPU sampler) instead of one exllamav3 sampler launch per "
         "job. On an H200 (EXL3 8B, against the stock bare loop) the worker went from 0.93x to "
-        "1.12x at 256 streams and 1.01-1.10x to 1.08-1.22x at 64-128; 0.96-0.98x at 1-8 "
-        "(docs/benchmarks.md, issue 17)",
+        "1.12x at 256 streams and 1.01-1.10x to 1.08-1.22x at 64-128 (docs/benchmarks.md, "
+        "issue 17); smaller passes: GENQ_BATCHED_SAMPLING_MIN_JOBS",
+    )
+    batched_sampling_min_jobs: int = Field(
+        default=16,
+        ge=1,
+        description="exllamav3: the batched pass samples a decode step only when it serves at "
+        "least this many jobs; in smaller steps each job launches its own sampler, which costs "
+        "less there (0.05 ms a job against the pass's 0.54 ms at one stream, H200) and gave "
+        "1.03-1.09x the tokens/s at one stream on an fp16 8B (docs/benchmarks.md, issue 17)",
     )
     triton_cache_dir: str | None = Field(
         default=None,

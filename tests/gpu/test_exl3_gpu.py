@@ -21,6 +21,7 @@ from tests.prefixes import test_prefix
 from tests.procs import Cluster, wait_for
 from worker.admission import Admission
 from worker.engine import EngineJob, reserved_tokens
+from worker.exl3.batch_sampling import MIN_JOBS
 from worker.exl3.sampling import combo_args
 
 pytestmark = pytest.mark.gpu
@@ -182,7 +183,8 @@ def test_logprobs_come_back(exl3_engine: Any) -> None:
 
 @pytest.fixture(scope="module")
 def exl3_batched(exl3_model: Path) -> Any:
-    """The engine with GENQ_BATCHED_SAMPLING on (worker/exl3/batch_sampling.py)."""
+    """The engine with GENQ_BATCHED_SAMPLING on (worker/exl3/batch_sampling.py), in passes of
+    any size (GENQ_BATCHED_SAMPLING_MIN_JOBS=1: the counts below are the pass's alone)."""
     from worker.exl3.engine import ExLlamaV3Engine
 
     settings = Settings(
@@ -191,6 +193,7 @@ def exl3_batched(exl3_model: Path) -> Any:
         max_batch=64,
         cache_tokens=TEST_CACHE_TOKENS,
         batched_sampling=True,
+        batched_sampling_min_jobs=1,
     )
     e = ExLlamaV3Engine.from_settings(settings)
     yield e
@@ -220,6 +223,25 @@ def test_batched_sampling_takes_every_plain_token_after_the_first(exl3_batched: 
         if i % 4 < 2:
             served += sampled - 1
     assert sampler.batched_tokens - before == served > 0
+
+
+def test_passes_smaller_than_the_threshold_leave_the_jobs_to_their_own_samplers(
+    exl3_batched: Any,
+) -> None:
+    """With the default threshold (16 jobs), four plain jobs are sampled by exllamav3's own
+    sampler, each to its full count; 32 are sampled by the pass."""
+    sampler = exl3_batched.batch_sampler
+    sampler.min_jobs = MIN_JOBS
+    try:
+        rng = random.Random(24)
+        for n, batched in ((4, False), (32, True)):
+            jobs = [ejob(f"t{n}-{i}", prompt(rng, rng.randint(8, 100))) for i in range(n)]
+            before = sampler.batched_tokens
+            out = drive(exl3_batched, jobs)
+            assert all(out[j.id].error is None and out[j.id].token_ids for j in jobs)
+            assert (sampler.batched_tokens > before) is batched
+    finally:
+        sampler.min_jobs = 1
 
 
 def test_batched_greedy_is_exllamav3s_greedy(exl3_engine: Any, exl3_batched: Any) -> None:

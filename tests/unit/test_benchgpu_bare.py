@@ -4,8 +4,10 @@ earlier than its time, in the order of those times (the system's clients' send t
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -306,3 +308,69 @@ def test_replayed_turns_give_the_bare_loop_the_systems_last_arrivals(
         ("system", None),  # [0.0, 0.3]
         ("bare", [0.0, 0.3]),
     ]
+
+
+def test_pinned_turns_run_the_bare_loop_on_the_engines_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--pin-engine` with turns: each bare turn runs on the pin's CPU (the engine's, which
+    its workers get as GENQ_ENGINE_CPUS), the system's turns off it."""
+    pinned: list[bool] = []
+    where = {"on": False}
+
+    class FakePin:
+        engine = 7
+
+        def on_engine(self) -> Any:
+            @contextlib.contextmanager
+            def block() -> Any:
+                where["on"] = True
+                try:
+                    yield
+                finally:
+                    where["on"] = False
+
+            return block()
+
+    def fake_system(system: Any, jobs: list[Job], streams: int, label: str, *_: Any) -> dict:
+        pinned.append(where["on"])
+        return {"streams": streams, "tokens_per_s": 1.0, "ttft_ms_p50": 1.0}
+
+    class FakeBare:
+        def run(self, jobs: list[Job], streams: int, arrivals: Any = None) -> dict:
+            pinned.append(where["on"])
+            return {"streams": streams, "tokens_per_s": 1.0, "ttft_ms_p50": 1.0}
+
+    monkeypatch.setattr(benchgpu, "run_system", fake_system)
+    monkeypatch.setattr(benchgpu, "_vocab", lambda model: 1000)
+    turns = Turns.__new__(Turns)
+    turns.bare, turns.extra, turns.pin = FakeBare(), {}, FakePin()  # type: ignore[assignment]
+    turns.system = SimpleNamespace(model=None)  # type: ignore[assignment]
+    turns.run([1], 2, lambda c: JOBS, lambda row: None, {})
+    # warm-up (system, bare: unpinned), then round 0 bare, system; round 1 system, bare
+    assert pinned == [False, False, True, False, False, True]
+
+
+def test_pin_engine_gives_its_workers_the_engine_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turns built with a pin start their systems with GENQ_ENGINE_CPUS, this process (and so
+    every process it starts) off that CPU."""
+    envs: list[dict[str, str]] = []
+    off: list[bool] = []
+
+    class FakeSystem:
+        def __init__(self, model: Any, args: Any, gateways: int, logs: Any, env: dict, *_: Any):
+            envs.append(env)
+
+        def wait_ready(self, *_: Any) -> None:
+            pass
+
+    pin = benchgpu.EnginePin(15, [0, 1, 2])
+    monkeypatch.setattr(pin, "off_engine", lambda: off.append(True))
+    monkeypatch.setattr(benchgpu, "Bare", lambda settings: None)
+    monkeypatch.setattr(benchgpu, "System", FakeSystem)
+    settings = Settings(engine="exllamav3", model_dir="/m")
+    turns = Turns(
+        settings, Path("/m"), [], 1, Path("/tmp/genq-pin-test"), {"A": "1"}, "x", None, pin
+    )
+    assert envs == [{"A": "1", "GENQ_ENGINE_CPUS": "15"}] and off == [True]
+    assert turns.extra["env"] == envs[0]

@@ -118,6 +118,26 @@ def test_install_refuses_a_generator_without_what_the_hook_reads() -> None:
     assert not hasattr(gen, "genq_sampler")
 
 
+def test_a_pass_serving_fewer_jobs_than_the_threshold_leaves_each_to_its_own_sampler() -> None:
+    """Below `min_jobs` (GENQ_BATCHED_SAMPLING_MIN_JOBS) the pass launches nothing: every job
+    samples itself, and no token of an earlier pass is handed on."""
+    logits = SimpleNamespace(shape=(2, 1, 4), dim=lambda: 3, is_cuda=False)  # no torch needed
+    jobs = [job(), job()]
+    gen = stand_in_generator(jobs, logits, 4)
+    sampler = install(gen, min_jobs=3)
+    assert sampler is not None and sampler.min_jobs == 3
+    gen.model.forward(input_ids=None, params={"pinned_staging": True})
+    assert sampler.step == 1 and sampler.batched_tokens == 0
+    assert all(take(j) is None for j in jobs)
+
+
+def test_the_default_threshold_is_the_settings() -> None:
+    from shared.settings import EngineSettings
+    from worker.exl3.batch_sampling import MIN_JOBS
+
+    assert EngineSettings().batched_sampling_min_jobs == MIN_JOBS
+
+
 # ---- the hook on a stand-in generator (needs torch: skipped in CI) -----------------------------
 
 
@@ -156,7 +176,7 @@ def test_one_pass_hands_each_served_job_its_token() -> None:
     greedy = row_params(Sampling(temperature=0.0))
     jobs = [job(genq_params=greedy), job(genq_params=None), job(genq_params=greedy)]
     gen = stand_in_generator(jobs, logits, vocab)
-    sampler = install(gen)
+    sampler = install(gen, min_jobs=2)  # the two it serves: at the threshold, the pass runs
     assert sampler is not None and gen.genq_sampler is sampler
 
     gen.model.forward(input_ids=None, params={"pinned_staging": True})
@@ -196,7 +216,7 @@ def test_seeded_draws_follow_the_distribution() -> None:
     logits = torch.tensor([[[0.0, float(torch.log(torch.tensor(3.0)))]]])
     jobs = [job(seed=5)]
     gen = stand_in_generator(jobs, logits, 2)
-    install(gen)
+    install(gen, min_jobs=1)
     ones = 0
     for _ in range(2000):
         gen.model.forward(input_ids=None, params={"pinned_staging": True})

@@ -243,6 +243,7 @@ def test_batched_sampling_hooks_every_generator_and_marks_the_jobs_it_serves(
         backend, _, _ = loader.load_backend(settings(model_dir, batched_sampling=True))
         for gen in (backend.make_generator(), backend.make_generator()):  # warmed, then new
             assert isinstance(gen.genq_sampler, batch_sampling.BatchSampler)
+            assert gen.genq_sampler.min_jobs == batch_sampling.MIN_JOBS == 16  # the default
             assert isinstance(gen.model, batch_sampling._SamplingModel)
         plain = backend.make_job([5, 6], 4, Sampling(), 0, [], "a")
         penalised = backend.make_job([5, 6], 4, Sampling(presence_penalty=0.5), 0, [], "b")
@@ -260,3 +261,15 @@ def test_without_batched_sampling_jobs_and_generators_are_exllamav3s_own(
     assert not hasattr(backend.make_generator(), "genq_sampler")
     job = backend.make_job([5, 6], 4, Sampling(), 0, [], "a")
     assert type(job) is sys.modules["exllamav3"].Job and not hasattr(job, "genq_params")
+
+
+def test_the_batched_pass_takes_its_smallest_batch_from_the_settings(
+    events: list[tuple[Any, ...]], model_dir: Path
+) -> None:
+    batch_sampling.job_class.cache_clear()
+    try:
+        ask = settings(model_dir, batched_sampling=True, batched_sampling_min_jobs=3)
+        backend, _, _ = loader.load_backend(ask)
+        assert backend.make_generator().genq_sampler.min_jobs == 3
+    finally:
+        batch_sampling.job_class.cache_clear()

@@ -20,7 +20,14 @@ engine uses (`worker/exl2/gpu_sampling.py`, `pick_on_device`), and hands each jo
 
 What stays on exllamav3's own sampler (per job): repetition, presence and frequency
 penalties, top logprobs, and every job's first token (exllamav3 checks the first logits for
-NaN and infinity there; token healing and forced tokens happen there too).
+NaN and infinity there; token healing and forced tokens happen there too). So does every job
+of a decode pass that would serve fewer than `min_jobs` of them (`GENQ_BATCHED_SAMPLING_MIN_JOBS`,
+default `MIN_JOBS`): the pass's host time is mostly fixed (0.54 ms a step at one stream, 1.47
+at 64 on an H200) and one job's own launches cost ~0.05 ms, so below ~14 jobs the launches are
+cheaper; on the fp16 8B, where one stream's step is bound by launching kernels, the worker did
+1.03-1.09 x the tokens/s with exllamav3's own sampler at one stream (docs/benchmarks.md, issue
+17). A job whose pass crosses that line mid-run changes sampler then: the same distribution
+(below), from another seeded draw.
 
 Semantics on this path are genq's GPU sampler's (the module above): one uniform draw from the
 job's own seeded RNG per token; temperature below 0.01 or top_k = 1 is greedy; otherwise
@@ -45,6 +52,9 @@ from worker.exl2 import gpu_sampling
 from worker.exl2.gpu_sampling import Plan, RowParams, pick_on_device
 
 log = logging.getLogger(__name__)
+
+MIN_JOBS = 16
+"""Jobs a decode pass must serve for the batched pass to sample it (the module's docstring)."""
 
 
 def row_params(s: Sampling) -> RowParams | None:
@@ -90,8 +100,9 @@ def take(job: Any) -> Any | None:
 class BatchSampler:
     """Installed on one generator by `install`; counts what it sampled."""
 
-    def __init__(self, generator: Any) -> None:
+    def __init__(self, generator: Any, min_jobs: int = MIN_JOBS) -> None:
         self.gen = generator
+        self.min_jobs = min_jobs
         self.vocab = int(generator.tokenizer.actual_vocab_size)
         self._host: Any = None
         """The sampled tokens' host buffer (pinned beside a GPU), one row per job."""
@@ -114,8 +125,8 @@ class BatchSampler:
         if logits.dim() != 3 or logits.shape[1] != 1:
             return
         p = plan(self.gen.active_jobs)
-        if not p.rows or p.total_rows != logits.shape[0]:
-            return
+        if len(p.jobs) < self.min_jobs or p.total_rows != logits.shape[0]:
+            return  # each job samples itself
         import torch
 
         rows = logits[:, 0, : self.vocab]
@@ -149,15 +160,16 @@ class _SamplingModel(gpu_sampling.ModelProxy):
 _GENERATOR_NEEDS = ("active_jobs", "model", "tokenizer", "max_batch_size")
 
 
-def install(generator: Any) -> BatchSampler | None:
-    """Sample `generator`'s eligible jobs in one batched pass; None (and a warning) when this
-    exllamav3 lacks what the hook relies on, so each job keeps its own sampler."""
+def install(generator: Any, min_jobs: int = MIN_JOBS) -> BatchSampler | None:
+    """Sample `generator`'s eligible jobs in one batched pass (in passes serving at least
+    `min_jobs` of them); None (and a warning) when this exllamav3 lacks what the hook relies
+    on, so each job keeps its own sampler."""
     missing = [a for a in _GENERATOR_NEEDS if not hasattr(generator, a)]
     if missing:
         lacks = ", ".join(missing)
         log.warning("batched sampling is off: this exllamav3 generator lacks %s", lacks)
         return None
-    sampler = BatchSampler(generator)
+    sampler = BatchSampler(generator, max(1, min_jobs))
     generator.model = _SamplingModel(generator.model, sampler)
     generator.genq_sampler = sampler
     return sampler

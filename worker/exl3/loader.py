@@ -7,6 +7,7 @@ classes as arguments, so CPU tests hand them stand-ins.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -215,7 +216,9 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
     build = generator_builder(
         ex.Generator,
         generator_kwargs(model, cache, tokenizer, shape),
-        batch_sampling.install if batched else None,
+        functools.partial(batch_sampling.install, min_jobs=settings.batched_sampling_min_jobs)
+        if batched
+        else None,
     )
     warmed = [_warm(model, cache, build, make_job, shape, int(tokenizer.actual_vocab_size))]
     tokenizer_json = (model_dir / "tokenizer.json").read_text()
@@ -227,6 +230,7 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
         "model": card.name,
         "cache_mode": settings.cache_mode,
         "batched_sampling": batched,
+        "batched_sampling_min_jobs": settings.batched_sampling_min_jobs,
         **asdict(shape),
     }
     log.info("exllamav3 model loaded", extra=extra)
