@@ -15,7 +15,7 @@ import pytest
 
 from shared.schemas import Sampling
 from worker.exl2.gpu_sampling import RowParams
-from worker.exl3.batch_sampling import install, plan, row_params, take
+from worker.exl3.batch_sampling import install, plan, row_params, serves_at_least, take
 
 
 def job(seed: int = 0, prefill_done: bool = True, **attrs: Any) -> SimpleNamespace:
@@ -122,13 +122,33 @@ def test_a_pass_serving_fewer_jobs_than_the_threshold_leaves_each_to_its_own_sam
     """Below `min_jobs` (GENQ_BATCHED_SAMPLING_MIN_JOBS) the pass launches nothing: every job
     samples itself, and no token of an earlier pass is handed on."""
     logits = SimpleNamespace(shape=(2, 1, 4), dim=lambda: 3, is_cuda=False)  # no torch needed
-    jobs = [job(), job()]
+    jobs = [job(seed=1), job(seed=2)]
     gen = stand_in_generator(jobs, logits, 4)
     sampler = install(gen, min_jobs=3)
     assert sampler is not None and sampler.min_jobs == 3
     gen.model.forward(input_ids=None, params={"pinned_staging": True})
     assert sampler.step == 1 and sampler.batched_tokens == 0
     assert all(take(j) is None for j in jobs)
+    # their RNGs untouched: exllamav3's own sampler draws the same numbers as with the pass off
+    assert [j.rng.random() for j in jobs] == [random.Random(s).random() for s in (1, 2)]
+
+
+@pytest.mark.parametrize(
+    ("attrs", "counts"),
+    [
+        ({}, True),
+        ({"genq_params": None}, False),  # penalties or logprobs: exllamav3's sampler
+        ({"prefill_done": False}, False),
+        ({"new_tokens": 0}, False),  # its first token
+    ],
+)
+def test_the_threshold_counts_the_jobs_the_pass_would_sample(
+    attrs: dict[str, Any], counts: bool
+) -> None:
+    jobs = [job(), job(**attrs)]
+    assert serves_at_least(jobs, 2) is counts
+    assert serves_at_least(jobs, 1) and not serves_at_least(jobs, 3)
+    assert jobs[0].rng.random() == random.Random(0).random()  # nothing drawn
 
 
 def test_the_default_threshold_is_the_settings() -> None:

@@ -26,8 +26,9 @@ default `MIN_JOBS`): the pass's host time is mostly fixed (0.54 ms a step at one
 at 64 on an H200) and one job's own launches cost ~0.05 ms, so below ~14 jobs the launches are
 cheaper; on the fp16 8B, where one stream's step is bound by launching kernels, the worker did
 1.03-1.09 x the tokens/s with exllamav3's own sampler at one stream (docs/benchmarks.md, issue
-17). A job whose pass crosses that line mid-run changes sampler then: the same distribution
-(below), from another seeded draw.
+17). Below it a job's tokens are exactly what `GENQ_BATCHED_SAMPLING=false` gives (its RNG is
+not drawn from for the pass); a job whose steps cross the line changes sampler there: the same
+distribution (below), its draws from the same seeded RNG.
 
 Semantics on this path are genq's GPU sampler's (the module above): one uniform draw from the
 job's own seeded RNG per token; temperature below 0.01 or top_k = 1 is greedy; otherwise
@@ -87,6 +88,18 @@ def plan(active_jobs: Iterable[Any]) -> Plan:
     return gpu_sampling.plan(active_jobs, served_this_step)
 
 
+def serves_at_least(active_jobs: Iterable[Any], n: int) -> bool:
+    """Whether `plan` would sample at least `n` of these jobs; counts without drawing from
+    their RNGs (exllamav3's own sampler draws from the same one) and stops at `n`."""
+    count = 0
+    for job in active_jobs:
+        if count >= n:
+            break
+        if job.genq_params is not None and job.is_prefill_done() and served_this_step(job):
+            count += 1
+    return count >= n
+
+
 def take(job: Any) -> Any | None:
     """The token the last decode pass sampled for `job` in the batch, or None (then the job
     samples itself); either way the job's hand-off is cleared."""
@@ -124,9 +137,12 @@ class BatchSampler:
         self.step += 1
         if logits.dim() != 3 or logits.shape[1] != 1:
             return
-        p = plan(self.gen.active_jobs)
-        if len(p.jobs) < self.min_jobs or p.total_rows != logits.shape[0]:
-            return  # each job samples itself
+        jobs = self.gen.active_jobs
+        if not serves_at_least(jobs, self.min_jobs):
+            return  # each job samples itself, its RNG untouched here
+        p = plan(jobs)
+        if p.total_rows != logits.shape[0]:
+            return
         import torch
 
         rows = logits[:, 0, : self.vocab]
