@@ -95,7 +95,8 @@ def serves_at_least(active_jobs: Iterable[Any], n: int) -> bool:
     for job in active_jobs:
         if count >= n:
             break
-        if job.genq_params is not None and job.is_prefill_done() and served_this_step(job):
+        served = getattr(job, "genq_params", None) is not None and served_this_step(job)
+        if served and job.is_prefill_done():
             count += 1
     return count >= n
 
