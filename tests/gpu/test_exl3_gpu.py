@@ -21,7 +21,6 @@ from tests.prefixes import test_prefix
 from tests.procs import Cluster, wait_for
 from worker.admission import Admission
 from worker.engine import EngineJob, reserved_tokens
-from worker.exl3.batch_sampling import MIN_JOBS
 from worker.exl3.sampling import combo_args
 
 pytestmark = pytest.mark.gpu
@@ -231,7 +230,7 @@ def test_passes_smaller_than_the_threshold_leave_the_jobs_to_their_own_samplers(
     """With the default threshold (16 jobs), four plain jobs are sampled by exllamav3's own
     sampler alone; 32 by the pass (from each one's second token); every job ends cleanly."""
     sampler = exl3_batched.batch_sampler
-    sampler.min_jobs = MIN_JOBS
+    sampler.min_jobs = Settings().batched_sampling_min_jobs
     try:
         rng = random.Random(24)
         for n, batched in ((4, False), (32, True)):

@@ -151,13 +151,6 @@ def test_the_threshold_counts_the_jobs_the_pass_would_sample(
     assert jobs[0].rng.random() == random.Random(0).random()  # nothing drawn
 
 
-def test_the_default_threshold_is_the_settings() -> None:
-    from shared.settings import EngineSettings
-    from worker.exl3.batch_sampling import MIN_JOBS
-
-    assert EngineSettings().batched_sampling_min_jobs == MIN_JOBS
-
-
 # ---- the hook on a stand-in generator (needs torch: skipped in CI) -----------------------------
 
 

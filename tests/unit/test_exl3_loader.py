@@ -243,7 +243,7 @@ def test_batched_sampling_hooks_every_generator_and_marks_the_jobs_it_serves(
         backend, _, _ = loader.load_backend(settings(model_dir, batched_sampling=True))
         for gen in (backend.make_generator(), backend.make_generator()):  # warmed, then new
             assert isinstance(gen.genq_sampler, batch_sampling.BatchSampler)
-            assert gen.genq_sampler.min_jobs == batch_sampling.MIN_JOBS == 16  # the default
+            assert gen.genq_sampler.min_jobs == 16  # GENQ_BATCHED_SAMPLING_MIN_JOBS's default
             assert isinstance(gen.model, batch_sampling._SamplingModel)
         plain = backend.make_job([5, 6], 4, Sampling(), 0, [], "a")
         penalised = backend.make_job([5, 6], 4, Sampling(presence_penalty=0.5), 0, [], "b")

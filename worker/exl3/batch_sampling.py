@@ -22,7 +22,7 @@ What stays on exllamav3's own sampler (per job): repetition, presence and freque
 penalties, top logprobs, and every job's first token (exllamav3 checks the first logits for
 NaN and infinity there; token healing and forced tokens happen there too). So does every job
 of a decode pass that would serve fewer than `min_jobs` of them (`GENQ_BATCHED_SAMPLING_MIN_JOBS`,
-default `MIN_JOBS`): the pass's host time is mostly fixed (0.54 ms a step at one stream, 1.47
+default 16): the pass's host time is mostly fixed (0.54 ms a step at one stream, 1.47
 at 64 on an H200) and one job's own launches cost ~0.05 ms, so below ~14 jobs the launches are
 cheaper; on the fp16 8B, where one stream's step is bound by launching kernels, the worker did
 1.03-1.09 x the tokens/s with exllamav3's own sampler at one stream (docs/benchmarks.md, issue
@@ -53,9 +53,6 @@ from worker.exl2 import gpu_sampling
 from worker.exl2.gpu_sampling import Plan, RowParams, pick_on_device
 
 log = logging.getLogger(__name__)
-
-MIN_JOBS = 16
-"""Jobs a decode pass must serve for the batched pass to sample it (the module's docstring)."""
 
 
 def row_params(s: Sampling) -> RowParams | None:
@@ -114,7 +111,7 @@ def take(job: Any) -> Any | None:
 class BatchSampler:
     """Installed on one generator by `install`; counts what it sampled."""
 
-    def __init__(self, generator: Any, min_jobs: int = MIN_JOBS) -> None:
+    def __init__(self, generator: Any, min_jobs: int = 1) -> None:
         self.gen = generator
         self.min_jobs = min_jobs
         self.vocab = int(generator.tokenizer.actual_vocab_size)
@@ -177,10 +174,11 @@ class _SamplingModel(gpu_sampling.ModelProxy):
 _GENERATOR_NEEDS = ("active_jobs", "model", "tokenizer", "max_batch_size")
 
 
-def install(generator: Any, min_jobs: int = MIN_JOBS) -> BatchSampler | None:
+def install(generator: Any, min_jobs: int = 1) -> BatchSampler | None:
     """Sample `generator`'s eligible jobs in one batched pass (in passes serving at least
-    `min_jobs` of them); None (and a warning) when this exllamav3 lacks what the hook relies
-    on, so each job keeps its own sampler."""
+    `min_jobs` of them: the engine passes GENQ_BATCHED_SAMPLING_MIN_JOBS); None (and a
+    warning) when this exllamav3 lacks what the hook relies on, so each job keeps its own
+    sampler."""
     missing = [a for a in _GENERATOR_NEEDS if not hasattr(generator, a)]
     if missing:
         lacks = ", ".join(missing)
