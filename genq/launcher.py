@@ -56,9 +56,9 @@ CRASH_LOOP_EXIT = 1
 # on the GPU (the default) a process is one core (its generator thread, GIL-bound) and the GPU
 # is the shared part: 2 per GPU was best or within 9 % of the best from 64 to 256 streams, 4
 # worse at every level. With exllamav2's CPU sampler a process wants ~4 cores and 4 did best.
-# Measured before issue 15: since then each worker is two processes (its I/O process and its
-# engine process, each up to a core, sharing the worker's CPU set), so one per GPU may now be
-# best; re-measure (tests/gpu/device_run.sh procs1 procs2 serveauto) and set these again.
+# Re-measured with the engine process (docs/benchmarks.md, `procs1 procs2`, 2026-12-03): two
+# processes are 1.09 x one at 256 streams on an H200, 0.87-0.92 x at 64-128; the full GPU is
+# what the service is sized by, so the default stays 2 (`--procs-per-gpu 1` for 64-128).
 AUTO_MAX_PROCS = 2
 CORES_PER_PROC = 2
 AUTO_MAX_PROCS_CPU_SAMPLING = 4
