@@ -13,6 +13,7 @@ the native job routes (`CountedListsRoute`) and a batch file's lines (`Counter`)
 
 from __future__ import annotations
 
+import json
 import typing
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -27,9 +28,10 @@ from pydantic import BaseModel
 from redis.exceptions import RedisError
 
 from gateway.job_service import no_room
-from shared.errors import GenqError
+from shared.errors import BadRequest, GenqError
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
+_UTF8 = frozenset({"utf-8", "utf-8-sig"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,10 +142,22 @@ def list_limits(model: type[BaseModel]) -> dict[str, int]:
     return limits
 
 
+def refuse_other_encodings(raw: bytes) -> None:
+    """A JSON body must be UTF-8 (RFC 8259 §8.1), as the README says. `json.loads`, which
+    FastAPI parses with, would also read UTF-16 and UTF-32 (it guesses from the first bytes);
+    those are refused here so that what is accepted is what is documented. A UTF-8 byte order
+    mark is tolerated, as the RFC allows a parser to."""
+    encoding = json.detect_encoding(raw[:4])
+    if encoding not in _UTF8:
+        name = encoding.upper()
+        message = f"the body is not UTF-8 (it reads as {name}); send JSON encoded as UTF-8"
+        raise BadRequest(message, param="body")
+
+
 class CountedListsRoute(APIRoute):
     """A route whose JSON body has its long lists counted before FastAPI parses it: one over
     its limit is pydantic's 422, a prompt of token ids with no room in its model the 400 the
-    job's own check gives."""
+    job's own check gives. Its body must be UTF-8 (`refuse_other_encodings`)."""
 
     def get_route_handler(self) -> Handler:
         handler: Handler = super().get_route_handler()
@@ -152,11 +166,10 @@ class CountedListsRoute(APIRoute):
             return handler
         counter = Counter(model)
         ids = bool(PROMPT_ID_FIELDS & set(model.model_fields))
-        if not counter.limits and not ids:
-            return handler
 
         async def counted(request: Request) -> Response:
             raw = await request.body()
+            refuse_other_encodings(raw)
             if (over := counter.first_too_long(raw)) is not None:
                 ctx = {"field_type": "List", "max_length": over.limit}
                 error = {"type": "too_long", "loc": ("body", over.field), "msg": over.message}

@@ -11,6 +11,7 @@ from fastapi.responses import StreamingResponse
 from gateway.batch.files import FileService
 from gateway.batch.runtime import BatchRuntime
 from gateway.batch.service import BatchService, CreateBatch
+from gateway.body_scan import CountedListsRoute
 from gateway.deps import Authorized, Caller, RateLimited
 from gateway.http_errors import error_responses
 from shared.batches import (
@@ -26,6 +27,7 @@ from shared.batches import (
 router = APIRouter(
     prefix="/v1",
     tags=["batch"],
+    route_class=CountedListsRoute,
     dependencies=[Authorized, RateLimited],
     responses=error_responses(400, 401, 404, 409, 413, 422, 429, 503),
 )

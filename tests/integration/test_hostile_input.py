@@ -169,6 +169,22 @@ async def test_bodies_that_do_not_parse_are_a_400_on_the_body(
     assert err["param"] == "body" and words in err["message"], err
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/completions", "/v1/batches"])
+async def test_a_body_that_is_not_utf8_is_a_400_as_documented(
+    stack: Stack, encoding: str, path: str
+) -> None:
+    body = {"model": "sim", "prompt": "x", "max_tokens": 1}
+    raw = json.dumps(body).encode(encoding)
+    err = error_of(await stack.client.post(path, content=raw, headers=JSON), 400)
+    assert err["param"] == "body" and "not UTF-8" in err["message"], err
+
+
+async def test_a_utf8_byte_order_mark_is_tolerated(stack: Stack) -> None:
+    raw = b"\xef\xbb\xbf" + json.dumps({"model": "sim", "prompt": "x", "max_tokens": 1}).encode()
+    assert (await stack.client.post("/v1/jobs", content=raw, headers=JSON)).status_code == 202
+
+
 async def test_union_errors_name_the_field_a_person_wrote(stack: Stack) -> None:
     body = {"model": "sim", "prompt": "x", "stop": 5}
     err = error_of(await stack.client.post("/v1/completions", json=body), 422)
