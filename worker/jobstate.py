@@ -39,6 +39,35 @@ class Ending:
     """The error code of a failed or expired job; the reason of a cancelled one."""
 
 
+def _written_after(
+    recent: deque[tuple[float, list[EncodedEvent]]], last_seq: int
+) -> list[EncodedEvent] | None:
+    out = [e for _, written in recent for e in written if e[0] > last_seq]
+    if not out or out[0][0] != last_seq + 1:
+        return None
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedJob:
+    """A job whose end this worker wrote, as kept for the repair window (worker/repair.py):
+    enough to write its end again, nothing more."""
+
+    id: str
+    claim: Claim
+    attempt: int
+    seq: int
+    """Its last seq."""
+    end: dict[str, str] | None
+    """The record fields of its end."""
+    recent: deque[tuple[float, list[EncodedEvent]]]
+    """(monotonic time, events) of its flushes within the window."""
+
+    def written_after(self, last_seq: int) -> list[EncodedEvent] | None:
+        """As `RunningJob.written_after`."""
+        return _written_after(self.recent, last_seq)
+
+
 @dataclass(slots=True)
 class RunningJob:
     spec: JobSpec
@@ -93,10 +122,12 @@ class RunningJob:
     def written_after(self, last_seq: int) -> list[EncodedEvent] | None:
         """The remembered events from `last_seq + 1` on; None if they do not reach back that
         far (the log's lost tail is older than the repair window)."""
-        out = [e for _, written in self.recent for e in written if e[0] > last_seq]
-        if not out or out[0][0] != last_seq + 1:
-            return None
-        return out
+        return _written_after(self.recent, last_seq)
+
+    def finished(self) -> FinishedJob:
+        """What its end leaves behind for the repair window: none of its prompt, tokens or
+        buffers (a worker under load ends hundreds of jobs within the window)."""
+        return FinishedJob(self.id, self.claim, self.attempt, self.seq, self.end, self.recent)
 
     def started(self, worker_id: str) -> None:
         self.seq += 1

@@ -11,7 +11,7 @@ import logging
 
 from shared.transitions import JobState, Written
 from worker.entries import ack
-from worker.jobstate import RunningJob
+from worker.jobstate import FinishedJob
 from worker.state import WorkerState
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ async def repair_finished(st: WorkerState, job_ids: list[str] | None = None) -> 
         for run, s in zip(runs, states, strict=True)
         if isinstance(s, JobState) and _lost_end(st, run, s)
     ]
-    repaired: list[RunningJob] = []
+    repaired: list[FinishedJob] = []
     for run, s in lost:
         missing = run.written_after(s.last_seq)
         if missing is None:
@@ -69,7 +69,7 @@ async def repair_finished(st: WorkerState, job_ids: list[str] | None = None) -> 
     return [r.id for r in repaired]
 
 
-def _lost_end(st: WorkerState, run: RunningJob, s: JobState) -> bool:
+def _lost_end(st: WorkerState, run: FinishedJob, s: JobState) -> bool:
     """The record went back to this worker's running attempt, short of what it wrote."""
     return (
         s.status == "running"

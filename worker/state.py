@@ -13,7 +13,7 @@ from shared.keys import Keys, Priority
 from shared.settings import WorkerSettings
 from shared.transitions import ScriptRunner, Transitions
 from worker.engine import Stop
-from worker.jobstate import Claim, RunningJob
+from worker.jobstate import Claim, FinishedJob, RunningJob
 from worker.lease import LeaseClock
 from worker.link import EngineLink
 from worker.metrics import WorkerMetrics
@@ -66,7 +66,7 @@ class WorkerState:
     dirty: set[str] = field(default_factory=set)
     urgent: set[str] = field(default_factory=set)
     """Dirty jobs whose events should not wait for the flush interval."""
-    finished: dict[str, tuple[float, RunningJob]] = field(default_factory=dict)
+    finished: dict[str, tuple[float, FinishedJob]] = field(default_factory=dict)
     """Jobs whose end this worker wrote within the repair window (job id → (monotonic time,
     job)): if Redis loses those writes (a restart without its last second), the worker
     writes them again from memory instead of the job running again."""
@@ -90,12 +90,18 @@ class WorkerState:
         return self.running.pop(job_id, None)
 
     def finish(self, run: RunningJob) -> None:
-        """Its end is written: it leaves the running jobs, kept a while for repairs."""
+        """Its end is written: it leaves the running jobs; what a repair needs of it is kept a
+        while."""
         self.running.pop(run.id, None)
+        if self.settings.log_repair_window_s > 0:
+            self.finished[run.id] = (time.monotonic(), run.finished())
+        self.forget_finished()
+
+    def forget_finished(self) -> None:
+        """Drop the finished jobs older than the repair window (called at each end, and by
+        the heartbeat, so an idle worker lets go of its last jobs too)."""
         now = time.monotonic()
         window = self.settings.log_repair_window_s
-        if window > 0:
-            self.finished[run.id] = (now, run)
         while self.finished:
             oldest = next(iter(self.finished))
             if now - self.finished[oldest][0] <= window:

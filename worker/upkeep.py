@@ -5,6 +5,8 @@ the reclaim of entries idle past the lease whose worker's heartbeat is gone."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import os
 import socket
@@ -42,6 +44,8 @@ class Upkeep:
         self._times_at_beat = StepTimes()
         self.tokens_per_s = 0.0
         self._redis_run_id: str | None = None
+        self._trimmed = True
+        """Freed memory was handed back since the worker last held a job."""
 
     async def heartbeat_loop(self) -> None:
         st = self.st
@@ -70,6 +74,8 @@ class Upkeep:
 
     async def beat(self) -> None:
         st = self.st
+        st.forget_finished()
+        self._trim_when_idle()
         hb = self._heartbeat()
         lease_ms = int(st.settings.lease_s * 1000)
         pipe = st.redis.pipeline(transaction=False)
@@ -91,6 +97,16 @@ class Upkeep:
         if not card_exists:  # Redis lost it (restarted without its data): gateways need it
             await self.publish_card()
         await self._after_restart()
+
+    def _trim_when_idle(self) -> None:
+        """Once a worker has nothing left of its jobs, hand the heap's freed pages back to
+        the system: the allocator keeps them after a burst of long jobs otherwise, and the
+        worker's RSS would stay at the burst's peak."""
+        st = self.st
+        idle = not (st.running or st.waiting or st.finished)
+        if idle and not self._trimmed:
+            release_freed_memory()
+        self._trimmed = idle
 
     async def _after_restart(self) -> None:
         """A Redis that restarted (a new run id) may have lost its last writes: the ends of
@@ -274,6 +290,19 @@ class Upkeep:
             st.metrics.reclaims.inc()
             st.waiting.append(claim)
         st.room.set()
+
+
+def release_freed_memory() -> None:
+    """glibc's `malloc_trim(0)`: return the free pages of every heap arena to the system
+    (a few milliseconds; nothing where the C library is not glibc)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _kv_pages(admission: Admission) -> tuple[int, int]:
