@@ -141,10 +141,17 @@ class FileService:
     # ---- the files a batch writes ---------------------------------------------------------
 
     async def write_output(
-        self, file_id: str, filename: str, chunks: AsyncIterator[tuple[bytes, int]], ttl_s: int
+        self,
+        file_id: str,
+        filename: str,
+        chunks: AsyncIterator[tuple[bytes, int]],
+        ttl_s: int,
+        *,
+        owner: str | None,
     ) -> FileRecord | None:
-        """Store a file of `(chunk, lines in it)`; None (nothing stored) if it has no lines.
-        Written again under the same id, it replaces the earlier content whole."""
+        """Store a file of `(chunk, lines in it)` for `owner` (its batch's); None (nothing
+        stored) if it has no lines. Written again under the same id, it replaces the earlier
+        content whole."""
         writer = self.store.writer(file_id)
         size, counts = 0, []
         try:
@@ -165,6 +172,7 @@ class FileService:
             id=file_id,
             filename=filename,
             purpose="batch_output",
+            owner=owner,
             bytes=size,
             created_at=now,
             expires_at=now + ttl_s,
