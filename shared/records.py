@@ -89,9 +89,7 @@ class HashModel(BaseModel):
         """Fields a writer must name (no default) that may hold None: `to_hash` leaves a None
         out, so such a field absent from a hash was written None."""
         return frozenset(
-            n
-            for n, f in cls.model_fields.items()
-            if f.is_required() and _admits_none(f.annotation)
+            n for n, f in cls.model_fields.items() if f.is_required() and _admits_none(f.annotation)
         )
 
     @classmethod
