@@ -14,9 +14,10 @@ from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
+from gateway.auth_throttle import refusal
 from gateway.dashboard.auth import COOKIE, COOKIE_PATH, admin_key, check_viewer, cookie_token
 from gateway.dashboard.hub import DashboardHub
-from gateway.deps import State
+from gateway.deps import State, accepted
 from gateway.http_protocol import SHUTDOWN_EXTENSION
 from gateway.streaming import EventStreamResponse
 from shared.errors import Unauthorized
@@ -82,7 +83,8 @@ async def login(body: Login, request: Request, state: State) -> Response:
     """The key in a JSON body (never a URL); the cookie that opens the data to this browser."""
     settings = state.settings
     if not admin_key(settings, body.key):
-        raise Unauthorized("not an admin key (GENQ_ADMIN_KEYS)", param="key")
+        exc = Unauthorized("not an admin key (GENQ_ADMIN_KEYS)", param="key")
+        raise exc if accepted(settings, body.key) else refusal(request, exc)
     response = Response(status_code=204)
     response.set_cookie(
         COOKIE,
