@@ -21,6 +21,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared.batches import batch_job_id
+from shared.keys import Keys
 from shared.settings import Settings
 from tests.conftest import Stack, running_stack
 
@@ -243,3 +244,33 @@ async def test_no_route_reaches_another_keys_things(
         mine = (await c.get("/v1/files", headers=_h(A))).json()["data"]
         assert [x["id"] for x in mine] == [own]  # A's listing works: it shows A's file
         assert await _snapshot(c, things) == before  # A's deletes and cancels changed nothing
+
+
+@pytest.mark.parametrize("redis", ["redis"], indirect=True)
+async def test_result_files_written_without_an_owner_are_their_batchs(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    """Output and error files as the old finalizer wrote them (no owner): their batch's
+    owner reads them, lists them and deletes them; another key gets the 404 of a file that
+    is not, and its listings never show them."""
+    keys = Keys(settings.key_prefix)
+    async with running_stack(_keyed(settings), redis, poison_marker=POISON) as stack:
+        c = stack.client
+        things = await _make(stack)
+        results = [things.ids["output_file"], things.ids["error_file"]]
+        for file_id in results:
+            assert await redis.hdel(keys.file(file_id), "owner") == 1
+        for file_id, custom_id in zip(results, ("ok", "bad"), strict=True):
+            theirs = await c.get(f"/v1/files/{file_id}/content", headers=_h(A))
+            assert theirs.status_code == 404, theirs.text
+            mine = await c.get(f"/v1/files/{file_id}/content", headers=_h(B))
+            assert mine.status_code == 200, mine.text
+            [line] = mine.text.splitlines()
+            assert json.loads(line)["custom_id"] == custom_id
+        listed = {
+            key: {x["id"] for x in (await c.get("/v1/files", headers=_h(key))).json()["data"]}
+            for key in (A, B)
+        }
+        assert not listed[A] & set(results) and set(results) <= listed[B]
+        assert (await c.delete(f"/v1/files/{results[0]}", headers=_h(A))).status_code == 404
+        assert (await c.delete(f"/v1/files/{results[0]}", headers=_h(B))).status_code == 200
