@@ -113,3 +113,26 @@ async def test_the_table_stays_bounded(settings: Settings, redis: aioredis.Redis
                 assert (await c.get("/v1/models")).status_code == 401
             assert len(throttle) <= cap
         assert len(throttle) == cap
+
+
+async def test_every_door_that_checks_a_key_counts(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    """Readiness details, the dashboard's data and a keyed /metrics tell a right key from a
+    wrong one: wrong keys there count too. A probe without a key is never counted nor refused."""
+    keyed = _keyed(settings, metrics_require_key=True)
+    doors = ("/readyz", "/dashboard/snapshot", "/metrics")
+    async with _app(keyed, redis) as app:
+        for door in doors:
+            async with _client(app, f"192.0.2.{doors.index(door) + 10}") as c:
+                statuses = [
+                    (await c.get(door, headers=_bearer(f"wrong-{i}"))).status_code
+                    for i in range(LIMIT + 1)
+                ]
+                assert statuses[-1] == 429 and 429 not in statuses[:-1], (door, statuses)
+                assert (await c.get(door, headers=_bearer(ADMIN))).status_code == 200, door
+        async with _client(app, "192.0.2.10") as c:  # throttled for wrong keys on /readyz
+            for _ in range(LIMIT + 1):
+                probe = await c.get("/readyz")
+                assert probe.status_code == 200 and "pid" not in probe.json()
+            assert "pid" in (await c.get("/readyz", headers=_bearer(GOOD))).json()
