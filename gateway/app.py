@@ -14,6 +14,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from gateway import http_errors, queues
 from gateway.access_log import AccessLog
+from gateway.auth_throttle import AuthThrottle
 from gateway.batch import routes as batch_routes
 from gateway.batch.runtime import BatchRuntime
 from gateway.dashboard import routes as dashboard_routes
@@ -168,7 +169,8 @@ def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:
     """Outermost first: the access log and the response counter (they see every answer, a
     401 or a preflight's too), CORS (a preflight needs no key), the API key, the body limit."""
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, uploads=settings.file_max_bytes)
-    app.add_middleware(Authenticate, settings=settings)
+    app.state.auth_throttle = throttle = AuthThrottle(settings)  # the dashboard's login too
+    app.add_middleware(Authenticate, settings=settings, throttle=throttle)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

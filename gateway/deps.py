@@ -76,9 +76,8 @@ def presented_key(authorization: str | None, x_api_key: str | None) -> str | Non
     return x_api_key or None
 
 
-def key_presented(settings: GatewaySettings, request: Request) -> bool:
-    """True when the request carries an accepted key, or the API is open."""
-    token = presented_key(request.headers.get("authorization"), request.headers.get("x-api-key"))
+def accepted(settings: GatewaySettings, token: str | None) -> bool:
+    """True when `token` is an accepted key, or the API is open."""
     try:
         check_key(settings, token)
     except Unauthorized:

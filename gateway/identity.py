@@ -1,16 +1,21 @@
-"""Who is calling: the owner their jobs record, and whether they may see everyone's."""
+"""Who is calling: the owner their records name, and whether they may see everyone's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
 
-from shared.records import ANONYMOUS
+from shared.records import ANONYMOUS, OWNERS_SINCE
 
 
 class Owned(Protocol):
+    """A record a key can reach: a job, a file, a batch."""
+
     @property
     def owner(self) -> str | None: ...
+
+    @property
+    def created_at(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,18 +23,26 @@ class Identity:
     owner: str
     """`owner_of` the caller's API key; ANONYMOUS while the API is open."""
     admin: bool = False
-    """An admin key (GENQ_ADMIN_KEYS): sees and cancels every owner's jobs."""
+    """An admin key (GENQ_ADMIN_KEYS): sees and cancels every owner's records."""
     keyed: bool = False
     """API keys are configured: per-key quotas and rate limits apply."""
 
     def may_see(self, record: Owned) -> bool:
-        """A job is its owner's (and the admins'). One recorded before owners were (no
-        owner) stays visible to every caller, as it was, for the rest of its retention."""
-        return self.admin or record.owner is None or record.owner == self.owner
+        """A record is its owner's (and the admins'); another key gets 404 for it, as for one
+        that is not, and no listing shows it. Every writer names the owner (the field has no
+        default). A record without one is visible to every key only if it was created before
+        owners were recorded (OWNERS_SINCE): the old rule, kept for the rest of those
+        records' retention. One without an owner created since is a writer's mistake: only
+        admins see it, so a forgotten owner closes a record rather than opening it to all."""
+        if self.admin:
+            return True
+        if record.owner is None:
+            return record.created_at < OWNERS_SINCE
+        return record.owner == self.owner
 
 
 OPEN = Identity(ANONYMOUS)
 """Every caller while no API key is configured."""
 
 GENQ = Identity("genq", admin=True)
-"""genq itself, acting on any owner's job (a sweep cancelling a dead gateway's streams)."""
+"""genq itself, acting on any owner's record (a sweep cancelling a dead gateway's streams)."""

@@ -372,10 +372,8 @@ class JobService:
         raise Conflict(f"job '{job_id}' changed while cancelling it; retry", param="id")
 
     async def _check_visible(self, job_id: str, caller: Identity) -> None:
-        """404 for another owner's job (its owner alone is read: it never changes)."""
-        owner = await self.redis.hget(self.keys.job(self.validate_id(job_id)), "owner")
-        if not caller.admin and owner is not None and owner != caller.owner:
-            raise JobNotFound(f"no job '{job_id}' (unknown, or expired)", param="id")
+        """404 for a job the caller may not see (`Identity.may_see`, the one rule)."""
+        await self._record(job_id, caller)
 
     async def _cancel_queued(self, job_id: str, seen: CancelQueued, reason: str) -> bool:
         """End a queued job `cancelled`, unless a worker took it meanwhile."""

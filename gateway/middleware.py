@@ -10,6 +10,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.auth_throttle import AuthThrottle, client_of
 from gateway.deps import check_key, presented_key
 from gateway.http_errors import error_response
 from shared.errors import PayloadTooLarge, Unauthorized
@@ -20,11 +21,13 @@ PROTECTED_PREFIX = "/v1/"
 
 
 class Authenticate:
-    """With API keys set, a request under /v1/ without an accepted key is answered 401 at once."""
+    """With API keys set, a request under /v1/ without an accepted key is answered 401 at once
+    (429 once its address is past GENQ_AUTH_FAIL_LIMIT failures: `AuthThrottle`)."""
 
-    def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
+    def __init__(self, app: ASGIApp, settings: GatewaySettings, throttle: AuthThrottle) -> None:
         self.app = app
         self.settings = settings
+        self.throttle = throttle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and f"{scope['path']}/".startswith(PROTECTED_PREFIX):
@@ -33,7 +36,8 @@ class Authenticate:
             try:
                 check_key(self.settings, token)
             except Unauthorized as exc:
-                await error_response(exc)(scope, receive, send)
+                refused = self.throttle.failed(client_of(scope))
+                await error_response(refused or exc)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -122,8 +122,10 @@ class FileRecord(HashModel):
     """The urls its lines ask for (batch input)."""
     models: list[str] = Field(default_factory=list)
     """The models its lines ask for (batch input)."""
-    owner: str | None = None
-    """Who uploaded it (`owner_of` their API key); other keys get 404 for it."""
+    owner: str | None
+    """Who uploaded it, or whose batch wrote it (`owner_of` their API key, or ANONYMOUS);
+    other keys get 404 for it. Required: every writer names it. None only on records written
+    before owners were (`shared.records.OWNERS_SINCE`)."""
 
     def view(self) -> FileObject:
         return FileObject(
@@ -247,8 +249,10 @@ class BatchRecord(HashModel):
     metadata: dict[str, str] | None = None
     model: str | None = None
     output_ttl_s: int
-    owner: str | None = None
-    """Who created it (`owner_of` their API key): its jobs, files and record are theirs."""
+    owner: str | None
+    """Who created it (`owner_of` their API key, or ANONYMOUS): its jobs, files and record are
+    theirs. Required: every writer names it. None only on records written before owners were
+    (`shared.records.OWNERS_SINCE`)."""
 
     @property
     def resolved(self) -> int:

@@ -27,6 +27,12 @@ JOB_ID = re.compile(r"[0-9a-f]{32}")
 """A job id: 32 lowercase hex digits (uuid4().hex); matched against the whole string."""
 ANONYMOUS = "anonymous"
 """The owner of every job while the API is open (no API keys configured)."""
+OWNERS_SINCE = 1_796_119_567.0
+"""2026-12-01T10:06:07Z, when genq began recording owners. A record a key can reach (job,
+file, batch) names its owner from its creation; one without an owner created before this
+predates owners and stays visible to every key, as it was, until its retention ends. One
+without an owner created since is a writer's mistake and is visible to admin keys only, so
+the old rule ends with the old records and can never open a new one to every key."""
 _OWNER_HEX_DIGITS = 32
 """128 bits of the key's SHA-256: no two keys collide, and the key cannot be recovered."""
 _SCALARS = (str, int, float, bool)
@@ -44,6 +50,13 @@ def _is_scalar(annotation: Any) -> bool:
     if origin in (typing.Union, types.UnionType):
         return all(_is_scalar(a) for a in typing.get_args(annotation) if a is not type(None))
     return annotation in _SCALARS
+
+
+def _admits_none(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return type(None) in typing.get_args(annotation)
+    return annotation is None or annotation is type(None)
 
 
 def _text(value: bytes | str) -> str:
@@ -69,6 +82,15 @@ class HashModel(BaseModel):
         annotation = cls.model_fields[name].annotation
         assert annotation is not None  # every field of these models is annotated
         return TypeAdapter(annotation)
+
+    @classmethod
+    @cache
+    def _required_nullable(cls) -> frozenset[str]:
+        """Fields a writer must name (no default) that may hold None: `to_hash` leaves a None
+        out, so such a field absent from a hash was written None."""
+        return frozenset(
+            n for n, f in cls.model_fields.items() if f.is_required() and _admits_none(f.annotation)
+        )
 
     @classmethod
     def _encode(cls, name: str, value: Any) -> str:
@@ -106,6 +128,8 @@ class HashModel(BaseModel):
             for key, value in raw.items():
                 name, text = _text(key), _text(value)
                 data[name] = json.loads(text) if name in json_fields else text
+            for name in cls._required_nullable() - data.keys():
+                data[name] = None
             return cls.model_validate(data)
         except json.JSONDecodeError as exc:
             raise RecordError(f"a field is not JSON: {exc.msg}") from None
@@ -149,12 +173,16 @@ class JobRecord(HashModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     fingerprint: str | None = None
     """Hash of the submitted body, to tell an idempotent replay from a reused key."""
-    owner: str | None = None
-    """Who submitted it (`owner_of` its API key, or ANONYMOUS); None on records written
-    before owners were recorded."""
+    owner: str | None
+    """Who submitted it (`owner_of` its API key, or ANONYMOUS). Required: every writer names
+    it. None only on records written before owners were (see OWNERS_SINCE)."""
     done_stream: str | None = None
     """A stream told the job's id in the step that ends it (EMIT of a final event, SETTLE):
     a batch's, so that its tracker learns which lines finished without polling them."""
+
+    @property
+    def created_at(self) -> float:
+        return self.spec.created_at
 
     def view(self) -> JobView:
         result = self.result

@@ -337,6 +337,25 @@ class GatewaySettings(JobSettings):
         description="file of accepted API keys (one a line; blank lines and # comments "
         "skipped), read at start, added to api_keys",
     )
+    auth_fail_limit: int = Field(
+        default=20,
+        ge=0,
+        description="failed authentications (a missing or wrong API key) one client address "
+        "may make per auth_fail_window_s, in each gateway process, before its next are "
+        "answered 429 with Retry-After; a valid key is never counted nor refused; 0 = no limit",
+    )
+    auth_fail_window_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="the window auth_fail_limit counts in: an address's count starts at its "
+        "first failure and is forgotten when the window ends",
+    )
+    auth_fail_max_clients: int = Field(
+        default=10_000,
+        ge=1,
+        description="client addresses each gateway process counts failures of (an IPv6 "
+        "address counts as its /64); past it, the one that failed least recently is forgotten",
+    )
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="origins a browser may call the API from, comma-separated (or a JSON "

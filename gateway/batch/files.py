@@ -22,6 +22,7 @@ from gateway.batch.upload import Upload, bad_file
 from gateway.identity import Identity
 from gateway.state import GatewayState
 from shared.batches import (
+    BATCH_ID,
     FILE_ID,
     FileDeleted,
     FileObject,
@@ -29,6 +30,7 @@ from shared.batches import (
     FileRecord,
     ObjectList,
     new_file_id,
+    result_file_id,
 )
 from shared.errors import BadRequest, NotFound, TooLarge
 
@@ -141,10 +143,17 @@ class FileService:
     # ---- the files a batch writes ---------------------------------------------------------
 
     async def write_output(
-        self, file_id: str, filename: str, chunks: AsyncIterator[tuple[bytes, int]], ttl_s: int
+        self,
+        file_id: str,
+        filename: str,
+        chunks: AsyncIterator[tuple[bytes, int]],
+        ttl_s: int,
+        *,
+        owner: str | None,
     ) -> FileRecord | None:
-        """Store a file of `(chunk, lines in it)`; None (nothing stored) if it has no lines.
-        Written again under the same id, it replaces the earlier content whole."""
+        """Store a file of `(chunk, lines in it)` for `owner` (its batch's); None (nothing
+        stored) if it has no lines. Written again under the same id, it replaces the earlier
+        content whole."""
         writer = self.store.writer(file_id)
         size, counts = 0, []
         try:
@@ -165,6 +174,7 @@ class FileService:
             id=file_id,
             filename=filename,
             purpose="batch_output",
+            owner=owner,
             bytes=size,
             created_at=now,
             expires_at=now + ttl_s,
@@ -184,7 +194,7 @@ class FileService:
         if not FILE_ID.fullmatch(file_id):
             raise _not_found(file_id, param)
         raw = await self.redis.hgetall(self.keys.file(file_id))
-        record = FileRecord.from_hash(raw) if raw else None
+        [record] = await self._owned([FileRecord.from_hash(raw) if raw else None])
         if record is None or (caller is not None and not caller.may_see(record)):
             raise _not_found(file_id, param)
         return record
@@ -216,7 +226,27 @@ class FileService:
         pipe = self.redis.pipeline(transaction=False)
         for file_id in ids:
             pipe.hgetall(self.keys.file(file_id))
-        return [FileRecord.from_hash(raw) if raw else None for raw in await pipe.execute()]
+        return await self._owned(
+            [FileRecord.from_hash(raw) if raw else None for raw in await pipe.execute()]
+        )
+
+    async def _owned(self, records: list[FileRecord | None]) -> list[FileRecord | None]:
+        """Output and error files written without their batch's owner (as genq once wrote
+        them) take it now, from the batch whose results they hold: their id follows from the
+        batch's (`result_file_id`), so no other file can claim a batch. One whose batch has
+        expired keeps no owner: admins alone see it (`Identity.may_see`)."""
+        orphans = [(i, b) for i, r in enumerate(records) if r and (b := _batch_of_result(r))]
+        if not orphans:
+            return records
+        pipe = self.redis.pipeline(transaction=False)
+        for _, batch_id in orphans:
+            pipe.hget(self.keys.batch(batch_id), "owner")
+        out = list(records)
+        for (i, _), owner in zip(orphans, await pipe.execute(), strict=True):
+            record = records[i]
+            if owner is not None and record is not None:
+                out[i] = record.model_copy(update={"owner": owner})
+        return out
 
     async def content(self, file_id: str, caller: Identity) -> AsyncIterator[bytes]:
         await self.record(file_id, caller)  # 404 first, before a streamed response begins
@@ -230,6 +260,17 @@ class FileService:
         pipe.zrem(self.keys.files(), file_id)
         await pipe.execute()
         return FileDeleted(id=file_id)
+
+
+def _batch_of_result(record: FileRecord) -> str | None:
+    """The batch whose output or error file this owner-less record is; None for any other."""
+    if record.owner is not None or record.purpose != "batch_output":
+        return None
+    batch_id = "_".join(record.filename.split("_", 2)[:2])  # named `batch_<hex>_….jsonl`
+    if not BATCH_ID.fullmatch(batch_id):
+        return None
+    ids = (result_file_id(batch_id, "out"), result_file_id(batch_id, "err"))
+    return batch_id if record.id in ids else None
 
 
 def _not_found(file_id: str, param: str) -> NotFound:

@@ -45,7 +45,11 @@ class Finalizer:
             file_id = result_file_id(record.id, kind)
             name = f"{record.id}_{FILE_NAMES[kind]}.jsonl"
             written = await self.files.write_output(
-                file_id, name, self._chunks(record, kind, renew), record.output_ttl_s
+                file_id,
+                name,
+                self._chunks(record, kind, renew),
+                record.output_ttl_s,
+                owner=record.owner,  # the batch's results are its owner's alone
             )
             ids[kind] = written.id if written else None
         status = record.ending or "completed"

@@ -30,7 +30,9 @@ async def page(
     start = 0
     if after is not None:
         rank = await (redis.zrevrank(index, after) if newest_first else redis.zrank(index, after))
-        if rank is None:  # expired (or never was): nothing is known to follow it
+        if rank is None or not await _visible(after, load, keep):
+            # expired, never was, or another owner's (nothing may tell those apart): nothing
+            # is known to follow it
             return ObjectList(data=[], first_id=None, last_id=None, has_more=False)
         start = rank + 1
     items: list[Any] = []
@@ -62,3 +64,14 @@ async def page(
         last_id=items[-1].id if items else None,
         has_more=has_more,
     )
+
+
+async def _visible(
+    object_id: str,
+    load: Callable[[Sequence[str]], Awaitable[list[T | None]]],
+    keep: Callable[[T], bool],
+) -> bool:
+    """Whether a page may start after this id: not another owner's (one whose record just
+    expired still may: its place in the index is all that is used)."""
+    [obj] = await load([object_id])
+    return obj is None or keep(obj)

@@ -14,9 +14,10 @@ from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
+from gateway.auth_throttle import refusal
 from gateway.dashboard.auth import COOKIE, COOKIE_PATH, admin_key, check_viewer, cookie_token
 from gateway.dashboard.hub import DashboardHub
-from gateway.deps import State
+from gateway.deps import State, accepted, presented_key
 from gateway.http_protocol import SHUTDOWN_EXTENSION
 from gateway.streaming import EventStreamResponse
 from shared.errors import Unauthorized
@@ -49,7 +50,15 @@ Hub = Annotated[DashboardHub, Depends(get_hub)]
 
 
 async def viewer(request: Request, state: State) -> None:
-    check_viewer(state.settings, request)
+    try:
+        check_viewer(state.settings, request)
+    except Unauthorized as exc:
+        token = presented_key(
+            request.headers.get("authorization"), request.headers.get("x-api-key")
+        )
+        if token is None or accepted(state.settings, token):
+            raise  # no key (a lapsed cookie), or a valid key that is not an admin's: not counted
+        raise refusal(request, exc) from None  # a wrong key counts towards a 429
 
 
 Viewer = Depends(viewer)
@@ -82,7 +91,8 @@ async def login(body: Login, request: Request, state: State) -> Response:
     """The key in a JSON body (never a URL); the cookie that opens the data to this browser."""
     settings = state.settings
     if not admin_key(settings, body.key):
-        raise Unauthorized("not an admin key (GENQ_ADMIN_KEYS)", param="key")
+        exc = Unauthorized("not an admin key (GENQ_ADMIN_KEYS)", param="key")
+        raise exc if accepted(settings, body.key) else refusal(request, exc)
     response = Response(status_code=204)
     response.set_cookie(
         COOKIE,

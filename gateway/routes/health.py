@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from redis.exceptions import RedisError, ResponseError
 
-from gateway.deps import State, key_presented
+from gateway.auth_throttle import AuthThrottle, client_of
+from gateway.deps import State, accepted, presented_key
 from gateway.http_errors import is_out_of_memory
 from gateway.state import GatewayState
 
@@ -57,15 +58,15 @@ async def readyz(state: State, request: Request) -> JSONResponse:
     process (pid, open streams, memory) and `redis_memory`."""
     if state.draining:
         return JSONResponse({"status": "draining"}, 503)
+    keyed = _keyed(state, request)
     try:
         models = await _models_served(state)
         memory = await _memory(state)
     except (RedisError, OSError) as exc:
         body: dict[str, Any] = {"status": "redis unreachable"}
-        if key_presented(state.settings, request):
+        if keyed:
             body["error"] = str(exc)
         return JSONResponse(body, 503)
-    keyed = key_presented(state.settings, request)
     if memory["writes"] != "ok":
         oom = memory["writes"] == "refused: out of memory"
         status = "redis out of memory" if oom else "redis refuses writes"
@@ -79,6 +80,22 @@ async def readyz(state: State, request: Request) -> JSONResponse:
             "redis_memory": memory,
         }
     return JSONResponse(body)
+
+
+def _keyed(state: GatewayState, request: Request) -> bool:
+    """Whether the request brings an accepted key (or the API is open). A probe without a key
+    is never counted; a wrong key tells a guesser something (the answer shows less), so it
+    counts as a failed authentication and past the limit is refused (`AuthThrottle`)."""
+    headers = request.headers
+    token = presented_key(headers.get("authorization"), headers.get("x-api-key"))
+    if accepted(state.settings, token):
+        return True
+    if token is not None:
+        throttle: AuthThrottle = request.app.state.auth_throttle
+        refused = throttle.failed(client_of(request.scope))
+        if refused is not None:
+            raise refused
+    return False
 
 
 async def _models_served(state: GatewayState) -> dict[str, bool]:

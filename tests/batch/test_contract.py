@@ -25,7 +25,7 @@ from shared.batches import (
 from shared.events import CancelledEvent, DoneEvent, TokenEvent
 from shared.keys import Keys
 from shared.quotas import Admission
-from shared.records import JobRecord, QueueEntry
+from shared.records import ANONYMOUS, JobRecord, QueueEntry
 from shared.schemas import JobSpec, Sampling, Timings, Usage
 from shared.transitions import ScriptRunner, Transitions
 from tests.conftest import REDIS_URL, test_prefix
@@ -64,7 +64,7 @@ async def _submit(client: aioredis.Redis, done_stream: str | None) -> str:
         priority="batch",
         created_at=1.0,
     )
-    record = JobRecord(spec=spec, status="queued", done_stream=done_stream)
+    record = JobRecord(spec=spec, status="queued", done_stream=done_stream, owner=ANONYMOUS)
     queued = events.QueuedEvent(seq=1, id=job_id, model="m", priority="batch", prompt_tokens=2)
     call = Transitions(keys).submit(
         record,
@@ -140,6 +140,7 @@ def _batch(batch_id: str, total: int = 3) -> BatchRecord:
         total=total,
         chunks=[total],
         output_ttl_s=60,
+        owner=ANONYMOUS,
     )
 
 
@@ -205,6 +206,7 @@ def test_records_round_trip_and_ids_are_stable() -> None:
         expires_at=2.0,
         lines=2,
         chunks=[1, 1],
+        owner="o" * 32,
     )
     assert FileRecord.from_hash(f.to_hash()) == f
     assert batch_job_id(batch.id, 7) == batch_job_id(batch.id, 7) != batch_job_id(batch.id, 8)

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from shared.records import JobRecord, QueueEntry
+from shared.records import ANONYMOUS, JobRecord, QueueEntry
 from shared.schemas import JobSpec, Sampling
 from tests.chaos.harness import Stream, follow, until
 from tests.chaos.scenarios import KEYS, Env, job_body, worker_pid
@@ -195,7 +195,9 @@ async def test_malformed_queue_entries_cost_only_themselves(env: Env) -> None:
         priority="interactive",
         created_at=time.time(),
     )
-    await raw.hset(KEYS.job(forged), mapping=JobRecord(spec=spec, status="queued").to_hash())
+    await raw.hset(
+        KEYS.job(forged), mapping=JobRecord(spec=spec, status="queued", owner=ANONYMOUS).to_hash()
+    )
     await raw.xadd(queue, QueueEntry(job=forged, tokens=5).to_hash())
     valid = [await _submit(env.http, gateway.url, max_tokens=20, seed=i) for i in range(3)]
     for j in valid:

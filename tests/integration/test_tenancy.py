@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from shared import events
 from shared.keys import Keys
 from shared.quotas import Admission
-from shared.records import JobRecord, QueueEntry
+from shared.records import OWNERS_SINCE, JobRecord, QueueEntry
 from shared.schemas import JobSpec, Sampling
 from shared.settings import GatewaySettings, Settings
 from shared.transitions import ScriptRunner, Transitions
@@ -130,40 +130,64 @@ async def test_the_record_and_queue_entry_hold_a_hash_of_the_key_never_the_key(
         assert await redis.hget(keys.job(r.json()["id"]), "owner") == "anonymous"
 
 
+async def _submit_ownerless(stack: Stack, job_id: str, created_at: float) -> None:
+    """A record and queue entry as gateways wrote them before owners were recorded (no
+    owner field)."""
+    keys = Keys(stack.settings.key_prefix)
+    spec = JobSpec(
+        id=job_id,
+        model="sim",
+        input_ids=[1, 2],
+        max_tokens=4,
+        sampling=Sampling(),
+        priority="interactive",
+        created_at=created_at,
+    )
+    queued = events.QueuedEvent(
+        seq=1, id=job_id, model="sim", priority="interactive", prompt_tokens=2
+    )
+    call = Transitions(keys).submit(
+        JobRecord(spec=spec, status="queued", owner=None),
+        queued_event=events.encode(queued),
+        entry=QueueEntry(job=job_id, tokens=6),
+        idempotency_key=None,
+        idempotency_claim="",
+        idempotency_ttl_s=60,
+        admission=Admission(tokens=6, check_at=time.time() + 60),
+    )
+    await ScriptRunner(stack.redis).run(call)
+    assert "owner" not in await stack.redis.hgetall(keys.job(job_id))
+
+
 async def test_a_job_recorded_before_owners_runs_and_stays_visible(
     settings: Settings, redis: aioredis.Redis
 ) -> None:
-    """A record and queue entry as gateways wrote them before owners were recorded (no owner
-    field): a worker runs it, and its client (any key) still reads it."""
+    """An owner-less job created before owners were recorded: a worker runs it, and its
+    client (any key) still reads it, for the rest of its retention."""
     async with running_stack(_keyed(settings), redis) as stack:
-        keys = Keys(settings.key_prefix)
         job_id = "0123456789abcdef" * 2
-        spec = JobSpec(
-            id=job_id,
-            model="sim",
-            input_ids=[1, 2],
-            max_tokens=4,
-            sampling=Sampling(),
-            priority="interactive",
-            created_at=time.time(),
-        )
-        queued = events.QueuedEvent(
-            seq=1, id=job_id, model="sim", priority="interactive", prompt_tokens=2
-        )
-        call = Transitions(keys).submit(
-            JobRecord(spec=spec, status="queued"),
-            queued_event=events.encode(queued),
-            entry=QueueEntry(job=job_id, tokens=6),
-            idempotency_key=None,
-            idempotency_claim="",
-            idempotency_ttl_s=60,
-            admission=Admission(tokens=6, check_at=time.time() + 60),
-        )
-        await ScriptRunner(redis).run(call)
-        assert "owner" not in await redis.hgetall(keys.job(job_id))
+        await _submit_ownerless(stack, job_id, OWNERS_SINCE - 60)
         await _wait(stack, job_id, A, "succeeded")
         r = await stack.client.get(f"/v1/jobs/{job_id}/events", headers=_h(B))
         assert r.status_code == 200 and "event: done" in r.text
+
+
+async def test_an_ownerless_job_created_since_owners_is_no_keys(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    """A record written without an owner now (a writer's mistake) is not every key's: each
+    key gets the 404 of a job that is not, and only an admin sees it."""
+    async with running_stack(_keyed(settings), redis) as stack:
+        job_id = "fedcba9876543210" * 2
+        await _submit_ownerless(stack, job_id, time.time())
+        await _wait(stack, job_id, ADMIN, "succeeded")
+        for key in (A, B):
+            for method, suffix in (("GET", ""), ("GET", "/events"), ("DELETE", "")):
+                r = await stack.client.request(
+                    method, f"/v1/jobs/{job_id}{suffix}", headers=_h(key)
+                )
+                assert r.status_code == 404, (key, method, suffix, r.text)
+                assert r.json()["error"]["code"] == "job_not_found"
 
 
 def test_admin_keys_parse_like_api_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ from importlib import resources
 import fakeredis
 import pytest
 import redis.asyncio as aioredis
+from pydantic import ValidationError
 
 from shared import events
 from shared.batches import BatchRecord, BatchStatus
@@ -18,6 +19,7 @@ from shared.events import EVENT_FIELD, CancelledEvent, ErrorEvent, EventError, T
 from shared.keys import Keys
 from shared.quotas import Admission, QuotaCalls
 from shared.records import (
+    ANONYMOUS,
     ControlMessage,
     DeadLetter,
     Heartbeat,
@@ -83,6 +85,16 @@ def test_a_job_record_round_trips_through_its_hash() -> None:
     assert stored["status"] == "succeeded" and stored["attempt"] == "2"  # what Lua compares
     assert JobRecord.from_hash(stored) == record
     assert JobRecord.from_hash({k.encode(): v.encode() for k, v in stored.items()}) == record
+
+
+def test_every_writer_names_the_owner_and_old_records_still_read() -> None:
+    """The owner has no default: a record built without one is refused (mypy refuses the
+    call too); a hash written before owners were (no `owner` field) reads as owner None."""
+    with pytest.raises(ValidationError, match="owner"):
+        JobRecord(spec=_spec(), status="queued")  # type: ignore[call-arg]
+    stored = JobRecord(spec=_spec(), status="queued", owner=None).to_hash()
+    assert "owner" not in stored
+    assert JobRecord.from_hash(stored).owner is None
 
 
 def test_a_partial_update_is_validated_as_its_fields() -> None:
@@ -182,7 +194,7 @@ async def client(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def
 
 def _submit(tx: Transitions) -> Call[SubmitReply]:
     """SUBMIT of job JOB (model m, batch), no idempotency key, no limits."""
-    record = JobRecord(spec=_spec(), status="queued", fingerprint="f")
+    record = JobRecord(spec=_spec(), status="queued", fingerprint="f", owner=ANONYMOUS)
     queued = events.encode(
         events.QueuedEvent(seq=1, id=JOB, model="m", priority="batch", prompt_tokens=3)
     )
@@ -253,7 +265,9 @@ async def test_a_submit_sent_again_after_its_reply_was_lost_queues_the_job_once(
 async def test_settle_is_a_compare_and_set(client: aioredis.Redis) -> None:
     keys = Keys(test_prefix())
     tx, runner = Transitions(keys), ScriptRunner(client)
-    await client.hset(keys.job(JOB), mapping=JobRecord(spec=_spec(), status="queued").to_hash())
+    await client.hset(
+        keys.job(JOB), mapping=JobRecord(spec=_spec(), status="queued", owner=ANONYMOUS).to_hash()
+    )
     await client.xadd(keys.events(JOB), {EVENT_FIELD: "{}"}, id="0-1")
     try:
         cancelled = events.encode(CancelledEvent(seq=2, attempt=0))
