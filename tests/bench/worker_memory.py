@@ -108,9 +108,10 @@ def main() -> int:
                 time.sleep(args.settle_s)
                 now = rss_mb(worker.proc.pid)
                 worst = max(worst, now / base - 1)
+                growth = f"{now / base - 1:+.1%} of the baseline"
                 print(
                     f"round {r + 1}: {per_round} jobs in {wall:.1f} s ({failed} failed), "
-                    f"RSS {now:.1f} MB ({now / base - 1:+.1%} of the baseline; {shown(worker.proc.pid)})"
+                    f"RSS {now:.1f} MB ({growth}; {shown(worker.proc.pid)})"
                 )
             print(f"largest growth over the baseline: {worst:+.1%} (target: within 10 %)")
         finally:
