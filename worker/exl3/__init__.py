@@ -10,8 +10,9 @@ models and plain fp16/bf16 folders.
 - `loader`: `load_backend` (model, cache, tokenizer, warm-up, generator and job factories),
   the generator's shape.
 
-exllamav3 samples on the GPU itself (one fused kernel per job); genq's batched GPU sampler
-of the exllamav2 engine is not used here (see docs/benchmarks.md for the measurement that
-decides whether it would pay). torch and exllamav3 are imported only inside
-`loader.load_backend`, so every module of this package imports on a CPU install.
+exllamav3 samples on the GPU itself (one fused kernel per job); from
+`GENQ_BATCHED_SAMPLING_MIN_JOBS` jobs in a step genq samples them in one batched pass of the
+exllamav2 engine's GPU sampler instead (`batch_sampling`; measured: docs/performance.md).
+torch and exllamav3 are imported only inside `loader.load_backend`, so every module of this
+package imports on a CPU install.
 """
