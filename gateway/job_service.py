@@ -66,7 +66,7 @@ class Submitted:
 INLINE_CHARS = 512
 """Prompts up to this many characters are tokenized on the event loop: ~0.1 ms of it (33 µs
 for 130 characters with the sim's byte-level BPE) against ~0.13 ms of CPU for the hop to a
-thread and back (docs/benchmarks.md, "The CPU pipeline after the production surface")."""
+thread and back (measured on the 2-core dev box)."""
 
 
 class JobService:

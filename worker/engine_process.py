@@ -36,7 +36,7 @@ _PR_SET_PDEATHSIG = 1
 COALESCE_S = 0.001
 """Steps quicker than this go out in one message, at most this late. A GPU step takes longer
 (a message each); the sim's at `--step-ms 0` far less, and a message per step of a few tokens
-would cost the worker a wake-up each (measured: docs/benchmarks.md, issue 15)."""
+would cost the worker a wake-up each (measured: docs/performance.md, "The engine process")."""
 
 
 def main(argv: list[str] | None = None) -> int:
