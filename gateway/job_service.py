@@ -434,7 +434,7 @@ def _log_queued(record: JobRecord, caller: Identity) -> None:
     }
     if caller.keyed:
         fields["owner"] = caller.owner
-    log.info("job queued", extra=fields)
+    log.debug("job queued", extra=fields)  # a healthy job's one info line is the worker's end
     access_log.touched_job(spec.id)
 
 
