@@ -43,6 +43,10 @@ _UNION_TAG = re.compile(r"[^A-Za-z0-9_]|^(str|int|float|bool|none|list|dict|byte
 """A loc item pydantic adds for a union member (`constrained-str`, `list[int]`): no field name
 looks like one."""
 _LOC_ROOTS = frozenset({"body", "query", "header", "path", "cookie"})
+_BOUNDS = frozenset(
+    {"less_than", "less_than_equal", "greater_than", "greater_than_equal", "finite_number"}
+)
+"""pydantic's errors of a number out of its field's bounds."""
 
 OPENAI_UNSERVED = frozenset(
     {
@@ -182,7 +186,7 @@ def _message(e: Any) -> str:
     measures them against the field's bounds and says "should be less than or equal to 2",
     which is not what is wrong."""
     value = e.get("input")
-    if isinstance(value, float) and not math.isfinite(value):
+    if e.get("type") in _BOUNDS and isinstance(value, float) and not math.isfinite(value):
         return f"must be a finite number, not {value}"
     return str(e.get("msg", "invalid"))
 

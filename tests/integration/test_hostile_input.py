@@ -407,6 +407,9 @@ async def test_nan_and_a_bad_completion_window_are_refused_in_words(stack: Stack
             err = error_of(await stack.client.post(route, content=raw, headers=JSON), 422)
             assert err["param"] == "temperature"
             assert "finite number" in err["message"] and "less than" not in err["message"]
+    raw = '{"model": NaN, "prompt": "x"}'  # not a number field: the usual type error
+    err = error_of(await stack.client.post("/v1/jobs", content=raw, headers=JSON), 422)
+    assert err["param"] == "model" and "finite" not in err["message"]
     body = {"input_file_id": "file-" + "0" * 32, "endpoint": "/v1/completions"}
     for window in ("48h", "1d", "soon"):
         r = await stack.client.post("/v1/batches", json={**body, "completion_window": window})
