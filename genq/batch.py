@@ -33,18 +33,21 @@ DOWNLOAD_CHUNK = 1 << 16
 
 def add_parser(sub: Any) -> None:
     """`genq batch` and its commands, under the `genq` parser's subparsers."""
-    p = sub.add_parser("batch", help="batches of requests from a JSONL file (OpenAI Batch API)")
+    about = "batches of requests from a JSONL file (OpenAI Batch API)"
+    p = sub.add_parser("batch", help=about, description=f"{about}.")
     commands = p.add_subparsers(dest="batch_command", required=True)
 
     def command(name: str, help_: str) -> argparse.ArgumentParser:
-        c = commands.add_parser(name, help=help_)
+        c = commands.add_parser(name, help=help_, description=f"{help_[0].upper()}{help_[1:]}.")
         c.add_argument("--url", default=DEFAULT_URL, help="the gateway")
         add_api_key_flag(c)
         return c
 
     c = command("submit", "upload FILE.jsonl and start a batch of its lines")
     c.add_argument("file", type=Path, help="the requests, one JSON object a line")
-    c.add_argument("--endpoint", help="default: the url of the file's first line")
+    c.add_argument(
+        "--endpoint", help="the route of every line (default: the url of the file's first line)"
+    )
     c.add_argument("--window", default="24h", help="completion window: 24h, or shorter (90m)")
     c.add_argument("--wait", action="store_true", help="show progress, then fetch the results")
     c.add_argument("-o", "--output", type=Path, help="with --wait: write the results here")
@@ -57,7 +60,7 @@ def add_parser(sub: Any) -> None:
     c.add_argument("id", help="the batch's id (batch_…)")
     c = command("results", "fetch a batch's output file (or its error file)")
     c.add_argument("id", help="the batch's id (batch_…)")
-    c.add_argument("-o", "--output", type=Path, help="default: stdout")
+    c.add_argument("-o", "--output", type=Path, help="the file to write (default: stdout)")
     c.add_argument("--errors", action="store_true", help="the error file instead")
 
 
