@@ -90,7 +90,7 @@ class JobService:
 
     def validate_id(self, job_id: str) -> str:
         if not JOB_ID.fullmatch(job_id):
-            raise JobNotFound(f"no job {shown(job_id)}", param="id")
+            raise job_not_found(job_id)
         access_log.touched_job(job_id)
         return job_id
 
@@ -351,7 +351,7 @@ class JobService:
         raw = await self.redis.hgetall(self.keys.job(self.validate_id(job_id)))
         record = JobRecord.from_hash(raw) if raw else None
         if record is None or not caller.may_see(record):
-            raise JobNotFound(f"no job '{job_id}' (unknown, or expired)", param="id")
+            raise job_not_found(job_id)
         return record
 
     async def cancel(self, job_id: str, caller: Identity, reason: str = "cancelled") -> JobView:
@@ -365,7 +365,7 @@ class JobService:
                 return await self.get(job_id, caller, text_so_far=False)  # it is about to end
             if isinstance(reply, CancelEnded):
                 if reply.status == "missing":
-                    raise JobNotFound(f"no job '{job_id}' (unknown, or expired)", param="id")
+                    raise job_not_found(job_id)
                 raise Conflict(f"job '{job_id}' already ended: {reply.status}", param="id")
             if await self._cancel_queued(job_id, reply, reason):
                 return await self.get(job_id, caller)
@@ -434,7 +434,7 @@ def _log_queued(record: JobRecord, caller: Identity) -> None:
     }
     if caller.keyed:
         fields["owner"] = caller.owner
-    log.info("job queued", extra=fields)
+    log.debug("job queued", extra=fields)  # a healthy job's one info line is the worker's end
     access_log.touched_job(spec.id)
 
 
@@ -451,6 +451,12 @@ _SAMPLING_FIELDS = {
     "stop_token_ids",
     "logprobs",
 }
+
+
+def job_not_found(job_id: str) -> JobNotFound:
+    """The 404 of a job the caller may not see: the same for a malformed id, an unknown one,
+    an expired one and another owner's, so that none tells anything about the others."""
+    return JobNotFound(f"no job {shown(job_id)} (unknown, or expired)", param="id")
 
 
 def _overdue(record: JobRecord) -> bool:

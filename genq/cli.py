@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from pydantic_core import PydanticUndefined
 
 from genq import batch as batch_cli
+from genq.client import DEFAULT_URL, add_api_key_flag
 from shared import __version__, logs
 from shared.settings import GatewaySettings, LogLevel, RedisSettings, Settings, WorkerSettings
 
@@ -251,17 +252,35 @@ def _listen_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _client_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the gateway")
+    p.add_argument("--url", default=DEFAULT_URL, help="the gateway")
     p.add_argument("--model", default="sim", help="model name")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens per request")
     p.add_argument(
         "--priority", choices=["interactive", "batch"], default="interactive", help="queue"
     )
-    p.add_argument("--api-key", help="a GENQ_API_KEYS key, when the gateway asks for one")
+    add_api_key_flag(p)
+
+
+BROKEN_PIPE_EXIT = 128 + 13
+"""Exit status when stdout's reader left (`genq batch list | head -1`): what a shell reports
+for a program killed by SIGPIPE, the usual end of a command whose output was cut short."""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        status = _run(args)
+        sys.stdout.flush()  # here, not at exit: a reader that left is told apart below
+    except BrokenPipeError:
+        # The reader has what it wanted; nothing to say. stdout goes to /dev/null so that
+        # the interpreter's own flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
     # into every command's settings: the processes a command starts take it from there
     level = {"log_level": args.log_level}
     logs.setup(_load(RedisSettings, **level))

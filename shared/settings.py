@@ -835,6 +835,13 @@ class WorkerSettings(JobSettings, EngineSettings):
     claim_block_ms: int = Field(
         default=1000, ge=1, description="how long a worker's blocking read of the queues waits"
     )
+    redis_start_timeout_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="a worker whose Redis has not answered this long after it started gives "
+        "up and exits non-zero (a wrong address fails the deploy instead of hanging; it says "
+        "that it waits every few seconds meanwhile); 0 = wait for ever",
+    )
     log_repair_window_s: float = Field(
         default=10.0,
         ge=0,

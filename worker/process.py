@@ -18,7 +18,7 @@ from worker.http import HttpServer
 from worker.link import EngineLink
 from worker.metrics import MetricsRoute
 from worker.runner import EngineRunner
-from worker.service import Worker
+from worker.service import RedisStartTimeout, Worker
 
 log = logging.getLogger(__name__)
 _SIM_GIL_SWITCH_S = 0.0005
@@ -90,6 +90,12 @@ async def _serve(
     install_signals(worker.stop)
     try:
         await worker.run()  # closes the engine as it leaves
+    except RedisStartTimeout as exc:
+        log.error(
+            "giving up: Redis never answered",
+            extra={"error": str(exc), "redis": exc.where, "limit_s": exc.limit_s},
+        )
+        return 1
     finally:
         await worker.st.redis.aclose()
     return 0 if worker.st.healthy else 1
