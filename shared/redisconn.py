@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import UnixDomainSocketConnection, parse_url
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import (
@@ -50,6 +51,10 @@ _TRANSIENT_REPLIES = (
 """Error replies of a Redis that will take the same command again shortly (BUSY: a script
 or module ran long), however the client library names them."""
 
+TCP_ONLY = ("socket_keepalive", "socket_keepalive_options", "socket_type")
+"""Options of redis-py's TCP connection (and its TLS one) that its unix-socket connection does
+not take: passed to one, its constructor raises TypeError at the first command."""
+
 
 def is_transient(exc: BaseException) -> bool:
     """Whether a command that failed with `exc` should simply be sent again later: the Redis
@@ -83,14 +88,29 @@ def connect(settings: RedisSettings, url: str | None = None, **overrides: Any) -
         health_check_interval=settings.redis_health_check_s,
         socket_timeout=settings.redis_socket_timeout_s,
         socket_connect_timeout=settings.redis_socket_timeout_s,
-        socket_keepalive=True,
+        socket_keepalive=True,  # TCP only: dropped below for a unix socket
         max_connections=settings.redis_max_connections,
     )
     options.update(overrides)
     if not target:
-        return _master_client(settings, options)
+        return _master_client(settings, options)  # sentinels hand out host:port: always TCP
+    if _is_unix_socket(target):
+        for name in TCP_ONLY:
+            options.pop(name, None)
     pool = options.pop("connection_pool_class").from_url(target, **options)
     return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
+
+
+def _is_unix_socket(url: str) -> bool:
+    """Whether `url` names a unix socket (`unix://`); ValueError naming a TCP-only option the
+    URL itself sets there, which redis-py would pass on to fail at the first command."""
+    parsed = parse_url(url)  # ValueError: a scheme or option redis-py does not know
+    if parsed.get("connection_class") is not UnixDomainSocketConnection:
+        return False
+    for name in TCP_ONLY:
+        if name in parsed:
+            raise ValueError(f"redis_url option {name}: TCP only, a unix:// URL has no such option")
+    return True
 
 
 class SentinelBlockingPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):  # type: ignore[misc]

@@ -1,0 +1,141 @@
+"""genq end to end over the ways the README says it reaches Redis besides plain TCP: a unix
+socket (`unix://`) and TLS (`rediss://`, the server's certificate checked against a CA). Each
+test starts a private redis-server listening on that transport only (`--port 0`: no plain TCP),
+so the real `genq gateway` and `genq worker` can reach it no other way, and streams a job
+through it.
+
+redis-py takes different options for each transport (one passed to a connection class that
+lacks it fails at the first command), so these are contract tests: `.ci/try-upgrades` runs
+them against the newest releases the dependency bounds allow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from shared.redisconn import connect
+from shared.settings import RedisSettings
+from tests.procs import free_port, quick_cluster
+
+pytestmark = [pytest.mark.contract, pytest.mark.e2e]
+
+MAX_TOKENS = 8
+
+
+@contextlib.contextmanager
+def _redis_server(tmp: Path, client: redis.Redis, *args: str) -> Iterator[None]:
+    """A private redis-server with `args` (its transport), up once `client` reaches it."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("needs redis-server on PATH")
+    log = tmp / "redis.log"
+    base = [exe, "--port", "0", "--dir", str(tmp), "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen([*base, "--logfile", str(log), *args])
+    try:
+        deadline = time.monotonic() + 10
+        while not _answers(client):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                said = log.read_text(errors="replace") if log.exists() else ""
+                if "--tls-port" in args and "TLS" in said and "support" in said:
+                    pytest.skip(f"this redis-server was built without TLS: {said[-200:]}")
+                pytest.fail(f"redis-server {' '.join(args)} did not come up: {said[-500:]}")
+            time.sleep(0.02)
+        yield
+    finally:
+        client.close()
+        proc.kill()
+        proc.wait()
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+def _stream_a_job(redis_url: str, tmp: Path) -> None:
+    """`genq gateway` and a sim `genq worker` on `redis_url`: a job streamed to its end."""
+    with quick_cluster(redis_url, tmp, "transport") as cluster:
+        gw = cluster.gateway()
+        cluster.worker("--engine", "sim", "--step-ms", "1")
+        body = {"model": "sim", "prompt": "hello", "max_tokens": MAX_TOKENS, "stream": True}
+        with httpx.stream("POST", f"{gw.url}/v1/jobs", json=body, timeout=30) as r:
+            assert r.status_code == 200, r.read()
+            job_id = r.headers["X-Job-Id"]
+            frames = [f for f in r.read().decode().split("\n\n") if "data: " in f]
+        types = [f.split("event: ", 1)[1].split("\n", 1)[0] for f in frames]
+        assert types[-1] == "done", frames
+        done = json.loads(frames[-1].split("data: ", 1)[1])
+        assert done["usage"]["completion_tokens"] == MAX_TOKENS, done
+        # the record, read back through the gateway's own pooled client
+        job = httpx.get(f"{gw.url}/v1/jobs/{job_id}", timeout=10).json()
+        assert job["status"] == "succeeded" and job["text"], job
+
+
+def test_a_job_streams_end_to_end_over_a_unix_socket(tmp_path: Path) -> None:
+    sock = tmp_path / "redis.sock"
+    client = redis.Redis(unix_socket_path=str(sock), socket_timeout=2)
+    with _redis_server(tmp_path, client, "--unixsocket", str(sock), "--unixsocketperm", "700"):
+        _stream_a_job(f"unix://{sock}?db=0", tmp_path)
+        # every client of the server came over the socket: there is no other way in
+        assert client.dbsize() > 0
+
+
+def _openssl(tmp: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=tmp, check=True, capture_output=True, timeout=30)
+
+
+def _certificates(tmp: Path) -> tuple[Path, Path, Path]:
+    """(CA certificate, server certificate, server key): a throwaway CA that signed a server
+    certificate for 127.0.0.1 (EC keys: generated in milliseconds)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make the test certificates")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl(
+        tmp,
+        *("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1"),
+        *("-subj", "/CN=genq test CA", "-addext", "basicConstraints=critical,CA:TRUE"),
+        *("-addext", "keyUsage=critical,keyCertSign,cRLSign"),
+    )
+    _openssl(tmp, "req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=redis")
+    (tmp / "server.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
+        "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
+        "authorityKeyIdentifier=keyid\nsubjectKeyIdentifier=hash\n"
+    )
+    _openssl(
+        tmp,
+        *("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key"),
+        *("-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "server.ext"),
+    )
+    return tmp / "ca.pem", tmp / "server.pem", tmp / "server.key"
+
+
+def test_a_job_streams_end_to_end_over_tls(tmp_path: Path) -> None:
+    ca, cert, key = _certificates(tmp_path)
+    port = free_port()
+    client = redis.Redis(
+        port=port, ssl=True, ssl_ca_certs=str(ca), socket_timeout=2, socket_connect_timeout=2
+    )
+    tls = ["--tls-port", str(port), "--bind", "127.0.0.1", "--tls-auth-clients", "no"]
+    tls += ["--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    with _redis_server(tmp_path, client, *tls, "--tls-ca-cert-file", str(ca)):
+        _stream_a_job(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}", tmp_path)
+        assert client.dbsize() > 0
+
+
+def test_a_tcp_only_option_in_a_unix_url_is_refused_by_name() -> None:
+    settings = RedisSettings(redis_url="unix:///run/redis.sock?socket_keepalive=true")
+    with pytest.raises(ValueError, match="redis_url option socket_keepalive: TCP only"):
+        connect(settings)
