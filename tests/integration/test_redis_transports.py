@@ -1,5 +1,5 @@
 """genq end to end over the ways the README says it reaches Redis besides plain TCP: a unix
-socket (`unix://`) and TLS (`rediss://`, the server's certificate checked against a CA). Each
+socket (`unix://`) and mutual TLS (`rediss://` with the URL's certificates). Each
 test starts a private redis-server listening on that transport only (`--port 0`: no plain TCP),
 so the real `genq gateway` and `genq worker` can reach it no other way, and streams a job
 through it.
@@ -15,6 +15,7 @@ import contextlib
 import json
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ import redis
 
 from shared.redisconn import connect
 from shared.settings import RedisSettings
+from tests.integration.test_pubsub_wire import make_certs
 from tests.procs import free_port, quick_cluster
 
 pytestmark = [pytest.mark.contract, pytest.mark.e2e]
@@ -84,54 +86,38 @@ def _stream_a_job(redis_url: str, tmp: Path) -> None:
 
 
 def test_a_job_streams_end_to_end_over_a_unix_socket(tmp_path: Path) -> None:
-    sock = tmp_path / "redis.sock"
-    client = redis.Redis(unix_socket_path=str(sock), socket_timeout=2)
-    with _redis_server(tmp_path, client, "--unixsocket", str(sock), "--unixsocketperm", "700"):
-        _stream_a_job(f"unix://{sock}?db=0", tmp_path)
-        # every client of the server came over the socket: there is no other way in
-        assert client.dbsize() > 0
-
-
-def _openssl(tmp: Path, *args: str) -> None:
-    subprocess.run(["openssl", *args], cwd=tmp, check=True, capture_output=True, timeout=30)
-
-
-def _certificates(tmp: Path) -> tuple[Path, Path, Path]:
-    """(CA certificate, server certificate, server key): a throwaway CA that signed a server
-    certificate for 127.0.0.1 (EC keys: generated in milliseconds)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make the test certificates")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl(
-        tmp,
-        *("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1"),
-        *("-subj", "/CN=genq test CA", "-addext", "basicConstraints=critical,CA:TRUE"),
-        *("-addext", "keyUsage=critical,keyCertSign,cRLSign"),
-    )
-    _openssl(tmp, "req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=redis")
-    (tmp / "server.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
-        "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
-        "authorityKeyIdentifier=keyid\nsubjectKeyIdentifier=hash\n"
-    )
-    _openssl(
-        tmp,
-        *("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key"),
-        *("-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "server.ext"),
-    )
-    return tmp / "ca.pem", tmp / "server.pem", tmp / "server.key"
+    # a socket's path has ~100 bytes: a short directory, not pytest's long tmp_path
+    with tempfile.TemporaryDirectory(prefix="genq-ux-") as short:
+        sock = Path(short) / "redis.sock"
+        client = redis.Redis(unix_socket_path=str(sock), socket_timeout=2)
+        with _redis_server(tmp_path, client, "--unixsocket", str(sock), "--unixsocketperm", "700"):
+            _stream_a_job(f"unix://{sock}?db=0", tmp_path)
+            # the server's only way in is the socket: what genq wrote came through it
+            assert client.dbsize() > 0
 
 
 def test_a_job_streams_end_to_end_over_tls(tmp_path: Path) -> None:
-    ca, cert, key = _certificates(tmp_path)
+    """Mutual TLS: the server checks the client's certificate, genq the server's."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a throwaway CA with")
+    certs = make_certs(tmp_path)
     port = free_port()
     client = redis.Redis(
-        port=port, ssl=True, ssl_ca_certs=str(ca), socket_timeout=2, socket_connect_timeout=2
+        port=port,
+        ssl=True,
+        ssl_ca_certs=str(certs.ca),
+        ssl_certfile=str(certs.client_cert),
+        ssl_keyfile=str(certs.client_key),
+        socket_timeout=2,
     )
-    tls = ["--tls-port", str(port), "--bind", "127.0.0.1", "--tls-auth-clients", "no"]
-    tls += ["--tls-cert-file", str(cert), "--tls-key-file", str(key)]
-    with _redis_server(tmp_path, client, *tls, "--tls-ca-cert-file", str(ca)):
-        _stream_a_job(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}", tmp_path)
+    tls = ["--tls-port", str(port), "--bind", "127.0.0.1", "--tls-auth-clients", "yes"]
+    tls += ["--tls-cert-file", str(certs.server_cert), "--tls-key-file", str(certs.server_key)]
+    with _redis_server(tmp_path, client, *tls, "--tls-ca-cert-file", str(certs.ca)):
+        _stream_a_job(
+            f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={certs.ca}"
+            f"&ssl_certfile={certs.client_cert}&ssl_keyfile={certs.client_key}",
+            tmp_path,
+        )
         assert client.dbsize() > 0
 
 
