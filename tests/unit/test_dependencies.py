@@ -138,3 +138,13 @@ def test_the_declared_license_is_in_the_tree() -> None:
     for name in PROJECT["license-files"]:
         text = (ROOT / name).read_text()
         assert text.startswith("MIT License") and "Copyright (c) 2026 the genq authors" in text
+
+
+def test_the_readme_names_the_locked_versions() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Dependencies") :]
+    named = re.findall(r"([a-z][a-z-]+) (\d+\.\d+\.\d+)", section.split("```")[0])
+    assert len(named) >= len(INTERNALS), named
+    locked = _locked(LOCK_TEST)
+    for name, version in named:
+        assert version in [v for v, _ in locked[canonicalize_name(name)]], (name, version)
