@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import UnixDomainSocketConnection, parse_url
+from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import (
@@ -53,7 +53,8 @@ or module ran long), however the client library names them."""
 
 TCP_ONLY = ("socket_keepalive", "socket_keepalive_options", "socket_type")
 """Options of redis-py's TCP connection (and its TLS one) that its unix-socket connection does
-not take: passed to one, its constructor raises TypeError at the first command."""
+not take: passed to one, its constructor raises TypeError at the first command. Likewise the
+`ssl_*` options, which only its TLS connection (`rediss://`) takes."""
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -102,15 +103,25 @@ def connect(settings: RedisSettings, url: str | None = None, **overrides: Any) -
 
 
 def _is_unix_socket(url: str) -> bool:
-    """Whether `url` names a unix socket (`unix://`); ValueError naming a TCP-only option the
-    URL itself sets there, which redis-py would pass on to fail at the first command."""
-    parsed = parse_url(url)  # ValueError: a scheme or option redis-py does not know
-    if parsed.get("connection_class") is not UnixDomainSocketConnection:
-        return False
-    for name in TCP_ONLY:
-        if name in parsed:
-            raise ValueError(f"redis_url option {name}: TCP only, a unix:// URL has no such option")
-    return True
+    """Whether `url` names a unix socket (`unix://`). ValueError naming each option the URL
+    sets that its transport does not take (redis-py would pass it on, to fail at the first
+    command): a TCP-only one in a unix:// URL, an ssl_* one in any but a rediss:// URL."""
+    parsed = parse_url(url)  # ValueError: a scheme or option value redis-py does not read
+    transport = parsed.get("connection_class")
+    unix = transport is UnixDomainSocketConnection
+    refused = [
+        f"{name}: TCP only, a unix:// URL has no such option"
+        for name in parsed
+        if unix and name in TCP_ONLY
+    ]
+    refused += [
+        f"{name}: TLS only, in a rediss:// URL"
+        for name in parsed
+        if name.startswith("ssl_") and transport is not SSLConnection
+    ]
+    if refused:
+        raise ValueError("redis_url option " + "; ".join(refused))
+    return unix
 
 
 class SentinelBlockingPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):  # type: ignore[misc]

@@ -121,7 +121,25 @@ def test_a_job_streams_end_to_end_over_tls(tmp_path: Path) -> None:
         assert client.dbsize() > 0
 
 
-def test_a_tcp_only_option_in_a_unix_url_is_refused_by_name() -> None:
-    settings = RedisSettings(redis_url="unix:///run/redis.sock?socket_keepalive=true")
-    with pytest.raises(ValueError, match="redis_url option socket_keepalive: TCP only"):
-        connect(settings)
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("unix:///run/redis.sock?socket_keepalive=true", "socket_keepalive: TCP only"),
+        ("redis://127.0.0.1:6379/0?ssl_ca_certs=/etc/ca.pem", "ssl_ca_certs: TLS only"),
+        ("unix:///run/redis.sock?ssl_cert_reqs=none", "ssl_cert_reqs: TLS only"),
+    ],
+)
+def test_an_option_the_urls_transport_lacks_is_refused_by_name(url: str, says: str) -> None:
+    """Rather than handed to redis-py's connection, whose constructor fails at the first
+    command (a worker would start and then fail every Redis call)."""
+    with pytest.raises(ValueError, match=f"redis_url option {says}"):
+        connect(RedisSettings(redis_url=url))
+
+
+def test_the_options_a_transport_takes_pass() -> None:
+    for url in (
+        "unix:///run/redis.sock?db=2&socket_timeout=3",
+        "rediss://127.0.0.1:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/etc/ca.pem",
+        "redis://127.0.0.1:6379/0?socket_keepalive=true",
+    ):
+        connect(RedisSettings(redis_url=url))  # builds the pool; connects on the first command
