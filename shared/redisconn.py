@@ -95,6 +95,7 @@ def connect(settings: RedisSettings, url: str | None = None, **overrides: Any) -
     options.update(overrides)
     if not target:
         return _master_client(settings, options)  # sentinels hand out host:port: always TCP
+    check_url(target)
     if _is_unix_socket(target):
         for name in TCP_ONLY:
             options.pop(name, None)
@@ -102,17 +103,16 @@ def connect(settings: RedisSettings, url: str | None = None, **overrides: Any) -
     return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
 
 
-def _is_unix_socket(url: str) -> bool:
-    """Whether `url` names a unix socket (`unix://`). ValueError naming each option the URL
-    sets that its transport does not take (redis-py would pass it on, to fail at the first
-    command): a TCP-only one in a unix:// URL, an ssl_* one in any but a rediss:// URL."""
+def check_url(url: str) -> None:
+    """ValueError naming each option `url` sets that its transport does not take (redis-py
+    would pass it on, to fail at the first command): a TCP-only one in a unix:// URL, an ssl_*
+    one in any but a rediss:// URL. The message never quotes the URL: it may hold a password."""
     parsed = parse_url(url)  # ValueError: a scheme or option value redis-py does not read
     transport = parsed.get("connection_class")
-    unix = transport is UnixDomainSocketConnection
     refused = [
         f"{name}: TCP only, a unix:// URL has no such option"
         for name in parsed
-        if unix and name in TCP_ONLY
+        if transport is UnixDomainSocketConnection and name in TCP_ONLY
     ]
     refused += [
         f"{name}: TLS only, in a rediss:// URL"
@@ -121,7 +121,10 @@ def _is_unix_socket(url: str) -> bool:
     ]
     if refused:
         raise ValueError("redis_url option " + "; ".join(refused))
-    return unix
+
+
+def _is_unix_socket(url: str) -> bool:
+    return parse_url(url).get("connection_class") is UnixDomainSocketConnection
 
 
 class SentinelBlockingPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):  # type: ignore[misc]

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,11 +29,13 @@ import redis
 from shared.redisconn import connect
 from shared.settings import RedisSettings
 from tests.integration.test_pubsub_wire import make_certs
-from tests.procs import free_port, quick_cluster
+from tests.procs import free_port, quick_cluster, wait_for
 
 pytestmark = [pytest.mark.contract, pytest.mark.e2e]
 
 MAX_TOKENS = 8
+STARTUP_S = 60.0
+"""A gateway start, with its imports, on a loaded 2-core machine."""
 
 
 @contextlib.contextmanager
@@ -69,8 +73,13 @@ def _answers(client: redis.Redis) -> bool:
 def _stream_a_job(redis_url: str, tmp: Path) -> None:
     """`genq gateway` and a sim `genq worker` on `redis_url`: a job streamed to its end."""
     with quick_cluster(redis_url, tmp, "transport") as cluster:
+        # started together: their start-ups overlap
+        worker = cluster.worker("--engine", "sim", "--step-ms", "1", wait_model=None)
         gw = cluster.gateway()
-        cluster.worker("--engine", "sim", "--step-ms", "1")
+        wait_for(
+            lambda: [m["id"] for m in httpx.get(f"{gw.url}/v1/models").json()["data"]] == ["sim"],
+            what=f"the sim worker: {worker.output()[-500:]}",
+        )
         body = {"model": "sim", "prompt": "hello", "max_tokens": MAX_TOKENS, "stream": True}
         with httpx.stream("POST", f"{gw.url}/v1/jobs", json=body, timeout=30) as r:
             assert r.status_code == 200, r.read()
@@ -143,3 +152,16 @@ def test_the_options_a_transport_takes_pass() -> None:
         "redis://127.0.0.1:6379/0?socket_keepalive=true",
     ):
         connect(RedisSettings(redis_url=url))  # builds the pool; connects on the first command
+
+
+def test_a_gateway_given_such_a_url_exits_before_serving(tmp_path: Path) -> None:
+    """With several processes too: uvicorn would respawn each child failing its start."""
+    url = "unix:///run/genq-test.sock?socket_keepalive=true"
+    run = subprocess.run(
+        [sys.executable, "-m", "genq", "gateway", "--port", str(free_port()), "--workers", "2"],
+        env={**os.environ, "GENQ_REDIS_URL": url},
+        capture_output=True,
+        text=True,
+        timeout=STARTUP_S,
+    )
+    assert run.returncode != 0 and "redis_url option socket_keepalive: TCP only" in run.stderr
