@@ -26,8 +26,9 @@ import httpx
 import pytest
 import redis
 
+from gateway.app import create_app
 from shared.redisconn import connect
-from shared.settings import RedisSettings
+from shared.settings import GatewaySettings, RedisSettings
 from tests.integration.test_pubsub_wire import make_certs
 from tests.procs import free_port, quick_cluster, wait_for
 
@@ -165,3 +166,26 @@ def test_a_gateway_given_such_a_url_exits_before_serving(tmp_path: Path) -> None
         timeout=STARTUP_S,
     )
     assert run.returncode != 0 and "redis_url option socket_keepalive: TCP only" in run.stderr
+
+
+@pytest.mark.parametrize("command", ["gateway", "worker"])
+def test_the_command_says_so_in_one_line(command: str) -> None:
+    url = "redis://:sekrit@127.0.0.1:6379/0?ssl_ca_certs=/etc/ca.pem"
+    run = subprocess.run(
+        [sys.executable, "-m", "genq", command],
+        env={**os.environ, "GENQ_REDIS_URL": url},
+        capture_output=True,
+        text=True,
+        timeout=STARTUP_S,
+    )
+    assert run.returncode != 0 and "sekrit" not in run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "genq: error: GENQ_REDIS_URL: redis_url option ssl_ca_certs: TLS only, in a rediss:// URL"
+    ]
+
+
+def test_the_app_refuses_such_a_url_before_serving() -> None:
+    """`create_app_from_env` (uvicorn's factory) too, not only the command line."""
+    settings = GatewaySettings(redis_url="unix:///run/redis.sock?socket_keepalive=true")
+    with pytest.raises(ValueError, match="redis_url option socket_keepalive: TCP only"):
+        create_app(settings)
