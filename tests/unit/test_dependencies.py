@@ -140,9 +140,12 @@ def test_the_declared_license_is_in_the_tree() -> None:
         assert text.startswith("MIT License") and "Copyright (c) 2026 the genq authors" in text
 
 
-def test_the_readme_names_the_locked_versions() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Dependencies") :]
+def test_the_docs_name_the_locked_versions() -> None:
+    """The "Dependencies" section, wherever the documentation keeps it (README.md, docs/)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    texts = [t for t in (p.read_text() for p in pages) if "\n### Dependencies\n" in t]
+    assert len(texts) == 1, "one page has a '### Dependencies' section"
+    section = texts[0].split("\n### Dependencies\n", 1)[1]
     named = dict(re.findall(r"([a-z][a-z-]+)\s+(\d+\.\d+\.\d+)", section.split("```")[0]))
     assert set(INTERNALS) <= set(named), named
     locked = _locked(LOCK_TEST)
