@@ -40,7 +40,7 @@ from gateway.routes import docs, health, jobs, metrics, models
 from gateway.state import GatewayState
 from shared import __version__, runtime
 from shared.keys import Keys
-from shared.redisconn import connect, sentinels
+from shared.redisconn import check_url, connect, sentinels
 from shared.settings import GatewaySettings
 from shared.transitions import ScriptRunner
 
@@ -61,8 +61,10 @@ def create_app(
     `raw_pubsub`: stream events over genq's own hiredis pub/sub connection to
     `settings.redis_url` or the sentinels' master (default when the app makes its own
     client) rather than redis-py's. ValueError, before anything serves, for a URL option
-    that connection cannot honour.
+    that connection cannot honour, or that the URL's transport does not take.
     """
+    if redis is None and settings.redis_url:
+        check_url(settings.redis_url)
     use_raw = (redis is None) if raw_pubsub is None else raw_pubsub
     endpoint = (
         Endpoint.from_url(settings.redis_url, settings.redis_socket_timeout_s)

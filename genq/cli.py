@@ -44,12 +44,20 @@ def _invalid(exc: ValidationError) -> str:
 
 
 def _need_redis(settings: RedisSettings, command: str) -> None:
-    """SystemExit with one line when `command`'s settings name no Redis."""
+    """SystemExit with one line when `command`'s settings name no Redis, or a URL with an
+    option its transport does not take."""
     if not settings.redis_configured:
         raise SystemExit(
             f"genq: error: genq {command} needs a Redis: --redis-url redis://HOST:6379/0, "
             "GENQ_REDIS_URL or GENQ_REDIS_SENTINELS (genq serve runs one of its own)"
         )
+    if settings.redis_url:
+        from shared.redisconn import check_url
+
+        try:
+            check_url(settings.redis_url)
+        except ValueError as exc:  # the message names the option, never the URL's password
+            raise SystemExit(f"genq: error: GENQ_REDIS_URL: {exc}") from None
 
 
 def _redis_flag(p: argparse.ArgumentParser, embedded: bool = False) -> None:
