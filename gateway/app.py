@@ -16,6 +16,7 @@ from gateway import http_errors, queues
 from gateway.access_log import AccessLog
 from gateway.batch import routes as batch_routes
 from gateway.batch.runtime import BatchRuntime
+from gateway.compaction import Compactor
 from gateway.dashboard import routes as dashboard_routes
 from gateway.dashboard.hub import DashboardHub
 from gateway.deadline_sweep import DeadlineSweep
@@ -100,11 +101,13 @@ def create_app(
         runtime.tune_gc()
         receiver = asyncio.create_task(router.run(), name="pubsub-router")
         sweep = DeadlineSweep(settings, client, scripts, keys)
+        app.state.compactor = compactor = Compactor(settings, client, scripts, keys)
         fleet = FleetExporter(settings, client, keys, state.presence.id, app.state.metrics)
         background = [
             asyncio.create_task(fleet.run(), name="fleet-metrics"),
             receiver,
             asyncio.create_task(sweep.run(), name="deadline-sweep"),
+            asyncio.create_task(compactor.run(), name="log-compaction"),
             asyncio.create_task(state.admission.repair_loop(), name="admission-repair"),
             asyncio.create_task(state.presence.run(), name="gateway-presence"),
         ]

@@ -5,16 +5,21 @@ Hashes and stream entries are flat: one Redis field per model field, `None` fiel
 A string or number is stored as its plain text (so the Lua scripts can compare and count
 it: `status`, `worker`, `attempt`); anything structured (a spec, a result) as its JSON.
 `to_hash` / `from_hash` are the only ways in and out; `fields` encodes a partial update (the
-fields a state transition sets), validated against the model like a whole record.
+fields a state transition sets), validated against the model like a whole record. A JSON
+field may also be stored packed (`pack`: zlib, then base64, after a `~` no JSON text starts
+with): what an ended job's compaction does to its result; `from_hash` reads both.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import re
 import types
 import typing
+import zlib
 from collections.abc import Mapping
 from functools import cache
 from typing import Any, Literal, Self
@@ -30,6 +35,8 @@ ANONYMOUS = "anonymous"
 _OWNER_HEX_DIGITS = 32
 """128 bits of the key's SHA-256: no two keys collide, and the key cannot be recovered."""
 _SCALARS = (str, int, float, bool)
+PACKED = "~"
+"""The first character of a packed value (`pack`): JSON text never starts with it."""
 
 
 class RecordError(ValueError):
@@ -53,6 +60,21 @@ def _text(value: bytes | str) -> str:
         except UnicodeDecodeError:
             raise RecordError("a field is not UTF-8 text") from None
     return value
+
+
+def pack(text: str) -> str:
+    """`text` compressed and made printable (Redis values are read as UTF-8 text)."""
+    return PACKED + base64.b64encode(zlib.compress(text.encode(), zlib.Z_BEST_COMPRESSION)).decode()
+
+
+def unpack(value: str) -> str:
+    """What `pack` packed; any other value as it is. RecordError for a damaged packed value."""
+    if not value.startswith(PACKED):
+        return value
+    try:
+        return zlib.decompress(base64.b64decode(value[1:], validate=True)).decode()
+    except (binascii.Error, zlib.error, UnicodeDecodeError):
+        raise RecordError("a packed field does not unpack") from None
 
 
 class HashModel(BaseModel):
@@ -105,7 +127,7 @@ class HashModel(BaseModel):
         try:
             for key, value in raw.items():
                 name, text = _text(key), _text(value)
-                data[name] = json.loads(text) if name in json_fields else text
+                data[name] = json.loads(unpack(text)) if name in json_fields else text
             return cls.model_validate(data)
         except json.JSONDecodeError as exc:
             raise RecordError(f"a field is not JSON: {exc.msg}") from None
@@ -155,6 +177,9 @@ class JobRecord(HashModel):
     done_stream: str | None = None
     """A stream told the job's id in the step that ends it (EMIT of a final event, SETTLE):
     a batch's, so that its tracker learns which lines finished without polling them."""
+    log: str | None = None
+    """The compact form of its event log (`shared.compact`, packed), once the log was
+    compacted (GENQ_EVENT_COMPACT_GRACE_S after the job ended); the log is gone then."""
 
     def view(self) -> JobView:
         result = self.result
