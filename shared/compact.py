@@ -180,7 +180,7 @@ class _Replay:
         with some of them left."""
         skip = min(max(self.after - first + 1, 0), n)
         for _ in range(skip):
-            self._step()
+            self._step(measure=False)
         seq = first + skip
         end = first + n
         while seq < end:
@@ -196,13 +196,13 @@ class _Replay:
             self.size += grown
         return True
 
-    def _step(self) -> int:
-        """Move past one token event; about the bytes it carried."""
+    def _step(self, *, measure: bool = True) -> int:
+        """Move past one token event; about the bytes it carried (if `measure`)."""
         log, e = self.log, self.event
         chars, count = log.chars[e], log.counts[e]
         lps = log.logprob_counts[e] if log.logprob_counts is not None else 0
         size = chars + _ID_BYTES * count
-        if lps and log.logprobs is not None:
+        if measure and lps and log.logprobs is not None:
             size += len(json.dumps(log.logprobs[self.lp : self.lp + lps]))
         self.char += chars
         self.token += count
