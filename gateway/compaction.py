@@ -17,17 +17,17 @@ import uuid
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared.compact import CompactLog
+from shared.compact import CompactLog, LogEntries
 from shared.events import EventError
 from shared.keys import Keys, seq_of
 from shared.records import JobRecord, RecordError, pack
 from shared.redis_health import failure_level
 from shared.settings import GatewaySettings
-from shared.transitions import ScriptRunner, Transitions
+from shared.transitions import Call, ScriptRunner, Transitions
 
 log = logging.getLogger(__name__)
 SWEEP_LIMIT = 100
-"""Jobs compacted per sweep: each reads the job's whole log, so a backlog goes in rounds."""
+"""Jobs read and compacted per pipeline: each reads the job's whole log."""
 COMPACTED = "compacted"
 
 
@@ -59,39 +59,70 @@ class Compactor:
         return bool(await self.redis.set(lock, self._token, nx=True, px=int(interval * 1000)))
 
     async def sweep(self, now: float | None = None) -> int:
-        """Compact up to SWEEP_LIMIT jobs due by `now`; how many were."""
-        due = await self.redis.zrangebyscore(
-            self.keys.compact_due(), "-inf", time.time() if now is None else now, 0, SWEEP_LIMIT
-        )
+        """Compact the jobs due by `now`, SWEEP_LIMIT at a time for at most one interval (a
+        backlog goes on next round); how many were compacted."""
+        now = time.time() if now is None else now
+        started = time.monotonic()
         done = 0
-        for job_id in due:
-            done += await self.compact(job_id) == COMPACTED
-        return done
+        while True:
+            due = await self.redis.zrangebyscore(
+                self.keys.compact_due(), "-inf", now, 0, SWEEP_LIMIT
+            )
+            replies = await self.compact_many(due)
+            done += replies.count(COMPACTED)
+            spent = time.monotonic() - started
+            if len(due) < SWEEP_LIMIT or spent >= self.settings.event_compact_sweep_s:
+                return done
 
     async def compact(self, job_id: str) -> str:
         """Compact one ended job's log: 'compacted', or why not ('changed': next round)."""
+        return (await self.compact_many([job_id]))[0]
+
+    async def compact_many(self, job_ids: list[str]) -> list[str]:
+        """Compact these jobs' logs: one pipeline reads them, one writes; each one's outcome
+        ('compacted', 'skipped', or 'changed': its log changed since, next round)."""
+        if not job_ids:
+            return []
         k = self.keys
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(k.job(job_id))
-        pipe.xrange(k.events(job_id))
-        raw, entries = await pipe.execute()
+        for job_id in job_ids:
+            pipe.hgetall(k.job(job_id))
+            pipe.xrange(k.events(job_id))
+        read = await pipe.execute()
+        calls = {}
+        for i, job_id in enumerate(job_ids):
+            call = self._call(job_id, read[2 * i], read[2 * i + 1])
+            if call is not None:
+                calls[job_id] = call
+        skipped = [j for j in job_ids if j not in calls]
+        if skipped:
+            await self.redis.zrem(k.compact_due(), *skipped)
+        replies = dict(zip(calls, await self.scripts.run_all(list(calls.values())), strict=True))
+        return [_outcome(replies.get(j, "skipped")) for j in job_ids]
+
+    def _call(self, job_id: str, raw: dict[str, str], entries: LogEntries) -> Call[str] | None:
+        """The COMPACT call of one job, as read; None for a job not to compact (gone, a
+        batch's, or one whose record or log does not decode)."""
         try:
             record = JobRecord.from_hash(raw) if raw else None
-            if record is not None and record.done_stream is not None:
-                record = None  # a batch's: its result is the batch's, its keys go soon
-            compact = CompactLog.of(entries, record.result) if record is not None else None
+            if record is None or record.done_stream is not None:
+                return None  # gone, or a batch's: its result is the batch's, its keys go soon
+            compact = CompactLog.of(entries, record.result)
         except (RecordError, EventError) as exc:
             log.error("job log not compacted", extra={"job_id": job_id, "error": str(exc)})
-            compact = None
-        if record is None or compact is None:
-            await self.redis.zrem(k.compact_due(), job_id)
-            return "skipped"
+            return None
         result = record.result
-        call = self.transitions.compact(
+        return self.transitions.compact(
             job_id,
             last_seq=seq_of(entries[-1][0]) if entries else 0,
             entries=len(entries),
             log=compact.encode(),
             result=pack(result.model_dump_json()) if result is not None else "",
         )
-        return await self.scripts.run(call)
+
+
+def _outcome(reply: str | Exception) -> str:
+    if isinstance(reply, Exception):  # Redis refused it (full, restarting): next round
+        log.warning("job log not compacted", extra={"error": str(reply)})
+        return "changed"
+    return reply
