@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from shared.compact import CompactLog, LogEntries
 from shared.events import EventError
 from shared.keys import Keys, seq_of
-from shared.records import JobRecord, RecordError, pack
+from shared.records import PACKED, JobRecord, RecordError, pack
 from shared.redis_health import failure_level
 from shared.settings import GatewaySettings
 from shared.transitions import Call, ScriptRunner, Transitions
@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 SWEEP_LIMIT = 100
 """Jobs read and compacted per pipeline: each reads the job's whole log."""
 COMPACTED = "compacted"
+PACKED_FIELDS = ("result", "spec")
+"""Record fields an ended job keeps for its retention and reads seldom: its result (text,
+token ids) and spec (prompt ids, sampler settings: its prompt may be long)."""
 
 
 class Compactor:
@@ -111,13 +114,17 @@ class Compactor:
         except (RecordError, EventError) as exc:
             log.error("job log not compacted", extra={"job_id": job_id, "error": str(exc)})
             return None
-        result = record.result
+        fields = {"log": compact.encode()}
+        for name in PACKED_FIELDS:  # kept whole, read rarely: packed where that is smaller
+            value = raw.get(name)
+            if value is not None and not value.startswith(PACKED):
+                if len(packed := pack(value)) < len(value):
+                    fields[name] = packed
         return self.transitions.compact(
             job_id,
             last_seq=seq_of(entries[-1][0]) if entries else 0,
             entries=len(entries),
-            log=compact.encode(),
-            result=pack(result.model_dump_json()) if result is not None else "",
+            fields=fields,
         )
 
 

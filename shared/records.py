@@ -7,7 +7,7 @@ it: `status`, `worker`, `attempt`); anything structured (a spec, a result) as it
 `to_hash` / `from_hash` are the only ways in and out; `fields` encodes a partial update (the
 fields a state transition sets), validated against the model like a whole record. A JSON
 field may also be stored packed (`pack`: zlib, then base64, after a `~` no JSON text starts
-with): what an ended job's compaction does to its result; `from_hash` reads both.
+with): what an ended job's compaction does to its result and spec; `from_hash` reads both.
 """
 
 from __future__ import annotations

@@ -343,13 +343,14 @@ class Transitions:
         return Call(script("settle"), self._ending_keys(job_id), args, lambda r: bool(int(r)))
 
     def compact(
-        self, job_id: str, *, last_seq: int, entries: int, log: str, result: str
+        self, job_id: str, *, last_seq: int, entries: int, fields: dict[str, str]
     ) -> Call[str]:
-        """Replace an ended job's event log by its compact form `log` (and its record's
-        result by `result`, if not ''), if the log still ends at `last_seq` with `entries`."""
+        """Replace an ended job's event log by its compact form, set with the other record
+        `fields` (the `log` field among them), if the log still ends at `last_seq` with
+        `entries`."""
         k = self.keys
         keys = [k.job(job_id), k.events(job_id), k.compact_due()]
-        args: list[Arg] = [job_id, last_seq, entries, log, result]
+        args: list[Arg] = [job_id, last_seq, entries, *_flat(fields)]
         return Call(script("compact"), keys, args, str)
 
     def hand_back(

@@ -2,7 +2,8 @@
 -- log is still the one the caller read: compare on its last seq and length. The record keeps
 -- its TTL; the job leaves the compaction index (KEYS[3]) whatever the outcome but `changed`.
 -- KEYS: job, events, compaction index.
--- ARGV: job id, last seq, entries, compact log (packed), result (packed; '': left as is).
+-- ARGV: job id, last seq, entries, then record (field, value) pairs: the compact log
+-- (`log`), and fields packed smaller (`result`, `spec`).
 -- -> 'compacted' | 'changed' (read again) | 'skipped' (gone, not ended, or compacted already)
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == 'queued' or status == 'running'
@@ -13,8 +14,7 @@ end
 if last_seq(KEYS[2]) ~= tonumber(ARGV[2]) or redis.call('XLEN', KEYS[2]) ~= tonumber(ARGV[3]) then
   return 'changed'
 end
-redis.call('HSET', KEYS[1], 'log', ARGV[4])
-if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'result', ARGV[5]) end
+set_fields(KEYS[1], 4)
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[1])
 return 'compacted'

@@ -173,7 +173,7 @@ async def test_compacting_twice_or_after_the_log_changed_is_harmless(stack: Stac
     full = folded(await resume(stack, job["id"], 0))
     entries = await stack.redis.xrange(keys.events(job["id"]))
     stale = c.transitions.compact(
-        job["id"], last_seq=1, entries=len(entries), log="~x", result="~x"
+        job["id"], last_seq=1, entries=len(entries), fields={"log": "~x", "result": "~x"}
     )
     assert await c.scripts.run(stale) == "changed"  # read before the log's end: not written
     assert folded(await resume(stack, job["id"], 0)) == full
