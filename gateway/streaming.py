@@ -72,7 +72,8 @@ class EventFollower:
         """One page of the events after `last` from the job's log: at most
         `event_page_entries`, and about `stream_buffer_bytes` of them by the sizes read so
         far, so a page of large events (logprobs) held while a slow client takes it costs no
-        more than the live buffer would."""
+        more than the live buffer would. A finished job's log compacted into its record
+        (`shared.compact`) is read from there, a page of the same size at a time."""
         page = self._page
         entries = await self.redis.xrange(
             self.keys.events(self.job_id), f"({event_id(self.last)}", "+", count=page
@@ -92,9 +93,11 @@ class EventFollower:
     async def _compact_log(self) -> tuple[CompactLog, JobResult | None] | None:
         """The job's compact log and result, if its log was compacted (`shared.compact`).
         Read again each time, not kept: it holds the job's whole text."""
-        log_value, result = await self.redis.hmget(self.keys.job(self.job_id), ["log", "result"])
+        key = self.keys.job(self.job_id)
+        log_value = await self.redis.hget(key, "log")  # a running job's read costs no more
         if log_value is None:
             return None
+        result = await self.redis.hget(key, "result")
         try:
             compact = CompactLog.decode(log_value)
             return compact, JobResult.model_validate_json(unpack(result)) if result else None

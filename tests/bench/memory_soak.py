@@ -11,7 +11,8 @@ GENQ_EVENT_COMPACT_GRACE_S=--grace (a tree that has no compaction ignores it), t
   sizes  one job of each --lengths tokens (at once); once each has ended and, where the tree
          compacts, its log was compacted: MEMORY USAGE (SAMPLES 0: every element) summed over
          the job's keys, its text's bytes, and bytes per text byte
-  soak   --duration seconds of --rate jobs/s (open loop, non-streaming submits), a share
+  soak   --duration seconds of --rate jobs/s (open loop, non-streaming submits, at most
+         --max-in-flight awaiting their 202: past it a submit is shed and counted), a share
          --long-share of them --long-tokens long and the rest --short-tokens; used_memory
          every --sample-s, and at the end the mean of the last --retention seconds against
          the --retention seconds before them (1.00: a plateau)
@@ -87,7 +88,7 @@ async def sizes(r: aioredis.Redis, http: httpx.AsyncClient, url: str, lengths: l
 
 async def soak(r: aioredis.Redis, http: httpx.AsyncClient, url: str, a: argparse.Namespace) -> dict:
     samples: list[tuple[float, int, int]] = []
-    sent = failed = 0
+    sent = failed = shed = 0
     t0 = time.monotonic()
     tasks: set[asyncio.Task[str]] = set()
     lengths = itertools.cycle(
@@ -101,7 +102,7 @@ async def soak(r: aioredis.Redis, http: httpx.AsyncClient, url: str, a: argparse
             samples.append((time.monotonic() - t0, int(info["used_memory"]), await r.dbsize()))
             print(
                 f"  t={samples[-1][0]:6.1f}s used_memory={samples[-1][1] / 2**20:8.2f} MiB "
-                f"keys={samples[-1][2]} sent={sent} failed={failed}",
+                f"keys={samples[-1][2]} sent={sent} failed={failed} shed={shed}",
                 flush=True,
             )
             await asyncio.sleep(a.sample_s)
@@ -115,7 +116,10 @@ async def soak(r: aioredis.Redis, http: httpx.AsyncClient, url: str, a: argparse
     sampler = asyncio.create_task(sample())
     while (elapsed := time.monotonic() - t0) < a.duration:
         due = int(elapsed * a.rate)
-        while sent < due:
+        while sent + shed < due:
+            if len(tasks) >= a.max_in_flight:  # the box can't keep up: shed, and say so
+                shed += 1
+                continue
             t = asyncio.create_task(submit(http, url, next(lengths)))
             t.add_done_callback(done)
             tasks.add(t)
@@ -132,6 +136,7 @@ async def soak(r: aioredis.Redis, http: httpx.AsyncClient, url: str, a: argparse
     return {
         "jobs_sent": sent,
         "jobs_failed": failed,
+        "jobs_shed": shed,
         "tokens_per_s": round(
             a.rate * (a.long_share * a.long_tokens + (1 - a.long_share) * a.short_tokens)
         ),
@@ -158,7 +163,9 @@ async def run_tree(tree: str, a: argparse.Namespace) -> dict[str, Any]:
         try:
             gw = cluster.gateway()
             cluster.worker("--step-ms", str(a.step_ms), "--max-batch", str(a.max_batch))
-            async with httpx.AsyncClient(timeout=httpx.Timeout(HTTP_TIMEOUT_S)) as http:
+            limits = httpx.Limits(max_connections=a.max_in_flight)
+            timeout = httpx.Timeout(HTTP_TIMEOUT_S)
+            async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
                 if "sizes" in a.sections:
                     out["sizes"] = await sizes(r, http, gw.url, a.lengths)
                     print(f"sizes ({out['tree']}):", flush=True)
@@ -190,6 +197,9 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=1000)
     ap.add_argument("--short-tokens", type=int, default=64)
     ap.add_argument("--sample-s", type=float, default=5.0)
+    ap.add_argument(
+        "--max-in-flight", type=int, default=64, help="submits awaiting an answer; more are shed"
+    )
     ap.add_argument("--step-ms", type=float, default=5.0, help="the sim engine's step")
     ap.add_argument("--max-batch", type=int, default=256)
     a = ap.parse_args()
