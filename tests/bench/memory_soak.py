@@ -8,9 +8,12 @@ starts a private redis-server (deploy/redis.conf, loopback only), one `genq gate
 `genq worker` with the sim engine (--step-ms), with GENQ_RETENTION_S=--retention and
 GENQ_EVENT_COMPACT_GRACE_S=--grace (a tree that has no compaction ignores it), then:
 
-  sizes  one job of each --lengths tokens (at once); once each has ended and, where the tree
-         compacts, its log was compacted: MEMORY USAGE (SAMPLES 0: every element) summed over
-         the job's keys, its text's bytes, and bytes per text byte
+  sizes  one job of each --lengths tokens (at once): MEMORY USAGE (SAMPLES 0: every element)
+         summed over the job's keys once it ended (its whole log) and, where the tree
+         compacts, once its log was compacted; its text's bytes and the target (1.5 x + 1 KB);
+         then a sizing table: what a fleet of --table-tokens-per-s holds in finished jobs of
+         each length for each of --table-retentions, with --table-grace (on a tree without
+         compaction, the grace changes nothing: both figures are the whole log's)
   soak   --duration seconds of --rate jobs/s (open loop, non-streaming submits, at most
          --max-in-flight awaiting their 202: past it a submit is shed and counted), a share
          --long-share of them --long-tokens long and the rest --short-tokens; used_memory
@@ -62,24 +65,47 @@ async def submit(http: httpx.AsyncClient, url: str, tokens: int) -> str:
 
 
 async def measured(r: aioredis.Redis, http: httpx.AsyncClient, url: str, tokens: int) -> dict:
-    """One job of `tokens`, measured once it ended and, where the tree compacts, its log was
-    compacted (a tree without compaction never lists it to compact)."""
+    """One job of `tokens`: its bytes once it ended (with its whole log, while the grace
+    lasts), and once its log was compacted where the tree compacts (a tree without compaction
+    never lists a job to compact: both figures are then the same)."""
     job_id = await submit(http, url, tokens)
     deadline = time.monotonic() + SIZES_TIMEOUT_S
+    whole: int | None = None
     while time.monotonic() < deadline:
         job = (await http.get(f"{url}/v1/jobs/{job_id}")).json()
-        if job["status"] == "succeeded" and await r.zscore(COMPACT_INDEX, job_id) is None:
-            used, text_bytes = await job_bytes(r, job_id), len(job["text"].encode())
-            return {
-                "tokens": tokens,
-                "job_bytes": used,
-                "text_bytes": text_bytes,
-                "target": int(1.5 * text_bytes + 1024),
-                "events": await r.xlen(f"{PREFIX}events:{{{job_id}}}"),
-                "compacted": bool(await r.hexists(f"{PREFIX}job:{{{job_id}}}", "log")),
-            }
+        if job["status"] == "succeeded":
+            if whole is None:
+                events = await r.xlen(f"{PREFIX}events:{{{job_id}}}")
+                whole = await job_bytes(r, job_id)
+            if await r.zscore(COMPACT_INDEX, job_id) is None:
+                used, text_bytes = await job_bytes(r, job_id), len(job["text"].encode())
+                return {
+                    "tokens": tokens,
+                    "events": events,
+                    "whole_log_bytes": whole,
+                    "job_bytes": used,
+                    "text_bytes": text_bytes,
+                    "target": int(1.5 * text_bytes + 1024),
+                    "compacted": bool(await r.hexists(f"{PREFIX}job:{{{job_id}}}", "log")),
+                }
         await asyncio.sleep(POLL_S)
     raise TimeoutError(f"job {job_id} did not settle")
+
+
+def sizing(rows: list[dict], a: argparse.Namespace) -> list[str]:
+    """Memory a fleet's finished jobs hold: jobs/s x (grace x whole + (retention - grace) x
+    compacted) bytes, for each job length measured."""
+    out = []
+    for row in rows:
+        for retention in a.table_retentions:
+            grace = min(a.table_grace, retention)
+            per_job = grace * row["whole_log_bytes"] + (retention - grace) * row["job_bytes"]
+            gb = a.table_tokens_per_s / row["tokens"] * per_job / 1e9
+            out.append(
+                f"  {a.table_tokens_per_s:,} tokens/s of {row['tokens']}-token jobs, retention "
+                f"{retention:,} s, grace {grace} s: {gb:,.2f} GB"
+            )
+    return out
 
 
 async def sizes(r: aioredis.Redis, http: httpx.AsyncClient, url: str, lengths: list[int]) -> list:
@@ -171,6 +197,7 @@ async def run_tree(tree: str, a: argparse.Namespace) -> dict[str, Any]:
                     print(f"sizes ({out['tree']}):", flush=True)
                     for row in out["sizes"]:
                         print(f"  {row}", flush=True)
+                    print("\n".join(sizing(out["sizes"], a)), flush=True)
                 if "soak" in a.sections:
                     print(f"soak ({out['tree']}):", flush=True)
                     out["soak"] = await soak(r, http, gw.url, a)
@@ -197,6 +224,16 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=1000)
     ap.add_argument("--short-tokens", type=int, default=64)
     ap.add_argument("--sample-s", type=float, default=5.0)
+    ap.add_argument("--table-tokens-per-s", type=int, default=7800, help="sizing: a fleet's rate")
+    ap.add_argument(
+        "--table-retentions",
+        default="3600,86400",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="sizing: GENQ_RETENTION_S values",
+    )
+    ap.add_argument(
+        "--table-grace", type=int, default=300, help="sizing: GENQ_EVENT_COMPACT_GRACE_S"
+    )
     ap.add_argument(
         "--max-in-flight", type=int, default=64, help="submits awaiting an answer; more are shed"
     )

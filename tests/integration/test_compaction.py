@@ -221,3 +221,18 @@ async def test_a_sweep_killed_midway_leaves_every_job_whole(stack: Stack) -> Non
     for j in jobs:
         assert not await stack.redis.exists(keys.events(j["id"]))
         assert folded(await resume(stack, j["id"], 0)) == full[j["id"]]
+
+
+async def test_a_gateway_compacts_ended_jobs_by_itself(
+    settings: Settings, real_redis: aioredis.Redis
+) -> None:
+    s = settings.model_copy(update={"event_compact_grace_s": 0, "event_compact_sweep_s": 0.05})
+    async with running_stack(s, real_redis) as st:
+        job = await finished(st, max_tokens=30)
+        keys = st.worker.st.keys
+        async with asyncio.timeout(5):
+            while await st.redis.exists(keys.events(job["id"])):
+                await asyncio.sleep(0.02)
+        assert await st.redis.hexists(keys.job(job["id"]), "log")
+        assert (await resume(st, job["id"], 0))[-1][1] == "done"
+        assert 0 < await st.redis.ttl(keys.job(job["id"])) <= s.retention_s
