@@ -104,6 +104,6 @@ def test_a_result_that_differs_from_the_log_keeps_the_logs_text() -> None:
 
 def test_a_damaged_compact_log_is_a_record_error() -> None:
     with pytest.raises(RecordError):
-        CompactLog.decode("~bm90IHpsaWI=")
+        CompactLog.decode("~bnot bz2 at all")
     with pytest.raises(RecordError):
         CompactLog.decode('{"kept": 1}')
