@@ -17,6 +17,7 @@ from gateway.access_log import AccessLog
 from gateway.auth_throttle import AuthThrottle
 from gateway.batch import routes as batch_routes
 from gateway.batch.runtime import BatchRuntime
+from gateway.compaction import Compactor
 from gateway.dashboard import routes as dashboard_routes
 from gateway.dashboard.hub import DashboardHub
 from gateway.deadline_sweep import DeadlineSweep
@@ -147,7 +148,9 @@ async def _start(
     app.state.batch = batches = BatchRuntime(state)
     app.state.dashboard = dashboard = DashboardHub(settings, client, keys)
     runtime.tune_gc()
-    _start_tasks(stack, router, state, fleet, DeadlineSweep(settings, client, scripts, keys))
+    sweep = DeadlineSweep(settings, client, scripts, keys)
+    app.state.compactor = compactor = Compactor(settings, client, scripts, keys)
+    _start_tasks(stack, router, state, fleet, sweep, compactor)
     groups = await queues.start(client, keys, settings.queue_models)
     stack.push_async_callback(queues.stop, groups)
     batches.start()
@@ -162,6 +165,7 @@ def _start_tasks(
     state: GatewayState,
     fleet: FleetExporter,
     sweep: DeadlineSweep,
+    compactor: Compactor,
 ) -> None:
     """The background loops; at shutdown the router closes first (its receive loop ends),
     then every loop is cancelled and awaited."""
@@ -171,6 +175,7 @@ def _start_tasks(
         "fleet-metrics": fleet.run,
         "pubsub-router": router.run,
         "deadline-sweep": sweep.run,
+        "log-compaction": compactor.run,
         "admission-repair": state.admission.repair_loop,
         "gateway-presence": state.presence.run,
     }

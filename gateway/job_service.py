@@ -20,6 +20,7 @@ from gateway.admission import AdmissionControl
 from gateway.identity import Identity
 from gateway.registry import LoadedCard, ModelRegistry
 from shared import events
+from shared.compact import CompactLog
 from shared.deadlines import expire_due
 from shared.errors import BadRequest, Conflict, JobNotFound, PromptTooLong, Unprocessable, shown
 from shared.events import EVENT_FIELD, CancelledEvent, EventError, QueuedEvent, TokenEvent
@@ -83,7 +84,9 @@ class JobService:
         self.scripts = scripts
         self.registry = registry
         self.keys = Keys(settings.key_prefix)
-        self.transitions = Transitions(self.keys, settings.recent_jobs)
+        self.transitions = Transitions(
+            self.keys, settings.recent_jobs, settings.event_compact_grace_s
+        )
         self.admission = AdmissionControl(settings, redis, scripts, self.keys)
         self._short_of_replicas = False
         """The last submit was answered with fewer replicas than GENQ_REDIS_WAIT_REPLICAS."""
@@ -303,8 +306,18 @@ class JobService:
             record = await self._expire(record)
         view = record.view()
         if text_so_far and record.result is None and record.attempt > 0:
-            view.text, view.text_truncated = await self._text_so_far(job_id)
+            if record.log is not None:  # its log was compacted: the text is there
+                view.text, view.text_truncated = self._compacted_text(record.log)
+            else:
+                view.text, view.text_truncated = await self._text_so_far(job_id)
         return view
+
+    def _compacted_text(self, value: str) -> tuple[str, bool]:
+        """`_text_so_far` of a compacted log (`shared.compact`, which holds the text of a job
+        without a result)."""
+        cap = self.settings.partial_text_max_chars
+        text = CompactLog.decode(value).full_text(None)
+        return text[:cap], len(text) > cap
 
     async def _text_so_far(self, job_id: str) -> tuple[str, bool]:
         """The token texts of the job's log, a page at a time, up to `partial_text_max_chars`;

@@ -278,6 +278,14 @@ class JobSettings(RedisSettings):
         ge=100,
         description="events kept in a job's event log, the replay streams resume from",
     )
+    event_compact_grace_s: int = Field(
+        default=300,
+        ge=0,
+        description="how long a finished job keeps its whole event log; then a gateway "
+        "replaces it by a compact form in the job's record (the text, token ids and logprobs, "
+        "and where each event's text begins), from which a resume with any Last-Event-ID gets "
+        "the same text and final event",
+    )
     recent_jobs: int = Field(
         default=1000,
         ge=0,
@@ -377,6 +385,12 @@ class GatewaySettings(JobSettings):
         ge=0,
         description="jobs one owner (API key) may have in flight for a model and priority "
         "before its next ones wait in the overflow stream behind other owners' (0 = off)",
+    )
+    event_compact_sweep_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="how often one gateway compacts the event logs of jobs finished longer "
+        "than GENQ_EVENT_COMPACT_GRACE_S ago",
     )
     deadline_sweep_s: float = Field(
         default=1.0,

@@ -117,7 +117,7 @@ class Worker:
             keys=keys,
             redis=client,
             scripts=ScriptRunner(client),
-            transitions=Transitions(keys, settings.recent_jobs),
+            transitions=Transitions(keys, settings.recent_jobs, settings.event_compact_grace_s),
             queues={p: keys.queue(model, p) for p in PRIORITIES},
             overflow={p: keys.overflow(model, p) for p in PRIORITIES},
             lease=LeaseClock(settings.lease_s),
