@@ -11,6 +11,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from shared import lifeline
+
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
@@ -52,6 +54,8 @@ def private_redis() -> Iterator[str | None]:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            # SIGTERM if `genq serve` dies: redis-server writes its AOF out and exits
+            preexec_fn=lifeline.preexec(),
         )
         try:
             _wait_for_port(port, proc)

@@ -38,7 +38,7 @@ from gateway.http_protocol import HTTP_PROTOCOL
 from gateway.server import listen, run_gateway, url_of
 from genq import launcher
 from genq.embedded_redis import private_redis
-from shared import logs, runtime
+from shared import lifeline, logs, runtime
 from shared.redisconn import connect
 from shared.settings import Settings
 from worker.process import install_signals, open_engine
@@ -154,6 +154,7 @@ def _serve_multi(settings: Settings, sock: socket.socket, url: str, plan: ServeP
             str(plan.procs_per_gpu),
         ],
         env=os.environ.copy(),
+        preexec_fn=lifeline.preexec(),  # drains and exits when this process dies
     )
     model = served_model(settings)
     where = f"{plan.procs_per_gpu} worker process(es) per GPU on GPU(s) {','.join(plan.gpus)}"
