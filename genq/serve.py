@@ -7,9 +7,12 @@ One plan, chosen before anything starts (`plan_serve`):
   multi    this process runs the gateway (uvicorn); a child runs the launcher with N worker
            processes per GPU. Needs a Redis every process can reach.
 
-Redis, in this order: GENQ_REDIS_URL (or GENQ_REDIS_SENTINELS); a private `redis-server`
-started in a temporary directory on a free port and stopped on exit; in-process fakeredis
-(single only).
+Redis, in this order: GENQ_REDIS_URL (or GENQ_REDIS_SENTINELS); a private `redis-server` on a
+free port, stopped on exit, its data kept in a per-user folder (or nowhere, `--ephemeral`: see
+genq/embedded_redis.py); in-process fakeredis (single only).
+
+Every process it starts (the redis-server, the worker launcher, an engine process) dies with
+it, however it dies (shared/lifeline.py).
 
 The listening socket comes first: a busy port stops `genq serve` before Redis or any worker
 starts, and the address is printed only once it is ours.
@@ -65,13 +68,21 @@ def plan_serve(settings: Settings, gpus: str | None, procs_per_gpu: str | None) 
 
 
 def serve(
-    settings: Settings, host: str, port: int, gpus: str | None, procs_per_gpu: str | None
+    settings: Settings,
+    host: str,
+    port: int,
+    gpus: str | None,
+    procs_per_gpu: str | None,
+    data_dir: Path | None,
 ) -> int:
+    """`data_dir`: where the private redis-server keeps its data (None: nothing is kept)."""
     sock = listen(host, port)
     url = url_of(sock)
     plan = plan_serve(settings, gpus, procs_per_gpu)
     with sock, contextlib.ExitStack() as stack:
-        if not settings.redis_configured and (redis_url := stack.enter_context(private_redis())):
+        if not settings.redis_configured and (
+            redis_url := stack.enter_context(private_redis(data_dir))
+        ):
             settings = settings.model_copy(update={"redis_url": redis_url})
         if not settings.redis_configured and plan.multi:
             log.warning("no redis-server to share between worker processes: running one")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import redis
 
 from tests.conftest import REDIS_URL
 from tests.prefixes import test_prefix
@@ -33,13 +34,12 @@ START_S = 60.0
 def genq(tmp_path: Path, *args: str, **env: str) -> Iterator[subprocess.Popen[bytes]]:
     """`python -m genq ARGS` (no GENQ_* from this environment but QUICK_ENV and `env`); it and
     whatever it started are SIGKILLed at the end, so a failing test leaves nothing running."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("GENQ_")}
     with open(tmp_path / f"{args[0]}.log", "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "genq", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**base, **QUICK_ENV, "PYTHONUNBUFFERED": "1", **env},
+            env=clean_env(**env),
         )
     tree = psutil.Process(proc.pid)
     seen: list[psutil.Process] = []
@@ -54,6 +54,11 @@ def genq(tmp_path: Path, *args: str, **env: str) -> Iterator[subprocess.Popen[by
             with contextlib.suppress(psutil.Error):
                 p.kill()
         print((tmp_path / f"{args[0]}.log").read_text(errors="replace")[-3000:])
+
+
+def clean_env(**env: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GENQ_")}
+    return {**base, **QUICK_ENV, "PYTHONUNBUFFERED": "1", **env}
 
 
 def descendants(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
@@ -75,6 +80,7 @@ def kill_and_expect_gone(proc: subprocess.Popen[bytes], tree: list[psutil.Proces
     deadline = time.monotonic() + GONE_WITHIN_S
     while time.monotonic() < deadline and any(running(p) for p in tree):
         time.sleep(0.05)
+    print(f"{len(tree)} processes, gone {time.monotonic() - deadline + GONE_WITHIN_S:.2f} s after")
     left = [f"{p.pid} {p.cmdline()}" for p in tree if running(p)]
     assert not left, f"processes outlived their parent: {left}"
 
@@ -141,9 +147,11 @@ def test_gateway_processes_die_with_their_supervisor(tmp_path: Path) -> None:
     port = free_port()
     args = ["gateway", "--port", str(port), "--workers", "2"]
     with genq(tmp_path, *args, **redis_env("tree-gw")) as proc:
-        # both uvicorn processes serve: each holds the listening socket
-        wait_tree(proc, lambda tree: len(holders(socket_inode(proc.pid, port), tree)) == 2)
+        log = tmp_path / "gateway.log"
+        wait_tree(proc, lambda _: log.read_text().count("Application startup complete") == 2)
         tree = descendants(proc)
+        # both uvicorn processes serve: each holds the listening socket
+        assert len(holders(socket_inode(proc.pid, port), tree)) == 2
         kill_and_expect_gone(proc, tree)
         assert can_bind(port), "the port is still held"
 
@@ -164,18 +172,65 @@ def test_the_engine_process_dies_with_its_worker(tmp_path: Path) -> None:
         kill_and_expect_gone(proc, descendants(proc))
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
-def test_serve_leaves_no_process_and_no_folder(tmp_path: Path) -> None:
-    """`genq serve` with its private redis-server and the sim engine in its own process: only
-    the gateway holds the listening socket, and a SIGKILL takes everything with it."""
+needs_redis_server = pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="needs redis-server on PATH"
+)
+
+
+@needs_redis_server
+@pytest.mark.parametrize(
+    "args",
+    [[], ["--procs-per-gpu", "2"]],
+    ids=["one-process", "worker-processes"],
+)
+def test_serve_ephemeral_leaves_no_process_and_no_folder(tmp_path: Path, args: list[str]) -> None:
+    """`genq serve --ephemeral` with its private redis-server (and the sim engine in its own
+    process, or a launcher with two worker processes): only the gateway holds the listening
+    socket, and a SIGKILL takes every process with it and leaves no folder behind."""
     port = free_port()
-    with genq(tmp_path, "serve", "--port", str(port), "--ephemeral") as proc:
-        wait_tree(proc, lambda tree: bool(named(tree, "worker.engine_process")))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    serve = ["serve", "--port", str(port), "--ephemeral", *args]
+    with genq(tmp_path, *serve, TMPDIR=str(tmp)) as proc:
+        engines = 1 if not args else 2
+        wait_tree(proc, lambda tree: len(named(tree, "worker.engine_process")) == engines)
         tree = descendants(proc)
-        [redis] = [p for p in tree if p.name() == "redis-server"]
-        folder = Path(redis.cwd())
+        assert [p for p in tree if p.name() == "redis-server"]
         inode = socket_inode(proc.pid, port)
         assert holders(inode, tree) == [], "a child holds the gateway's listening socket"
         kill_and_expect_gone(proc, tree)
         assert can_bind(port), "the port is still held"
-        assert not folder.exists(), f"{folder} left on disk"
+        assert list(tmp.iterdir()) == [], "left on disk"
+
+
+def redis_port(tree: list[psutil.Process]) -> int:
+    [server] = [p for p in tree if p.name() == "redis-server"]
+    [conn] = [c for c in server.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+    return int(conn.laddr.port)
+
+
+@needs_redis_server
+def test_serve_keeps_its_data_and_its_folder_is_one_servers(tmp_path: Path) -> None:
+    """By default the private redis-server keeps its data in the per-user folder: a SIGKILLed
+    `genq serve` takes its redis-server with it (which writes its AOF out on the way), the
+    next one finds the data; meanwhile a second one on the same folder is refused."""
+    data = Path(os.environ["XDG_DATA_HOME"]) / "genq" / "redis"
+    with genq(tmp_path, "serve", "--port", str(free_port())) as first:
+        wait_tree(first, lambda tree: bool(named(tree, "worker.engine_process")))
+        tree = descendants(first)
+        with redis.Redis(port=redis_port(tree)) as r:
+            r.set("kept", "yes")
+        second = subprocess.run(
+            [sys.executable, "-m", "genq", "serve", "--port", str(free_port())],
+            capture_output=True,
+            text=True,
+            timeout=START_S,
+            env=clean_env(),
+        )
+        assert second.returncode == 1
+        assert f"the data folder {data} is in use" in second.stderr
+        kill_and_expect_gone(first, tree)
+    with genq(tmp_path, "serve", "--port", str(free_port())) as third:
+        wait_tree(third, lambda tree: bool(named(tree, "worker.engine_process")))
+        with redis.Redis(port=redis_port(descendants(third))) as r:
+            assert r.get("kept") == b"yes", "the killed serve's data is lost"
