@@ -22,12 +22,14 @@ import redis
 
 from tests.conftest import REDIS_URL
 from tests.prefixes import test_prefix
-from tests.procs import QUICK_ENV, free_port, wait_for
+from tests.procs import QUICK_ENV, free_port
 
 GONE_WITHIN_S = 8.0
 """SIGTERMed children drain (nothing to drain here) and exit; SIGKILLed ones go at once."""
 START_S = 60.0
 """Several interpreters starting at once on a shared 2-core box."""
+REFUSED_WITHIN_S = 20.0
+"""A `genq serve` that cannot have its data folder exits well within this."""
 
 
 @contextlib.contextmanager
@@ -86,11 +88,15 @@ def kill_and_expect_gone(proc: subprocess.Popen[bytes], tree: list[psutil.Proces
 
 
 def wait_tree(proc: subprocess.Popen[bytes], ready: Callable[[list[psutil.Process]], bool]) -> None:
-    def check() -> bool:
-        assert proc.poll() is None, "the command exited"
-        return ready(descendants(proc))
-
-    wait_for(check, timeout=START_S, interval=0.1, what="its processes")
+    """Until `ready` says yes of `proc`'s processes; fails at once if `proc` exits."""
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the command exited with {proc.returncode}"
+        with contextlib.suppress(psutil.Error, OSError, ValueError, AssertionError):
+            if ready(descendants(proc)):
+                return
+        time.sleep(0.1)
+    raise TimeoutError("its processes did not start")
 
 
 def named(tree: list[psutil.Process], word: str) -> list[psutil.Process]:
@@ -184,16 +190,19 @@ needs_redis_server = pytest.mark.skipif(
     ids=["one-process", "worker-processes"],
 )
 def test_serve_ephemeral_leaves_no_process_and_no_folder(tmp_path: Path, args: list[str]) -> None:
-    """`genq serve --ephemeral` with its private redis-server (and the sim engine in its own
-    process, or a launcher with two worker processes): only the gateway holds the listening
+    """`genq serve --ephemeral` with its private redis-server and the sim engine in its own
+    process, or a launcher with two worker processes: only the gateway holds the listening
     socket, and a SIGKILL takes every process with it and leaves no folder behind."""
     port = free_port()
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     serve = ["serve", "--port", str(port), "--ephemeral", *args]
-    with genq(tmp_path, *serve, TMPDIR=str(tmp)) as proc:
-        engines = 1 if not args else 2
-        wait_tree(proc, lambda tree: len(named(tree, "worker.engine_process")) == engines)
+    # with worker processes, their engines in-process (test_worker_processes_die_with_their_
+    # launcher has engine processes below a launcher): two interpreters fewer to start
+    env = {"GENQ_ENGINE_PROCESS": "false"} if args else {}
+    with genq(tmp_path, *serve, TMPDIR=str(tmp), **env) as proc:
+        # one process: redis-server, the engine's; else redis-server, launcher, 2 workers
+        wait_tree(proc, lambda tree: len(tree) == (4 if args else 2))
         tree = descendants(proc)
         assert [p for p in tree if p.name() == "redis-server"]
         inode = socket_inode(proc.pid, port)
@@ -224,7 +233,7 @@ def test_serve_keeps_its_data_and_its_folder_is_one_servers(tmp_path: Path) -> N
             [sys.executable, "-m", "genq", "serve", "--port", str(free_port())],
             capture_output=True,
             text=True,
-            timeout=START_S,
+            timeout=REFUSED_WITHIN_S,
             env=clean_env(),
         )
         assert second.returncode == 1
