@@ -70,8 +70,14 @@ def private_redis(data_dir: Path | None) -> Iterator[str | None]:
 
 @contextlib.contextmanager
 def _persistent(binary: str, data_dir: Path) -> Iterator[str]:
-    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    lock = _lock(data_dir)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock = _lock(data_dir)
+    except OSError as exc:
+        raise SystemExit(
+            f"genq: error: cannot keep data in {data_dir}: {exc.strerror or exc} (another "
+            "--data-dir, or --ephemeral)"
+        ) from None
     try:
         with _server(binary, data_dir, PERSISTENT, keep_fd=lock) as url:
             yield url
