@@ -286,7 +286,15 @@ def main(argv: list[str] | None = None) -> int:
         settings = _settings(**level, **_engine_settings(args), redis_url=args.redis_url)
         check_engine(settings)
         data_dir = None if args.ephemeral else (args.data_dir or default_data_dir())
-        return serve(settings, args.host, args.port, args.gpus, args.procs_per_gpu, data_dir)
+        return serve(
+            settings,
+            args.host,
+            args.port,
+            args.gpus,
+            args.procs_per_gpu,
+            data_dir,
+            data_dir_chosen=args.data_dir is not None,
+        )
     if args.command == "gateway":
         return _gateway(args, level)
     if args.command == "worker":

@@ -53,36 +53,45 @@ def default_data_dir() -> Path:
 
 
 @contextlib.contextmanager
-def private_redis(data_dir: Path | None) -> Iterator[str | None]:
+def private_redis(data_dir: Path | None, chosen: bool = True) -> Iterator[str | None]:
     """A redis-server of our own (its URL), keeping its data in `data_dir` (None: nothing
-    kept), stopped on exit; None when the binary is missing."""
+    kept), stopped on exit; None when the binary is missing. A folder that cannot be made
+    stops the start with one line if it was `chosen`; the default one is only warned about
+    (a read-only home still serves, keeping nothing)."""
     binary = shutil.which("redis-server")
     if binary is None:
         yield None
         return
-    if data_dir is None:
+    lock = None if data_dir is None else _take(data_dir, chosen)
+    if data_dir is None or lock is None:
         with _ephemeral(binary) as url:
             yield url
-    else:
-        with _persistent(binary, data_dir) as url:
-            yield url
-
-
-@contextlib.contextmanager
-def _persistent(binary: str, data_dir: Path) -> Iterator[str]:
-    try:
-        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        lock = _lock(data_dir)
-    except OSError as exc:
-        raise SystemExit(
-            f"genq: error: cannot keep data in {data_dir}: {exc.strerror or exc} (another "
-            "--data-dir, or --ephemeral)"
-        ) from None
+        return
     try:
         with _server(binary, data_dir, PERSISTENT, keep_fd=lock) as url:
             yield url
     finally:
         os.close(lock)
+
+
+def _take(data_dir: Path, chosen: bool) -> int | None:
+    """The folder made and locked (its lock's descriptor); None if it cannot be made and
+    was not `chosen`."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return _lock(data_dir)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if chosen:
+            raise SystemExit(
+                f"genq: error: cannot keep data in {data_dir}: {reason} (another --data-dir, "
+                "or --ephemeral)"
+            ) from None
+        log.warning(
+            "cannot keep the private redis-server's data: keeping none (--data-dir DIR)",
+            extra={"dir": str(data_dir), "reason": reason},
+        )
+        return None
 
 
 @contextlib.contextmanager

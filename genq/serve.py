@@ -74,14 +74,17 @@ def serve(
     gpus: str | None,
     procs_per_gpu: str | None,
     data_dir: Path | None,
+    data_dir_chosen: bool = True,
 ) -> int:
-    """`data_dir`: where the private redis-server keeps its data (None: nothing is kept)."""
+    """`data_dir`: where the private redis-server keeps its data (None: nothing is kept);
+    `data_dir_chosen`: given by the user (not the default), so one that cannot be made stops
+    the start."""
     sock = listen(host, port)
     url = url_of(sock)
     plan = plan_serve(settings, gpus, procs_per_gpu)
     with sock, contextlib.ExitStack() as stack:
         if not settings.redis_configured and (
-            redis_url := stack.enter_context(private_redis(data_dir))
+            redis_url := stack.enter_context(private_redis(data_dir, data_dir_chosen))
         ):
             settings = settings.model_copy(update={"redis_url": redis_url})
         if not settings.redis_configured and plan.multi:

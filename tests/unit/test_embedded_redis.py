@@ -50,6 +50,15 @@ def test_a_folder_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
             pass
 
 
+def test_a_default_folder_that_cannot_be_made_keeps_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "file").write_text("")
+    with private_redis(tmp_path / "file" / "data", chosen=False) as url:
+        assert url is not None and not Path(_server_folder(url)).exists()
+    assert "keeping none" in caplog.text
+
+
 def test_without_a_folder_nothing_is_left_on_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
