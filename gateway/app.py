@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 from collections.abc import AsyncIterator
 
@@ -39,7 +40,7 @@ from gateway.pubsub_wire import (
 from gateway.registry import ModelRegistry
 from gateway.routes import docs, health, jobs, metrics, models
 from gateway.state import GatewayState
-from shared import __version__, runtime
+from shared import __version__, lifeline, runtime
 from shared.keys import Keys
 from shared.redisconn import check_url, connect, sentinels
 from shared.settings import GatewaySettings
@@ -229,5 +230,11 @@ def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:
 
 
 def create_app_from_env() -> FastAPI:
-    """Factory for `uvicorn --factory` (each `genq gateway` process builds its own settings)."""
+    """Factory for `uvicorn --factory` (each `genq gateway` process builds its own settings).
+    A process spawned by uvicorn's supervisor (`--workers N`) dies with it: it gets SIGTERM,
+    closes its listening socket at once and drains its streams, instead of serving on as an
+    orphan that a restarted gateway could not bind beside."""
+    supervisor = multiprocessing.parent_process()
+    if supervisor is not None and supervisor.pid is not None:
+        lifeline.die_with_parent(supervisor.pid)
     return create_app(GatewaySettings())

@@ -57,6 +57,7 @@ import redis
 from genq import procstats
 from genq.bench import Client, Target
 from genq.stats import TokenTimes, latency, percentile
+from shared import lifeline
 from shared.keys import Keys
 from shared.logs import setup as setup_logging
 from shared.schemas import Sampling
@@ -334,6 +335,7 @@ class System:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,
+                preexec_fn=lifeline.preexec(),  # a killed benchmark leaves no service running
             )
         )
 
@@ -1055,7 +1057,10 @@ class Busy:
 
     def __enter__(self) -> Busy:
         spin = "while True: pass"
-        self.procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(self.n)]
+        self.procs = [
+            subprocess.Popen([sys.executable, "-c", spin], preexec_fn=lifeline.preexec())
+            for _ in range(self.n)
+        ]
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any, TypeVar, get_args
 
 from pydantic import ValidationError
@@ -169,6 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="gateway + worker in one process (dev, demos, one GPU)")
     _listen_flags(p)
     _redis_flag(p, embedded=True)
+    data = p.add_mutually_exclusive_group()
+    data.add_argument(
+        "--data-dir",
+        type=Path,
+        help="where the private redis-server keeps its data, across restarts (default: "
+        "$XDG_DATA_HOME/genq/redis, else ~/.local/share/genq/redis)",
+    )
+    data.add_argument(
+        "--ephemeral",
+        action="store_true",
+        help="the private redis-server keeps nothing: its data goes when genq serve stops",
+    )
     _engine_flags(p)
     _launcher_flags(p, default_procs="auto")
 
@@ -293,12 +306,22 @@ def _run(args: argparse.Namespace) -> int:
     level = {"log_level": args.log_level}
     logs.setup(_load(RedisSettings, **level))
     if args.command == "serve":
+        from genq.embedded_redis import default_data_dir
         from genq.serve import serve
         from worker.process import check_engine
 
         settings = _settings(**level, **_engine_settings(args), redis_url=args.redis_url)
         check_engine(settings)
-        return serve(settings, args.host, args.port, args.gpus, args.procs_per_gpu)
+        data_dir = None if args.ephemeral else (args.data_dir or default_data_dir())
+        return serve(
+            settings,
+            args.host,
+            args.port,
+            args.gpus,
+            args.procs_per_gpu,
+            data_dir,
+            data_dir_chosen=args.data_dir is not None,
+        )
     if args.command == "gateway":
         return _gateway(args, level)
     if args.command == "worker":

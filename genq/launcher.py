@@ -35,6 +35,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
+from shared import lifeline
 from shared.settings import WorkerSettings
 from worker import cpus
 from worker.exl2 import loader
@@ -156,7 +157,8 @@ class Launcher:
         env = dict(c.env)
         if c.restarts:  # a fresh id: the old one's entries are reclaimed like any dead worker's
             env["GENQ_WORKER_ID"] = f"{c.env['GENQ_WORKER_ID']}r{c.restarts}"
-        c.proc = subprocess.Popen(self.command, env=env)
+        # SIGTERM when the launcher dies, however it dies: the child drains and exits
+        c.proc = subprocess.Popen(self.command, env=env, preexec_fn=lifeline.preexec())
         c.started = time.monotonic()
         log.info(
             "worker process started",
