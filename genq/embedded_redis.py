@@ -150,6 +150,9 @@ def _server(
         pass_fds=() if keep_fd is None else (keep_fd,),
         # SIGTERM if `genq serve` dies: redis-server writes its AOF out and exits
         preexec_fn=lifeline.preexec(),
+        # a process group of its own: a terminal's Ctrl-C (SIGINT to the foreground group)
+        # reaches `genq serve` alone, which stops this server last, after its streams drained
+        process_group=0,
     )
     try:
         _wait_for_port(port, proc)

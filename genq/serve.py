@@ -32,9 +32,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import redis.asyncio as aioredis
 import uvicorn
+from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.http_protocol import HTTP_PROTOCOL
@@ -135,7 +137,7 @@ async def _serve_single(
         http=HTTP_PROTOCOL,  # streams can drop a client that stopped reading
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
     )
-    server = uvicorn.Server(config)
+    server = _DrainingServer(config, app, worker)
     worker_task = asyncio.create_task(worker.run())
 
     def stop() -> None:
@@ -151,6 +153,28 @@ async def _serve_single(
     await asyncio.gather(server_task, worker_task, return_exceptions=True)
     await client.aclose()
     return 0 if worker.st.healthy else 1
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, told of `genq serve`'s worker. The first SIGINT or SIGTERM drains:
+    uvicorn stops accepting and lets open streams end with their `done` (the worker and Redis
+    run on until then), and a request that still reaches the app gets a 503 at once. A second
+    Ctrl-C stops now: uvicorn closes the open streams, and the worker hands its jobs back to
+    the queue without waiting for them."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, worker: Worker) -> None:
+        super().__init__(config)
+        self.app = app
+        self.worker = worker
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        draining = self.should_exit
+        super().handle_exit(sig, frame)
+        state = getattr(self.app.state, "genq", None)
+        if state is not None:
+            state.draining = True
+        if draining and sig == signal.SIGINT:
+            self.worker.stop(now=True)
 
 
 def _serve_multi(settings: Settings, sock: socket.socket, url: str, plan: ServePlan) -> int:
@@ -169,24 +193,38 @@ def _serve_multi(settings: Settings, sock: socket.socket, url: str, plan: ServeP
         ],
         env=os.environ.copy(),
         preexec_fn=lifeline.preexec(),  # drains and exits when this process dies
+        # a group of its own (its worker processes join it): a terminal's Ctrl-C reaches this
+        # process alone, which drains the workers beside the gateway, or stops them at once
+        process_group=0,
     )
     model = served_model(settings)
     where = f"{plan.procs_per_gpu} worker process(es) per GPU on GPU(s) {','.join(plan.gpus)}"
     _announce(url, f"model '{model}' ({where})", model)
 
+    signals = 0
+
     def drain(*_: object) -> None:
-        # uvicorn re-raises the signal that stopped it once it is done; this handler catches
-        # that (instead of the default, which would kill us before the workers drained) and
-        # starts the workers' drain beside the gateway's.
+        # uvicorn re-raises each signal that stopped it once it is done; this handler catches
+        # them (instead of the default, which would kill us before the workers drained) and
+        # starts the workers' drain beside the gateway's. A second signal (Ctrl-C twice)
+        # stops the launcher and its workers at once: their jobs stay in Redis, reclaimed
+        # after the lease by the next worker.
+        nonlocal signals
+        signals += 1
         if workers.poll() is None:
-            workers.send_signal(signal.SIGTERM)
+            if signals == 1:
+                workers.send_signal(signal.SIGTERM)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(workers.pid, signal.SIGKILL)
 
     signal.signal(signal.SIGTERM, drain)
     signal.signal(signal.SIGINT, drain)
     try:
         run_gateway(settings, sock, 1)
     finally:
-        drain()
+        if not signals:  # the gateway stopped by itself
+            drain()
         try:
             code = workers.wait(settings.shutdown_grace_s + 2 * launcher.KILL_MARGIN_S)
         except subprocess.TimeoutExpired:

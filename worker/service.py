@@ -189,8 +189,12 @@ class Worker:
             with contextlib.suppress(RedisError, OSError):
                 await self._leave()
 
-    def stop(self) -> None:
+    def stop(self, now: bool = False) -> None:
+        """Stop claiming and drain: running jobs get `GENQ_SHUTDOWN_GRACE_S` to finish. `now`
+        (a second Ctrl-C): they are handed back to the queue at once, uncounted."""
         self.st.stopping.set()
+        if now:
+            self.st.hurry.set()
 
     def cancel(self, job_id: str, reason: str = "cancelled") -> None:
         self.st.cancel(job_id, reason)
@@ -289,10 +293,17 @@ class Worker:
         st = self.st
         deadline = time.monotonic() + grace_s
         await requeue_waiting(st)
-        while st.running and time.monotonic() < deadline:
+        while st.running and time.monotonic() < deadline and not st.hurry.is_set():
             st.room.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(st.room.wait(), deadline - time.monotonic())
+            room = asyncio.ensure_future(st.room.wait())
+            hurry = asyncio.ensure_future(st.hurry.wait())
+            await asyncio.wait(
+                {room, hurry},
+                timeout=deadline - time.monotonic(),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            room.cancel()
+            hurry.cancel()
         await requeue_waiting(st)  # what a reclaim in flight at SIGTERM brought in
         for job_id in list(st.running):
             run = st.drop(job_id)

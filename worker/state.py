@@ -75,6 +75,8 @@ class WorkerState:
     flush_wanted: asyncio.Event = field(default_factory=asyncio.Event)
     room: asyncio.Event = field(default_factory=asyncio.Event)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    hurry: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set with `stopping` to drain without waiting for running jobs (they go back at once)."""
     closing: bool = False
     healthy: bool = True
     counts: StepCounts = field(default_factory=StepCounts)
