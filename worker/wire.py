@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import msgspec
 
-from shared.schemas import Sampling
+from shared.schemas import SAMPLING_FIELDS, Sampling
 from shared.settings import LogFormat, LogLevel
 from worker.engine import EngineJob, StepOutput, Stop
 
@@ -30,20 +30,19 @@ _RECV_BYTES = 1 << 18
 T = TypeVar("T")
 
 
-class SamplingWire(msgspec.Struct, array_like=True, gc=False):
-    """`shared.schemas.Sampling`, field for field (a unit test holds them equal)."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    seed: int | None
-    stop: list[str]
-    stop_token_ids: list[int]
-    logprobs: int | None
+if TYPE_CHECKING:
+    SamplingWire = msgspec.Struct
+else:
+    SamplingWire = msgspec.defstruct(
+        "SamplingWire",
+        [(name, info.annotation) for name, info in Sampling.model_fields.items()],
+        module=__name__,
+        array_like=True,
+        gc=False,
+    )
+"""`shared.schemas.Sampling`, field for field, made from its fields (their pydantic limits
+are not checked again here: msgspec ignores that metadata, the gateway and the worker have
+validated them)."""
 
 
 class Init(msgspec.Struct, tag=1, array_like=True, gc=False):
@@ -163,19 +162,7 @@ class Frames(Generic[T]):
 
 def add_message(job: EngineJob, attempt: int) -> Add:
     s = job.sampling
-    sampling = SamplingWire(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        seed=s.seed,
-        stop=s.stop,
-        stop_token_ids=s.stop_token_ids,
-        logprobs=s.logprobs,
-    )
+    sampling = SamplingWire(*[getattr(s, name) for name in SAMPLING_FIELDS])
     return Add(
         job.id,
         attempt,

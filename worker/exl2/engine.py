@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared.schemas import ModelCard
 from worker.engine import EngineJob, StepOutput
-from worker.exl2.loader import Backend, load_backend
+from worker.exl2.loader import SAMPLING_SUPPORT, Backend, load_backend
 from worker.exl2.results import step_output
 
 if TYPE_CHECKING:
@@ -30,6 +30,8 @@ class _Tracked:
 
 
 class ExLlamaV2Engine:
+    sampling_support = SAMPLING_SUPPORT
+
     def __init__(self, backend: Backend, card: ModelCard, tokenizer_json: str) -> None:
         self._backend = backend
         self.card = card

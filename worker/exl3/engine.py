@@ -29,6 +29,7 @@ from worker.engine import EngineJob, StepOutput
 from worker.exl2.loader import Backend
 from worker.exl3.loader import PAGE_TOKENS, RESERVED_TOKENS, load_backend
 from worker.exl3.results import error_output, streaming_output
+from worker.exl3.sampling import SAMPLING_SUPPORT
 
 if TYPE_CHECKING:
     from shared.settings import EngineSettings
@@ -44,6 +45,8 @@ class _Tracked:
 
 
 class ExLlamaV3Engine:
+    sampling_support = SAMPLING_SUPPORT
+
     def __init__(self, backend: Backend, card: ModelCard, tokenizer_json: str) -> None:
         self._backend = backend
         self.card = card
