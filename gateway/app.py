@@ -72,63 +72,9 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = redis or connect(settings)
-        keys = Keys(settings.key_prefix)
-        registry = ModelRegistry(client, keys, settings.card_cache_s)
-        backend: PubSubBackend
-        target: Endpoint | Target | None = endpoint
-        if use_raw and settings.redis_sentinels:
-            target = _sentinel_master(settings)
-        if target is not None:
-            backend = RawPubSub(target, f"genq-gateway-pubsub-{os.getpid()}")
-        else:
-            backend = RedisPyPubSub(client)
-        router = PubSubRouter(backend, buffer_bytes=settings.stream_buffer_bytes)
-        scripts = ScriptRunner(client)
-        jobs = JobService(settings, client, scripts, registry)
-        state = GatewayState(
-            settings=settings,
-            redis=client,
-            keys=keys,
-            router=router,
-            registry=registry,
-            jobs=jobs,
-            presence=Presence(settings, client, keys, jobs),
-        )
-        app.state.genq = state
-        app.state.batch = batches = BatchRuntime(state)
-        app.state.dashboard = dashboard = DashboardHub(settings, client, keys)
-        runtime.tune_gc()
-        receiver = asyncio.create_task(router.run(), name="pubsub-router")
-        sweep = DeadlineSweep(settings, client, scripts, keys)
-        fleet = FleetExporter(settings, client, keys, state.presence.id, app.state.metrics)
-        background = [
-            asyncio.create_task(fleet.run(), name="fleet-metrics"),
-            receiver,
-            asyncio.create_task(sweep.run(), name="deadline-sweep"),
-            asyncio.create_task(state.admission.repair_loop(), name="admission-repair"),
-            asyncio.create_task(state.presence.run(), name="gateway-presence"),
-        ]
-        groups = await queues.start(client, keys, settings.queue_models)
-        batches.start()
-        try:
+        async with contextlib.AsyncExitStack() as stack:
+            await _start(app, stack, settings, redis, use_raw, endpoint)
             yield
-        finally:
-            state.draining = True
-            await dashboard.close()
-            await batches.stop()
-            await queues.stop(groups)
-            await router.close()
-            for task in background:
-                task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.gather(*background)
-            await state.presence.close()
-            await fleet.close()
-            if isinstance(target, SentinelMaster):
-                await target.aclose()
-            if redis is None:
-                await client.aclose()
 
     app = FastAPI(
         title="genq",
@@ -151,6 +97,96 @@ def create_app(
     if settings.dashboard:
         dashboard_routes.install(app)
     return app
+
+
+async def _start(
+    app: FastAPI,
+    stack: contextlib.AsyncExitStack,
+    settings: GatewaySettings,
+    redis: aioredis.Redis | None,
+    use_raw: bool,
+    endpoint: Endpoint | None,
+) -> None:
+    """Start what the gateway runs, each part registered on `stack` as it starts, so a part
+    that fails unwinds those before it and shutdown stops them all in reverse: the batch
+    loops, the consumer groups and the router before the tasks, which stop before presence
+    and the fleet lease are cleared, and the Redis connections go last."""
+    client = redis or connect(settings)
+    if redis is None:
+        stack.push_async_callback(client.aclose)
+    target: Endpoint | Target | None = endpoint
+    if use_raw and settings.redis_sentinels:
+        target = master = _sentinel_master(settings)
+        stack.push_async_callback(master.aclose)
+    backend: PubSubBackend = (
+        RawPubSub(target, f"genq-gateway-pubsub-{os.getpid()}")
+        if target is not None
+        else RedisPyPubSub(client)
+    )
+    keys = Keys(settings.key_prefix)
+    registry = ModelRegistry(client, keys, settings.card_cache_s)
+    scripts = ScriptRunner(client)
+    jobs = JobService(settings, client, scripts, registry)
+    presence = Presence(settings, client, keys, jobs)
+    fleet = FleetExporter(settings, client, keys, presence.id, app.state.metrics)
+    stack.push_async_callback(fleet.close)
+    stack.push_async_callback(presence.close)
+    router = PubSubRouter(backend, buffer_bytes=settings.stream_buffer_bytes)
+    state = GatewayState(
+        settings=settings,
+        redis=client,
+        keys=keys,
+        router=router,
+        registry=registry,
+        jobs=jobs,
+        presence=presence,
+    )
+    app.state.genq = state
+    app.state.batch = batches = BatchRuntime(state)
+    app.state.dashboard = dashboard = DashboardHub(settings, client, keys)
+    runtime.tune_gc()
+    _start_tasks(stack, router, state, fleet, DeadlineSweep(settings, client, scripts, keys))
+    groups = await queues.start(client, keys, settings.queue_models)
+    stack.push_async_callback(queues.stop, groups)
+    batches.start()
+    stack.push_async_callback(batches.stop)
+    stack.push_async_callback(dashboard.close)  # its loop starts with its first viewer
+    stack.callback(_drain, state)
+
+
+def _start_tasks(
+    stack: contextlib.AsyncExitStack,
+    router: PubSubRouter,
+    state: GatewayState,
+    fleet: FleetExporter,
+    sweep: DeadlineSweep,
+) -> None:
+    """The background loops; at shutdown the router closes first (its receive loop ends),
+    then every loop is cancelled and awaited."""
+    background: list[asyncio.Task[None]] = []
+    stack.push_async_callback(_cancel, background)
+    loops = {
+        "fleet-metrics": fleet.run,
+        "pubsub-router": router.run,
+        "deadline-sweep": sweep.run,
+        "admission-repair": state.admission.repair_loop,
+        "gateway-presence": state.presence.run,
+    }
+    for name, loop in loops.items():
+        background.append(asyncio.create_task(loop(), name=name))
+    stack.push_async_callback(router.close)
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.gather(*tasks)
+
+
+def _drain(state: GatewayState) -> None:
+    """First at shutdown: what still runs sees the gateway going."""
+    state.draining = True
 
 
 def _sentinel_master(settings: GatewaySettings) -> SentinelMaster:

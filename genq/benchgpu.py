@@ -46,7 +46,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -571,6 +571,26 @@ def genq_bench(system: System, streams: int, requests: int, new: int, prompt: in
 
 
 def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    # `timeout` ends a run with SIGTERM: leave through `finally`, which stops the gateway and
+    # worker processes (left running, they would hold the GPU for the next run)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(TERMINATED))
+    run = prepare(a)
+    if a.rounds and run.compare and a.model != SIM:
+        run_turns(run)
+        return 0
+    bare = bare_first(run)
+    if a.system or run.levels or run.compare:
+        system_runs(run)
+    if bare is not None:  # --bare-again: the bare loop once more, after the system
+        bare_after(run, bare)
+    return 0
+
+
+# ---- parse ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m genq.benchgpu",
         description=__doc__,
@@ -599,6 +619,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1, help="worker processes to wait for")
     p.add_argument("--gateways", type=int, default=1, help="gateway (uvicorn) processes")
     p.add_argument("--genq-bench", action="store_true", help="also run the `genq bench` command")
+    _add_diagnostics(p)
+    p.add_argument("--logs", default="/tmp/genq-bench-logs")
+    p.add_argument("--json-out")
+    a = p.parse_args(argv)
+    if a.ab_worker_env and not (a.rounds and a.compare):
+        p.error("--ab-worker-env takes its turns with --compare LEVELS --rounds R")
+    return a
+
+
+def _add_diagnostics(p: argparse.ArgumentParser) -> None:
+    """The flags of docs/benchmarks.md's diagnostics: samplers, CPUs, drift."""
     p.add_argument(
         "--cpu-sampling",
         action="store_true",
@@ -629,6 +660,10 @@ def main(argv: list[str] | None = None) -> int:
         "so each ratio has a bare figure before and after it; then once more with each job "
         "arriving when the system's client sent it (the issue's 'takes jobs as they arrive')",
     )
+    _add_turn_flags(p)
+
+
+def _add_turn_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rounds",
         type=int,
@@ -651,15 +686,59 @@ def main(argv: list[str] | None = None) -> int:
         help="with --rounds: the bare loop takes each job when the system's last turn at that "
         "level sent it, instead of all at once (the system goes first in round 0)",
     )
-    p.add_argument("--logs", default="/tmp/genq-bench-logs")
-    p.add_argument("--json-out")
-    a = p.parse_args(argv)
-    if a.ab_worker_env and not (a.rounds and a.compare):
-        p.error("--ab-worker-env takes its turns with --compare LEVELS --rounds R")
-    # `timeout` ends a run with SIGTERM: leave through `finally`, which stops the gateway and
-    # worker processes (left running, they would hold the GPU for the next run)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(TERMINATED))
 
+
+# ---- prepare --------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchRun:
+    """One call's plan (from its flags) and what its phases measured, level by level."""
+
+    a: argparse.Namespace
+    model: Path
+    vocab: int
+    levels: list[int]
+    """--sweep"""
+    compare: list[int]
+    max_batch: int
+    cache: int
+    settings: Settings
+    sampling: dict[str, str]
+    """Every row's labels: the engine and where it samples (and the pinned CPU)."""
+    worker_args: list[str]
+    pin: EnginePin | None = None
+    results: list[dict] = field(default_factory=list)
+    bare_at: dict[int, dict] = field(default_factory=dict)
+    system_at: dict[int, dict] = field(default_factory=dict)
+    sent_at: dict[int, list[float]] = field(default_factory=dict)
+    """When the system's client sent each job, by level: the bare loop's replayed arrivals."""
+
+    def report(self, r: dict) -> None:
+        """Print a row (one JSON line) and keep it; rewrite --json-out with every row so far."""
+        self.results.append(r)
+        print(json.dumps(r), flush=True)
+        if self.a.json_out:
+            Path(self.a.json_out).write_text(json.dumps(self.results, indent=1))
+
+    def jobs_for(self, streams: int) -> list[Job]:
+        n = max(streams * self.a.requests_per_stream, 4)
+        return workload(n, self.a.prompt_min, self.a.prompt_max, self.a.new_tokens, self.vocab)
+
+    def on_engine(self) -> contextlib.AbstractContextManager[None]:
+        """The bare loop on the engine's CPU with --pin-engine; else as it is."""
+        return self.pin.on_engine() if self.pin else contextlib.nullcontext()
+
+    def worker_env(self) -> dict[str, str]:
+        env = dict(kv.split("=", 1) for kv in self.a.worker_env)
+        if self.a.cpu_sampling:
+            env["GENQ_GPU_SAMPLING"] = "false"
+        return env
+
+
+def prepare(a: argparse.Namespace) -> BenchRun:
+    """The model's vocabulary, the batch and cache sizes every run shares, the engine
+    settings (GENQ_* on top), logging, and the engine's CPU with --pin-engine."""
     model = Path(a.model)
     vocab = SIM_VOCAB if a.model == SIM else _vocab(model)
     levels = [int(x) for x in a.sweep.split(",") if x]
@@ -680,113 +759,131 @@ def main(argv: list[str] | None = None) -> int:
         "sampling": "cpu" if a.cpu_sampling else "gpu",
     }
     worker_args = ["--max-batch", str(max_batch), "--cache-tokens", str(cache), *a.worker_arg]
-    results: list[dict] = []
+    run = BenchRun(
+        a, model, vocab, levels, compare, max_batch, cache, settings, sampling, worker_args
+    )
+    run.pin = EnginePin.for_host() if a.pin_engine else None
+    if run.pin is not None:
+        sampling["engine_cpu"] = str(run.pin.engine)
+    return run
 
-    def report(r: dict) -> None:
-        results.append(r)
-        print(json.dumps(r), flush=True)
-        if a.json_out:
-            Path(a.json_out).write_text(json.dumps(results, indent=1))
 
-    def jobs_for(streams: int) -> list[Job]:
-        n = max(streams * a.requests_per_stream, 4)
-        return workload(n, a.prompt_min, a.prompt_max, a.new_tokens, vocab)
+# ---- run: turns, the bare loop, the system --------------------------------------------------
 
-    pin = EnginePin.for_host() if a.pin_engine else None
-    if pin is not None:
-        sampling["engine_cpu"] = str(pin.engine)
-    if a.rounds and compare and a.model != SIM:
-        env = dict(kv.split("=", 1) for kv in a.worker_env)
-        if a.cpu_sampling:
-            env["GENQ_GPU_SAMPLING"] = "false"
-        alt = dict(kv.split("=", 1) for kv in a.ab_worker_env)
-        logs = Path(a.logs)
-        turns = Turns(settings, model, worker_args, a.gateways, logs, env, a.engine, alt, pin)
-        try:
-            turns.run(compare, a.rounds, jobs_for, report, sampling, a.replay)
-        finally:
-            turns.close()
-        return 0
-    bare_at: dict[int, dict] = {}
-    system_at: dict[int, dict] = {}
-    sent_at: dict[int, list[float]] = {}
-    bare: Bare | None = None
-    if a.bare or (compare and a.model != SIM):
-        bare = Bare(settings, a.sampler_probe)
-        try:
-            for c in ([a.streams] if a.bare else []) + compare:
-                print(f"# bare generator at {c} streams", file=sys.stderr, flush=True)
-                with pin.on_engine() if pin else contextlib.nullcontext():
-                    row = bare.run(jobs_for(c), c)
-                row |= {"max_batch": max_batch, "cache_tokens": cache}
-                bare_at.setdefault(c, row)
-                report(row | sampling)
-                if a.bare_load and c in compare:
-                    with pin.on_engine() if pin else contextlib.nullcontext(), Busy(a.bare_load):
-                        loaded = bare.run(jobs_for(c), c)
-                    report(loaded | sampling | {"run": f"bare generator, {a.bare_load} busy"})
-        finally:
-            if not a.bare_again:
-                bare.close()
-                bare = None
-    if a.system or levels or compare:
-        logs = Path(a.logs)
-        logs.mkdir(parents=True, exist_ok=True)
-        env = dict(kv.split("=", 1) for kv in a.worker_env)
-        if a.cpu_sampling:
-            env["GENQ_GPU_SAMPLING"] = "false"
-        if pin is not None:
-            env["GENQ_ENGINE_CPUS"] = str(pin.engine)
-            pin.off_engine()  # this load client and every process it starts
-        system = System(model, worker_args, a.gateways, logs, env, a.engine)
-        try:
-            system.wait_ready(a.workers)
-            warm = workload(a.workers * 2, a.prompt_min, a.prompt_max, 8, vocab)
-            run_system(system, warm, len(warm), "warm-up")
-            extra = {
-                "worker_args": " ".join(worker_args),
-                "gateways": a.gateways,
-                "env": env,
-                **sampling,
-            }
-            runs = [(a.streams, "system")] if a.system else []
-            runs += [(c, "system sweep") for c in levels]
-            runs += [(c, "system compare") for c in compare]
-            for c, label in runs:
-                print(f"# starting {c} streams", file=sys.stderr, flush=True)
-                sent: dict[int, float] = {}
-                row = run_system(system, jobs_for(c), c, label, sent) | extra
-                report(row)
-                if label != "system sweep" and c in bare_at:
-                    report(ratio(bare_at[c], row))
-                    system_at.setdefault(c, row)
-                    sent_at.setdefault(c, [sent[i] for i in range(len(sent))])
-            if a.genq_bench:
-                mid = (a.prompt_min + a.prompt_max) // 2
-                report(
-                    genq_bench(
-                        system, a.streams, a.streams * a.requests_per_stream, a.new_tokens, mid
-                    )
-                )
-        finally:
-            system.close()
-    if bare is not None:  # --bare-again: the bare loop once more, after the system
-        try:
-            for c in compare:
-                print(f"# bare generator again at {c} streams", file=sys.stderr, flush=True)
-                with pin.on_engine() if pin else contextlib.nullcontext():
-                    row = bare.run(jobs_for(c), c)
-                report(row | sampling | {"run": "bare generator, after the system"})
-                if c in system_at:
-                    report(ratio(row, system_at[c]) | {"run": "ratio system/bare after"})
-                if c in sent_at:  # the same jobs, each when the system's client sent it
-                    with pin.on_engine() if pin else contextlib.nullcontext():
-                        row = bare.run(jobs_for(c), c, sent_at[c])
-                    report(row | sampling)
-                    report(ratio(row, system_at[c]) | {"run": "ratio system/bare, same arrivals"})
-        finally:
+
+def run_turns(run: BenchRun) -> None:
+    """--compare --rounds: the bare loop and the system, both loaded, take turns."""
+    a = run.a
+    alt = dict(kv.split("=", 1) for kv in a.ab_worker_env)
+    turns = Turns(
+        run.settings,
+        run.model,
+        run.worker_args,
+        a.gateways,
+        Path(a.logs),
+        run.worker_env(),
+        a.engine,
+        alt,
+        run.pin,
+    )
+    try:
+        turns.run(run.compare, a.rounds, run.jobs_for, run.report, run.sampling, a.replay)
+    finally:
+        turns.close()
+
+
+def bare_first(run: BenchRun) -> Bare | None:
+    """The bare generator at --streams (--bare) and at each --compare level (with a GPU
+    model), before the system; with --bare-load once more beside busy processes. Returns
+    the loaded loop with --bare-again (for `bare_after`), else closes it."""
+    a = run.a
+    if not (a.bare or (run.compare and a.model != SIM)):
+        return None
+    bare = Bare(run.settings, a.sampler_probe)
+    try:
+        for c in ([a.streams] if a.bare else []) + run.compare:
+            print(f"# bare generator at {c} streams", file=sys.stderr, flush=True)
+            with run.on_engine():
+                row = bare.run(run.jobs_for(c), c)
+            row |= {"max_batch": run.max_batch, "cache_tokens": run.cache}
+            run.bare_at.setdefault(c, row)
+            run.report(row | run.sampling)
+            if a.bare_load and c in run.compare:
+                with run.on_engine(), Busy(a.bare_load):
+                    loaded = bare.run(run.jobs_for(c), c)
+                run.report(loaded | run.sampling | {"run": f"bare generator, {a.bare_load} busy"})
+    finally:
+        if not a.bare_again:
             bare.close()
-    return 0
+    return bare if a.bare_again else None
+
+
+def system_runs(run: BenchRun) -> None:
+    """The whole system (gateways and workers) at --streams (--system), each --sweep level and
+    each --compare level, with a ratio row against the bare loop's where there is one; then
+    `genq bench` (--genq-bench)."""
+    a = run.a
+    logs = Path(a.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    env = run.worker_env()
+    if run.pin is not None:
+        env["GENQ_ENGINE_CPUS"] = str(run.pin.engine)
+        run.pin.off_engine()  # this load client and every process it starts
+    system = System(run.model, run.worker_args, a.gateways, logs, env, a.engine)
+    try:
+        system.wait_ready(a.workers)
+        warm = workload(a.workers * 2, a.prompt_min, a.prompt_max, 8, run.vocab)
+        run_system(system, warm, len(warm), "warm-up")
+        extra = {
+            "worker_args": " ".join(run.worker_args),
+            "gateways": a.gateways,
+            "env": env,
+            **run.sampling,
+        }
+        _system_levels(run, system, extra)
+        if a.genq_bench:
+            mid = (a.prompt_min + a.prompt_max) // 2
+            requests = a.streams * a.requests_per_stream
+            run.report(genq_bench(system, a.streams, requests, a.new_tokens, mid))
+    finally:
+        system.close()
+
+
+def _system_levels(run: BenchRun, system: System, extra: dict) -> None:
+    a = run.a
+    runs = [(a.streams, "system")] if a.system else []
+    runs += [(c, "system sweep") for c in run.levels]
+    runs += [(c, "system compare") for c in run.compare]
+    for c, label in runs:
+        print(f"# starting {c} streams", file=sys.stderr, flush=True)
+        sent: dict[int, float] = {}
+        row = run_system(system, run.jobs_for(c), c, label, sent) | extra
+        run.report(row)
+        if label != "system sweep" and c in run.bare_at:
+            run.report(ratio(run.bare_at[c], row))
+            run.system_at.setdefault(c, row)
+            run.sent_at.setdefault(c, [sent[i] for i in range(len(sent))])
+
+
+def bare_after(run: BenchRun, bare: Bare) -> None:
+    """--bare-again: the bare loop at each --compare level after the system, and once more
+    with each job arriving when the system's client sent it; a ratio row for each."""
+    try:
+        for c in run.compare:
+            print(f"# bare generator again at {c} streams", file=sys.stderr, flush=True)
+            with run.on_engine():
+                row = bare.run(run.jobs_for(c), c)
+            run.report(row | run.sampling | {"run": "bare generator, after the system"})
+            if c in run.system_at:
+                run.report(ratio(row, run.system_at[c]) | {"run": "ratio system/bare after"})
+            if c in run.sent_at:  # the same jobs, each when the system's client sent it
+                with run.on_engine():
+                    row = bare.run(run.jobs_for(c), c, run.sent_at[c])
+                run.report(row | run.sampling)
+                same = {"run": "ratio system/bare, same arrivals"}
+                run.report(ratio(row, run.system_at[c]) | same)
+    finally:
+        bare.close()
 
 
 class Turns:

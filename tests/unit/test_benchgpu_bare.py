@@ -5,6 +5,7 @@ earlier than its time, in the order of those times (the system's clients' send t
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -374,3 +375,78 @@ def test_pin_engine_gives_its_workers_the_engine_cpu(monkeypatch: pytest.MonkeyP
     )
     assert envs == [{"A": "1", "GENQ_ENGINE_CPUS": "15"}] and off == [True]
     assert turns.extra["env"] == envs[0]
+
+
+def test_a_compare_call_runs_its_phases_in_order_and_closes_what_it_started(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`--compare L --bare-again`, as `main` runs it: the bare loop at each level, the system
+    at each (a ratio row each), the bare loop again after it, then with the system's own
+    arrivals; every row in --json-out; the bare loop and the system each closed once."""
+    events: list[str] = []
+
+    class FakeBare:
+        def __init__(self, settings: Settings, probe: bool = False) -> None:
+            assert settings.max_batch == 4 and settings.cache_tokens == 4 * (512 + 256)
+
+        def run(self, jobs: list[Job], streams: int, arrivals: Any = None) -> dict:
+            events.append(f"bare {streams}" + (" replayed" if arrivals else ""))
+            assert arrivals is None or arrivals == [float(i) for i in range(len(jobs))]
+            return {"run": "bare generator", "streams": streams, "tokens_per_s": 100.0, **TTFT}
+
+        def close(self) -> None:
+            events.append("bare closed")
+
+    class FakeSystem:
+        def __init__(self, model: Any, args: list[str], *_: Any) -> None:
+            assert args[:4] == ["--max-batch", "4", "--cache-tokens", str(4 * (512 + 256))]
+
+        def wait_ready(self, workers: int) -> None:
+            events.append("system ready")
+
+        def close(self) -> None:
+            events.append("system closed")
+
+    def fake_system(system: Any, jobs: list[Job], streams: int, label: str, sent: Any = None):
+        events.append(f"{label} {streams}")
+        if sent is not None:
+            sent.update({i: float(i) for i in range(len(jobs))})
+        return {"run": label, "streams": streams, "tokens_per_s": 90.0, **TTFT}
+
+    TTFT = {"ttft_ms_p50": 10.0}
+    monkeypatch.setattr(benchgpu, "Bare", FakeBare)
+    monkeypatch.setattr(benchgpu, "System", FakeSystem)
+    monkeypatch.setattr(benchgpu, "run_system", fake_system)
+    monkeypatch.setattr(benchgpu, "_vocab", lambda model: 1000)
+    monkeypatch.setattr(benchgpu, "setup_logging", lambda settings: None)
+    monkeypatch.setattr(benchgpu.signal, "signal", lambda *_: None)
+    out = tmp_path / "rows.json"
+    argv = ["--model", str(tmp_path), "--streams", "4", "--compare", "2,4", "--bare-again"]
+    argv += ["--json-out", str(out), "--logs", str(tmp_path / "logs")]
+    assert benchgpu.main(argv) == 0
+    assert events == [
+        "bare 2",
+        "bare 4",
+        "system ready",
+        "warm-up 2",
+        "system compare 2",
+        "system compare 4",
+        "system closed",
+        "bare 2",
+        "bare 2 replayed",
+        "bare 4",
+        "bare 4 replayed",
+        "bare closed",
+    ]
+    runs = [r["run"] for r in json.loads(out.read_text())]
+    assert runs == [
+        *["bare generator"] * 2,
+        *["system compare", "ratio system/bare"] * 2,
+        *[
+            "bare generator, after the system",
+            "ratio system/bare after",
+            "bare generator",
+            "ratio system/bare, same arrivals",
+        ]
+        * 2,
+    ]

@@ -18,10 +18,12 @@ from shared.settings import Settings
 from worker import admission
 from worker.admission import Admission
 from worker.core import AddCommand, EngineCore
+from worker.dyngen import backend
+from worker.dyngen.backend import Backend
 from worker.engine import EngineJob
 from worker.exl2 import loader
 from worker.exl2.engine import ExLlamaV2Engine
-from worker.exl2.loader import Backend, sampler_fields
+from worker.exl2.loader import sampler_fields
 from worker.sim import SimEngine
 
 PAGE = 256
@@ -193,8 +195,8 @@ def run_to_end(engine: ExLlamaV2Engine, limit: int = 100) -> list:
 
 
 def test_importing_the_engine_needs_no_torch() -> None:
-    modules = (
-        "worker.exl2.engine, worker.exl2.loader, worker.exl2.results, worker.exl2.gpu_sampling"
+    modules = "worker.exl2.engine, worker.exl2.loader, worker.exl2.gpu_sampling, " + (
+        "worker.dyngen.engine, worker.dyngen.results, worker.dyngen.batch_pass"
     )
     code = f"import sys, {modules}; assert not {{'torch', 'exllamav2'}} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -487,7 +489,7 @@ def test_max_seq_len_is_read_as_exllamav2_reads_it(tmp_path) -> None:  # type: i
 
 def test_default_cache_holds_a_sequence_or_a_slice_per_slot() -> None:
     assert loader.cache_tokens(None, 131_072, 4) == 131_072
-    assert loader.cache_tokens(None, 8192, 256) == 256 * loader.DEFAULT_CACHE_TOKENS_PER_JOB
+    assert loader.cache_tokens(None, 8192, 256) == 256 * backend.DEFAULT_CACHE_TOKENS_PER_JOB
     assert loader.cache_tokens(1000, 8192, 256) == 1024  # the setting, in whole pages
     assert loader.cache_tokens(None, 1000, 256, paged=False) == 1024  # one sequence
 

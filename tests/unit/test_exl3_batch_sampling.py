@@ -2,8 +2,9 @@
 rows of a decode pass are theirs, the hand-off of each token to its job, and (where torch is
 installed: the GPU machine, not CI) the hook itself on a stand-in generator on the CPU.
 
-The sampling pass is exllamav2's engine's (`pick_on_device`), whose distributions are checked
-on the GPU (tests/gpu/test_sampling_gpu.py); the real generator in tests/gpu/test_exl3_gpu.py."""
+The sampling pass is both engines' (worker/dyngen/batch_pass.py `pick_on_device`), whose
+distributions are checked on the GPU (tests/gpu/test_sampling_gpu.py); the real generator in
+tests/gpu/test_exl3_gpu.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from shared.schemas import Sampling
-from worker.exl2.gpu_sampling import RowParams
+from worker.dyngen.batch_pass import RowParams
 from worker.exl3.batch_sampling import install, plan, row_params, serves_at_least, take
 
 

@@ -18,8 +18,8 @@ from shared.schemas import ModelCard, Sampling
 from shared.settings import Settings
 from worker.admission import Admission
 from worker.core import AddCommand, EngineCore
+from worker.dyngen.backend import Backend
 from worker.engine import EngineJob, StepOutput, reserved_tokens
-from worker.exl2.loader import Backend
 from worker.exl3 import loader
 from worker.exl3.engine import ExLlamaV3Engine
 from worker.exl3.sampling import checked_kwargs, combo_args

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from shared.schemas import Sampling
-from worker.exl2.gpu_sampling import RowParams, job_params, plan
+from worker.dyngen.batch_pass import RowParams
+from worker.exl2.gpu_sampling import job_params, plan
 from worker.exl2.loader import sampler_fields
 
 

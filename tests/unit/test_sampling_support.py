@@ -15,6 +15,7 @@ from gateway.openai.protocol import AS_IS, ChatCompletionRequest, CompletionRequ
 from gateway.openai.serving import _job_body, plan
 from shared.schemas import SAMPLING_DEFAULTS, SAMPLING_FIELDS, JobCreate, Sampling
 from worker.core import AddCommand, EngineCore
+from worker.dyngen.batch_pass import RowParams
 from worker.engine import EngineJob, SamplingSupport
 from worker.exl2 import gpu_sampling
 from worker.exl2.engine import ExLlamaV2Engine
@@ -113,7 +114,7 @@ def test_the_batched_passes_leave_every_other_setting_to_the_librarys_sampler() 
         s = probe(name)
         row = batch_sampling.row_params(s)
         if name in applied | beside:
-            assert row == gpu_sampling.RowParams(s.temperature, s.top_k, s.top_p, s.min_p)
+            assert row == RowParams(s.temperature, s.top_k, s.top_p, s.min_p)
         else:
             assert row is None, name
     for name in set(SAMPLING_FIELDS) - applied - set(ExLlamaV2Engine.sampling_support.elsewhere):

@@ -7,7 +7,8 @@ that is milliseconds on the critical path of every step and most of a core per w
 process, which is what several processes per GPU (and several GPUs per host) compete for.
 
 genq samples the jobs it can on the GPU instead, in one batched pass over the logits while they
-are still on the device, and hands each job its token:
+are still on the device (worker/dyngen/batch_pass.py, which exllamav3's engine runs too), and
+hands each job its token:
 
 - `install(generator)` wraps the generator's model (`_SamplingModel`): after each decode
   forward pass (`forward_chunk` without `preprocess_only`), `plan()` finds the rows of jobs
@@ -42,13 +43,12 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from worker.dyngen.batch_pass import ModelProxy, Plan, RowParams, pick_on_device, plan_rows
 
 log = logging.getLogger(__name__)
 
-GREEDY_BELOW = 0.01
-"""exllamav2's own rule: a temperature below this samples greedily."""
 UNUSED = {
     "smoothing_factor": 0.0,
     "min_temp": 0.0,
@@ -77,22 +77,6 @@ NO_POOL = 1 << 30
 """`min_sampling_threads` for a step whose every row was sampled here: skip the pool."""
 
 
-@dataclass(frozen=True)
-class RowParams:
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW or self.top_k == 1
-
-    @property
-    def truncates(self) -> bool:
-        return not self.greedy and (self.top_k > 1 or self.top_p < 1.0 or self.min_p > 0.0)
-
-
 def job_params(job: Any) -> RowParams | None:
     """How GPU sampling serves this job (an `ExLlamaV2DynamicJob`), or None: the CPU sampler."""
     if (
@@ -113,21 +97,6 @@ def job_params(job: Any) -> RowParams | None:
     return RowParams(float(s.temperature), int(s.top_k), float(s.top_p), float(s.min_p))
 
 
-@dataclass
-class Plan:
-    rows: list[int]
-    """Row of each sampled job in the step's logits."""
-    jobs: list[Any]
-    params: list[tuple[float, float, float, float, float]]
-    """(temperature, top_k, top_p, min_p, uniform draw) per sampled job."""
-    total_rows: int
-    truncates: bool
-
-    @property
-    def every_row(self) -> bool:
-        return len(self.rows) == self.total_rows
-
-
 def served_this_step(job: Any) -> bool:
     """exllamav2: a job with `genq_params` takes its token from the pass unless it is inside a
     banned-string checkpoint or healing a token."""
@@ -135,22 +104,9 @@ def served_this_step(job: Any) -> bool:
 
 
 def plan(active_jobs: Iterable[Any], served: Callable[[Any], bool] = served_this_step) -> Plan:
-    """The rows of this decode step, in the order the generator stacks them (each active job
-    whose prefill is done, one row per sequence), and which of them are sampled here (those
-    with `genq_params` that `served` takes this step). Draws each sampled job's uniform from
-    its own RNG, as the CPU sampler would."""
-    out = Plan([], [], [], 0, False)
-    for job in active_jobs:
-        if not job.is_prefill_done():
-            continue
-        p: RowParams | None = getattr(job, "genq_params", None)
-        if p is not None and served(job):
-            out.rows.append(out.total_rows)
-            out.jobs.append(job)
-            out.params.append((p.temperature, p.top_k, p.top_p, p.min_p, job.rng.random()))
-            out.truncates = out.truncates or p.truncates
-        out.total_rows += len(job.sequences)
-    return out
+    """The rows of this decode step and which of them are sampled here
+    (`batch_pass.plan_rows`, with exllamav2's rule of which jobs the pass serves)."""
+    return plan_rows(active_jobs, served)
 
 
 def sample_on_device(logits: Any, params: Sequence[tuple[float, ...]], truncates: bool) -> Any:
@@ -161,40 +117,6 @@ def sample_on_device(logits: Any, params: Sequence[tuple[float, ...]], truncates
 
     token, prob = pick_on_device(logits, params, truncates)
     return torch.cat([token.double(), prob.double()], dim=1).cpu()
-
-
-def pick_on_device(logits: Any, params: Sequence[tuple[float, ...]], truncates: bool) -> Any:
-    """`sample_on_device`'s tokens, (n, 1) int64, and probabilities, (n, 1) float32, left on
-    the device (nothing waits for them)."""
-    import torch
-
-    dev = logits.device
-    p = torch.tensor(params, dtype=torch.float32)
-    if dev.type != "cpu":
-        p = p.pin_memory().to(dev, non_blocking=True)
-    temp, top_k, top_p, min_p, u = (c[:, None] for c in p.unbind(1))
-    greedy = (temp < GREEDY_BELOW) | (top_k == 1)
-    x = logits.float()
-    best = x.argmax(-1, keepdim=True)
-    probs = torch.softmax(x / torch.where(greedy, 1.0, temp), dim=-1)
-    order = None
-    if truncates:
-        probs, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[-1], device=dev)[None, :]
-        keep = (top_k <= 0) | (rank < top_k)
-        kept = probs * keep
-        cum = kept.cumsum(-1)
-        keep &= (top_p >= 1.0) | (cum - kept < top_p * cum[:, -1:])
-        keep &= probs >= min_p * probs[:, :1]
-        keep[:, 0] = True
-        probs = probs * keep
-    cdf = probs.cumsum(-1)
-    mass = cdf[:, -1:]
-    at = torch.searchsorted(cdf, u * mass).clamp_(max=probs.shape[-1] - 1)
-    token = at if order is None else order.gather(1, at)
-    token = torch.where(greedy, best, token)
-    prob = torch.where(greedy, 1.0, probs.gather(1, at) / mass)
-    return token, prob
 
 
 class GpuSampler:
@@ -242,18 +164,6 @@ class GpuSampler:
             return out
         gen.logits_pinned, gen.min_sampling_threads = self._narrow, NO_POOL
         return {**out, "logits": logits[:, :, :1]}
-
-
-class ModelProxy:
-    """A generator's model with one method wrapped (by a subclass); everything else is the
-    model's own. Both engines' sampling hooks sit there."""
-
-    def __init__(self, model: Any, sampler: Any) -> None:
-        self._model = model
-        self._sampler = sampler
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
 
 
 class _SamplingModel(ModelProxy):

@@ -1,10 +1,10 @@
 """Loading a model for the exllamav2 engine: config, model, cache, tokenizer, the generator
-and job factories over them (`Backend`), and the model card. The only code of the engine that
-touches torch and exllamav2 (with `gpu_sampling`), and only inside functions."""
+and job factories over them (`Backend`), and the model card (worker/dyngen/card.py). The only
+code of the engine that touches torch and exllamav2 (with `gpu_sampling`), and only inside
+functions."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -14,6 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.schemas import ModelCard, Sampling
+from worker.dyngen.backend import (
+    PAGE_TOKENS,
+    Backend,
+    cache_tokens,
+    first_warmed,
+    piece_lookup,
+    round_up,
+)
+from worker.dyngen.card import build_card, eos_ids
 from worker.engine import SamplingSupport
 from worker.exl2 import gpu_sampling
 
@@ -22,15 +31,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PAGE_TOKENS = 256
-"""exllamav2's paged-attention page size; cache sizes and chunk sizes are multiples of it."""
 MAX_Q_SIZE = 8
 """Tokens per sequence per forward pass that the generator allows for (its default)."""
 MAX_SAMPLING_THREADS = 16
 """exllamav2's own default; fewer when this process is pinned to fewer CPUs (worker/cpus.py)."""
-DEFAULT_CACHE_TOKENS_PER_JOB = 1024
-"""Default cache size per batch slot when `cache_tokens` is not set: room for a typical
-prompt + reply without paying for a cache sized for the worst case (which costs speed)."""
 MAX_SEQ_LEN_KEYS = (
     "max_sequence_length",
     "model_max_length",
@@ -41,19 +45,6 @@ MAX_SEQ_LEN_KEYS = (
 """config.json keys `ExLlamaV2Config` takes the model's sequence length from, the first present
 one winning; `EXL2_DEFAULT_MAX_SEQ_LEN` when none is."""
 EXL2_DEFAULT_MAX_SEQ_LEN = 2048
-
-
-@dataclass
-class Backend:
-    """What the engine needs from exllamav2; `load_backend` builds the real one."""
-
-    make_generator: Callable[[], Any]
-    """A fresh generator over the loaded model and cache (called again after a failed step)."""
-    make_job: Callable[..., Any]
-    """(input_ids, max_new_tokens, sampling, seed, stop_conditions, identifier) → a job."""
-    piece: Callable[[int], str]
-    """Text of one token id (as the generator decodes it)."""
-    close: Callable[[], None] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -85,9 +76,9 @@ def forward_sizes(
     what a decode step within those buffers carries (the generator needs batch ×
     `MAX_Q_SIZE` of them); each job takes a page or more, so no more could run anyway."""
     limit = max(PAGE_TOKENS, min(cache_size, max_seq_len) // PAGE_TOKENS * PAGE_TOKENS)
-    chunk = min(_round_up(max_chunk_size, PAGE_TOKENS), limit)
+    chunk = min(round_up(max_chunk_size, PAGE_TOKENS), limit)
     batch = max(1, min(max_batch, limit // MAX_Q_SIZE))
-    decode = _round_up(batch * MAX_Q_SIZE, PAGE_TOKENS)
+    decode = round_up(batch * MAX_Q_SIZE, PAGE_TOKENS)
     return ForwardSizes(batch, chunk, min(max(chunk, decode), limit))
 
 
@@ -141,18 +132,6 @@ def sampling_threads(configured: int | None = None) -> int:
     return max(1, min(MAX_SAMPLING_THREADS, usable or 1))
 
 
-def cache_tokens(
-    configured: int | None, max_seq_len: int, max_batch: int, paged: bool = True
-) -> int:
-    """Tokens of cache to allocate: `configured` (GENQ_CACHE_TOKENS) if set, else room for
-    the longest sequence or `DEFAULT_CACHE_TOKENS_PER_JOB` per batch slot, whichever is more;
-    unpaged (one job at a time), one sequence. A multiple of the page size."""
-    if not paged:
-        return _round_up(max_seq_len, PAGE_TOKENS)
-    wanted = configured or max(max_seq_len, max_batch * DEFAULT_CACHE_TOKENS_PER_JOB)
-    return _round_up(wanted, PAGE_TOKENS)
-
-
 def max_seq_len(settings: EngineSettings) -> int | None:
     """The sequence length the engine runs the model at, known without loading it:
     GENQ_MAX_SEQ_LEN if set, else the model's as exllamav2 reads it from config.json; None
@@ -167,68 +146,6 @@ def max_seq_len(settings: EngineSettings) -> int | None:
         return None
     found = (cfg[k] for k in MAX_SEQ_LEN_KEYS if isinstance(cfg.get(k), int))
     return next(found, EXL2_DEFAULT_MAX_SEQ_LEN)
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-# ---- the model card -------------------------------------------------------------------------
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _token_text(v: Any) -> str | None:
-    return v.get("content") if isinstance(v, dict) else v
-
-
-def _chat_template(tc: dict[str, Any]) -> str | None:
-    t = tc.get("chat_template")
-    if isinstance(t, list):  # named templates: take the default one
-        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
-        return named.get("default") or next(iter(named.values()), None)
-    return t
-
-
-def build_card(
-    settings: EngineSettings,
-    model_dir: Path,
-    tokenizer_json: str,
-    max_seq_len: int,
-    max_batch: int,
-    eos_ids: list[int],
-    engine: str = "exllamav2",
-) -> ModelCard:
-    tc = _read_json(model_dir / "tokenizer_config.json")
-    cfg = _read_json(model_dir / "config.json")
-    bos = _token_text(tc.get("bos_token"))
-    synthetic = cfg.get("genq_synthetic")
-    return ModelCard(
-        name=settings.model_name or model_dir.name,
-        engine=engine,
-        max_seq_len=max_seq_len,
-        max_batch=max_batch,
-        tokenizer_sha=hashlib.sha256(tokenizer_json.encode()).hexdigest(),
-        bos_token=bos,
-        eos_token=_token_text(tc.get("eos_token")),
-        eos_token_ids=eos_ids,
-        add_bos=bool(tc.get("add_bos_token", bos is not None)),
-        chat_template=_chat_template(tc),
-        description=synthetic or f"{engine} model from {model_dir.name}",
-    )
-
-
-def eos_ids(model_dir: Path, config_eos: Any) -> list[int]:
-    """The model's stop token ids: its config's and generation_config.json's, in order."""
-    ids: list[int] = []
-    gen = _read_json(model_dir / "generation_config.json").get("eos_token_id")
-    for v in (config_eos, gen):
-        for i in v if isinstance(v, list) else [v]:
-            if isinstance(i, int) and i not in ids:
-                ids.append(i)
-    return ids
 
 
 # ---- loading --------------------------------------------------------------------------------
@@ -257,11 +174,13 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
         chunk=sizes.chunk,
     )
     make_job = _job_factory(settings.gpu_sampling)
-    piece = _piece_lookup(tokenizer)
+    piece = piece_lookup(tokenizer)
     make_generator = _warm_generator_factory(settings, model, cache, tokenizer, shape)
     eos = eos_ids(model_dir, config.eos_token_id)
     tokenizer_json = (model_dir / "tokenizer.json").read_text()
-    card = build_card(settings, model_dir, tokenizer_json, shape.max_seq_len, max_batch, eos)
+    card = build_card(
+        settings, model_dir, tokenizer_json, shape.max_seq_len, max_batch, eos, "exllamav2"
+    )
     log.info(
         "exllamav2 model loaded",
         extra={
@@ -351,13 +270,9 @@ def _warm_generator_factory(
             gpu_sampling.install(gen)
         return gen
 
-    warmed = [build_generator()]
-    warmed[0].warmup()
-
-    def make_generator() -> Any:
-        return warmed.pop() if warmed else build_generator()
-
-    return make_generator
+    warmed = build_generator()
+    warmed.warmup()
+    return first_warmed(warmed, build_generator)
 
 
 def _job_factory(on_gpu: bool) -> Callable[..., Any]:
@@ -390,12 +305,3 @@ def _job_factory(on_gpu: bool) -> Callable[..., Any]:
         )
 
     return make_job
-
-
-def _piece_lookup(tokenizer: Any) -> Callable[[int], str]:
-    pieces = tokenizer.get_id_to_piece_list(False)
-
-    def piece(token_id: int) -> str:
-        return pieces[token_id] if 0 <= token_id < len(pieces) else ""
-
-    return piece

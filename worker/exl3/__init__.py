@@ -1,17 +1,18 @@
 """The exllamav3 engine: exllamav3's `Generator` behind genq's `Engine` protocol, for EXL3
 models and plain fp16/bf16 folders.
 
-- `engine`: cancel and step → StepOutputs and the free pages the worker admits jobs against,
-  talking to the generator only through the few methods and attributes it uses (CPU tests
-  drive it with a fake generator).
+- `engine`: `worker.dyngen`'s `DynamicEngine` over exllamav3's generator: jobs keyed by
+  serial, its page table, per-job errors, closing a failed generator (CPU tests drive it
+  with a fake generator).
 - `results`: exllamav3's result dicts (stages, end reasons, per-job errors) → StepOutputs.
 - `sampling`: every job's explicit `ComboSampler`, and the check that exllamav3 takes each
   argument genq passes (its `Job` and `Generator` ignore unknown ones).
 - `loader`: `load_backend` (model, cache, tokenizer, warm-up, generator and job factories),
   the generator's shape.
 
-exllamav3 samples on the GPU itself (one fused kernel per job); genq's batched GPU sampler
-of the exllamav2 engine is not used here (see docs/benchmarks.md for the measurement that
-decides whether it would pay). torch and exllamav3 are imported only inside
-`loader.load_backend`, so every module of this package imports on a CPU install.
+exllamav3 samples on the GPU itself (one fused kernel per job); `batch_sampling` runs the
+batched pass both engines share (`worker.dyngen.batch_pass`) instead where it pays (see
+docs/benchmarks.md). What both dynamic-generator engines share is `worker.dyngen`'s; this
+package never imports the exllamav2 engine's. torch and exllamav3 are imported only inside
+functions, so every module of this package imports on a CPU install.
 """

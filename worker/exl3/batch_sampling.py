@@ -7,7 +7,8 @@ masking fill, then its fused kernel) from Python. The bare loop's probe (`genq.b
 31.8 ms step at 64 streams on the EXL3 8B: 10.7 % of the step, growing with the batch.
 
 With this on, genq samples the jobs it can in one batched pass instead, the one exllamav2's
-engine uses (`worker/exl2/gpu_sampling.py`, `pick_on_device`), and hands each job its token:
+engine uses too (`worker/dyngen/batch_pass.py`, `pick_on_device`), and hands each job its
+token:
 
 - `install(generator)` wraps the generator's model (`_SamplingModel`): after each decode
   forward pass (the one `iterate` makes with `pinned_staging`), `plan()` finds the rows of the
@@ -30,11 +31,11 @@ cheaper; on the fp16 8B, where one stream's step is bound by launching kernels, 
 not drawn from for the pass); a job whose steps cross the line changes sampler there: the same
 distribution (below), its draws from the same seeded RNG.
 
-Semantics on this path are genq's GPU sampler's (the module above): one uniform draw from the
-job's own seeded RNG per token; temperature below 0.01 or top_k = 1 is greedy; otherwise
-temperature, then top_k, then top_p, then min_p, then the draw: the same distribution on
-either engine. exllamav3's own ComboSampler truncates by min_p before top_k and top_p, so with
-min_p and one of the others set the two can keep different tokens.
+Semantics on this path are the batched pass's (`worker/dyngen/batch_pass.py`): one uniform
+draw from the job's own seeded RNG per token; temperature below 0.01 or top_k = 1 is greedy;
+otherwise temperature, then top_k, then top_p, then min_p, then the draw: the same
+distribution on either engine. exllamav3's own ComboSampler truncates by min_p before top_k
+and top_p, so with min_p and one of the others set the two can keep different tokens.
 
 This module imports torch and exllamav3 only inside functions, so it loads on a CPU install;
 `row_params`, `plan` and `take` are plain Python and tested there.
@@ -49,8 +50,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from shared.schemas import Sampling
-from worker.exl2 import gpu_sampling
-from worker.exl2.gpu_sampling import Plan, RowParams, pick_on_device
+from worker.dyngen.batch_pass import ModelProxy, Plan, RowParams, pick_on_device, plan_rows
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def served_this_step(job: Any) -> bool:
 def plan(active_jobs: Iterable[Any]) -> Plan:
     """The rows of this decode pass in the order exllamav3's `iterate_gen` stacks them (as
     exllamav2's generator does), and which of them the batched pass samples."""
-    return gpu_sampling.plan(active_jobs, served_this_step)
+    return plan_rows(active_jobs, served_this_step)
 
 
 def serves_at_least(active_jobs: Iterable[Any], n: int) -> bool:
@@ -165,7 +165,7 @@ class BatchSampler:
         self.batched_tokens += n
 
 
-class _SamplingModel(gpu_sampling.ModelProxy):
+class _SamplingModel(ModelProxy):
     """The generator's model, with `BatchSampler.after_decode` after each decode pass."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.schemas import ModelCard, Sampling
-from worker.exl2.loader import Backend, build_card, cache_tokens, eos_ids
+from worker.dyngen.backend import (
+    PAGE_TOKENS,
+    Backend,
+    cache_tokens,
+    first_warmed,
+    piece_lookup,
+    round_up,
+)
+from worker.dyngen.card import build_card, eos_ids
 from worker.exl3 import batch_sampling
 from worker.exl3.sampling import checked_kwargs, make_sampler
 
@@ -27,8 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PAGE_TOKENS = 256
-"""exllamav3's page (`exllamav3.constants.PAGE_SIZE`); cache and chunk sizes are multiples."""
 RESERVED_TOKENS = 1
 """exllamav3 holds pages for prompt + max_new_tokens + 1 tokens per job (its requeue budget
 runs one token past the limit), so a job fits a cache of that many tokens, not one fewer."""
@@ -73,8 +79,8 @@ def shape_for(settings: EngineSettings, model_seq_len: int) -> Shape:
     """Cache sized as for exllamav2 (`GENQ_CACHE_TOKENS`, else room for the batch); the
     prefill chunk within the cache; the shared chunk within the chunk; all in whole pages."""
     cache = cache_tokens(settings.cache_tokens, model_seq_len, settings.max_batch)
-    chunk = min(_round_up(settings.max_chunk_size, PAGE_TOKENS), cache)
-    shared = min(_round_up(settings.shared_chunk_size or chunk, PAGE_TOKENS), chunk)
+    chunk = min(round_up(settings.max_chunk_size, PAGE_TOKENS), cache)
+    shared = min(round_up(settings.shared_chunk_size or chunk, PAGE_TOKENS), chunk)
     return Shape(
         max_batch=settings.max_batch,
         max_seq_len=min(model_seq_len, cache - RESERVED_TOKENS),
@@ -83,10 +89,6 @@ def shape_for(settings: EngineSettings, model_seq_len: int) -> Shape:
         shared_chunk=shared,
         prefill_cooldown=settings.prefill_cooldown,
     )
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
 
 
 def generator_kwargs(model: Any, cache: Any, tokenizer: Any, shape: Shape) -> dict[str, Any]:
@@ -220,7 +222,7 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
         if batched
         else None,
     )
-    warmed = [_warm(model, cache, build, make_job, shape, int(tokenizer.actual_vocab_size))]
+    warmed = _warm(model, cache, build, make_job, shape, int(tokenizer.actual_vocab_size))
     tokenizer_json = (model_dir / "tokenizer.json").read_text()
     eos = eos_ids(model_dir, config.eos_token_id_list)
     card = build_card(
@@ -235,14 +237,8 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
     }
     log.info("exllamav3 model loaded", extra=extra)
 
-    def make_generator() -> Any:
-        return warmed.pop() if warmed else build()
-
-    pieces = tokenizer.get_id_to_piece_list(False)
-
-    def piece(token_id: int) -> str:
-        return pieces[token_id] if 0 <= token_id < len(pieces) else ""
-
+    make_generator = first_warmed(warmed, build)
+    piece = piece_lookup(tokenizer)
     return Backend(make_generator, make_job, piece, model.unload), card, tokenizer_json
 
 

@@ -5,10 +5,11 @@ some carry the `identifier` (an `error` result does not), so the engine keys its
 serial. Stages:
 
 - `started`, `prefill`: nothing to send.
-- `streaming`: text and token ids (exllamav2's fields and shapes: held-back text before a
-  stop token comes in `held`), `eos` with an `eos_reason` at the end. A `requeue` flag means
-  the generator moved the job back to its own queue to continue (a per-job token budget);
-  genq sets no budget, and the job goes on under the same serial either way: ignored.
+- `streaming`: text and token ids (exllamav2's fields and shapes, read by
+  worker/dyngen/results.py: held-back text before a stop token comes in `held`), `eos` with
+  an `eos_reason` at the end. A `requeue` flag means the generator moved the job back to its
+  own queue to continue (a per-job token budget); genq sets no budget, and the job goes on
+  under the same serial either way: ignored.
 - `error`: exllamav3 contained a failure of that job alone (its pages are released); the job
   fails, the batch goes on.
 """
@@ -20,18 +21,12 @@ from collections.abc import Callable
 from typing import Any
 
 from shared.schemas import FinishReason
+from worker.dyngen import results
 from worker.engine import EngineJob, StepOutput
-from worker.exl2.results import step_output
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS: dict[str, FinishReason] = {
-    "stop_token": "stop",
-    "stop_string": "stop",
-    "end_filter": "stop",
-    "loop_detected": "stop",
-    "max_new_tokens": "length",
-}
+FINISH_REASONS: dict[str, FinishReason] = {**results.FINISH_REASONS, "loop_detected": "stop"}
 RECORDED_REASONS = frozenset({"loop_detected"})
 """Ends that read `stop` to the client but are worth a line in the worker's log."""
 
@@ -45,7 +40,7 @@ def streaming_output(
             log.info("exllamav3 ended a job early", extra={"job_id": job.id, "reason": reason})
         elif reason not in FINISH_REASONS:
             log.warning("unknown exllamav3 end reason", extra={"job_id": job.id, "reason": reason})
-    return step_output(r, job, prompt_tokens, piece, FINISH_REASONS)
+    return results.step_output(r, job, prompt_tokens, piece, FINISH_REASONS)
 
 
 def error_output(r: dict[str, Any], job: EngineJob) -> StepOutput:

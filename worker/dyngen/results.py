@@ -1,6 +1,6 @@
-"""exllamav2's per-step result dicts (`ExLlamaV2DynamicGenerator.iterate()`) → StepOutputs:
-text, token ids, finish reason, usage and logprobs. Results come as tensors on a GPU install
-and as lists in tests; both read the same."""
+"""A dynamic generator's per-step result dicts (`ExLlamaV2DynamicGenerator.iterate()`,
+exllamav3's `Generator.iterate()`) → StepOutputs: text, token ids, finish reason, usage and
+logprobs. Results come as tensors on a GPU install and as lists in tests; both read the same."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ FINISH_REASONS: dict[str, FinishReason] = {
     "end_filter": "stop",
     "max_new_tokens": "length",
 }
+"""`eos_reason` → finish reason, the ones both libraries report (exllamav2's whole set)."""
 
 
 def step_output(
@@ -69,8 +70,9 @@ def _held_before_stop(
 def logprobs(
     ids: list[int], probs: Any, top: Any, n: int, piece: Callable[[int], str]
 ) -> list[dict[str, Any]]:
-    """exllamav2 reports the final sampling probabilities (after temperature and
-    truncation), so these are log-probabilities of the distribution actually sampled."""
+    """The probabilities each library reports for its sampled tokens, as log-probabilities
+    (exllamav2's are of the distribution actually sampled, after temperature and
+    truncation)."""
     p = _rows(probs)
     k_ids, k_probs = _rows(top[0]), _rows(top[1])
     out = []

@@ -1,0 +1,160 @@
+"""`DynamicEngine`: genq's `Engine` protocol over a dynamic generator, what the exllamav2 and
+exllamav3 engines share.
+
+It talks to the generator through the few methods and attributes both libraries have
+(`enqueue`, `cancel`, `iterate`, `pending_jobs`, `max_batch_size`, a job's
+`current_new_pages_required()`), so CPU tests drive it with a fake generator. A subclass says
+what differs: the key a result names its job by (`_enqueue`), the generator's pages
+(`page_size`, `total_pages`, `_unreferenced_pages`), the most tokens a job may hold
+(`_token_limit`), how a result dict reads (`_result`), and what a generator needs when it is
+dropped (`_drop_generator`, `_close_generator`).
+
+Admission is the worker's (worker/admission.py): the engine reports its free pages after each
+call that changes them (`free_pages`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from shared.schemas import ModelCard
+from worker.dyngen.backend import Backend
+from worker.engine import EngineJob, StepOutput
+
+
+@dataclass
+class Tracked:
+    job: EngineJob
+    handle: Any
+    prompt_tokens: int
+
+
+class DynamicEngine(ABC):
+    def __init__(self, backend: Backend, card: ModelCard, tokenizer_json: str) -> None:
+        self._backend = backend
+        self.card = card
+        self.tokenizer_json = tokenizer_json
+        self._gen = backend.make_generator()
+        self._max_batch = min(card.max_batch, int(self._gen.max_batch_size))
+        self._jobs: dict[Hashable, Tracked] = {}
+        """By the key every result names its job by (`_enqueue`)."""
+        self._keys: dict[str, Hashable] = {}
+        """Job id → its key in `_jobs`."""
+        self._ready: list[StepOutput] = []
+
+    # ---- what a subclass says -----------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def page_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def total_pages(self) -> int: ...
+
+    @abstractmethod
+    def _unreferenced_pages(self) -> int: ...
+
+    @abstractmethod
+    def _token_limit(self) -> int:
+        """Most tokens (prompt + max new) one job may take."""
+        ...
+
+    @abstractmethod
+    def _enqueue(self, handle: Any, job_id: str) -> Hashable:
+        """Hand the job to the generator; the key its results will name it by."""
+        ...
+
+    @abstractmethod
+    def _result(self, r: dict[str, Any]) -> StepOutput | None:
+        """What one result dict of `iterate()` says, or None; `_forget`s a job that ended."""
+        ...
+
+    def _drop_generator(self) -> None:  # noqa: B027 (optional: exllamav2's needs nothing)
+        """After a failed step, before a new generator replaces the current one."""
+
+    def _close_generator(self) -> None:  # noqa: B027 (optional: exllamav2's needs nothing)
+        """On close, after every job was cancelled."""
+
+    # ---- protocol -----------------------------------------------------------------------
+
+    @property
+    def max_batch(self) -> int:
+        return self._max_batch
+
+    def free_pages(self) -> int:
+        """Pages no job holds (prefix-cache pages count as free: the generator reuses them),
+        less what jobs waiting inside the generator will take when they start."""
+        waiting = sum(j.current_new_pages_required() for j in list(self._gen.pending_jobs))
+        return self._unreferenced_pages() - waiting
+
+    def add(self, job: EngineJob) -> None:
+        ids = [*job.input_ids, *job.resume_ids]
+        remaining = job.max_tokens - len(job.resume_ids)
+        self._check_size(len(ids), max(remaining, 0))
+        if remaining <= 0:  # an earlier attempt sent everything but the end
+            self._ready.append(
+                StepOutput(job.id, finish_reason="length", prompt_tokens=len(job.input_ids))
+            )
+            return
+        stops: list[int | str] = [*self.card.eos_token_ids, *job.sampling.stop_token_ids]
+        if job.text:  # else the worker matches stop strings in the text it makes
+            stops += job.sampling.stop
+        handle = self._backend.make_job(ids, remaining, job.sampling, job.seed, stops, job.id)
+        key = self._enqueue(handle, job.id)
+        self._jobs[key] = Tracked(job, handle, len(job.input_ids))
+        self._keys[job.id] = key
+
+    def cancel(self, job_id: str) -> bool:
+        key = self._keys.pop(job_id, None)
+        if key is None:
+            before = len(self._ready)
+            self._ready = [o for o in self._ready if o.job_id != job_id]
+            return len(self._ready) < before
+        tracked = self._jobs.pop(key)
+        self._gen.cancel(tracked.handle)
+        return True
+
+    def step(self) -> list[StepOutput]:
+        outputs, self._ready = self._ready, []
+        if self._jobs:
+            results = self._gen.iterate()
+            outputs += [o for r in results if (o := self._result(r)) is not None]
+        return outputs
+
+    def active(self) -> int:
+        return len(self._jobs) + len(self._ready)
+
+    def reset(self) -> list[str]:
+        ids = [*self._keys, *(o.job_id for o in self._ready)]
+        self._jobs.clear()
+        self._keys.clear()
+        self._ready.clear()
+        self._drop_generator()
+        self._gen = self._backend.make_generator()
+        return ids
+
+    def close(self) -> None:
+        for tracked in self._jobs.values():
+            self._gen.cancel(tracked.handle)
+        self._jobs.clear()
+        self._keys.clear()
+        self._close_generator()
+        self._backend.close()
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _check_size(self, prompt: int, new: int) -> None:
+        limit = self._token_limit()
+        if prompt + new > limit:
+            raise ValueError(
+                f"prompt ({prompt} tokens) + max_tokens ({new}) = {prompt + new} tokens is over "
+                f"this worker's limit of {limit} tokens (max sequence length and cache size)"
+            )
+
+    def _forget(self, tracked: Tracked) -> None:
+        """A job that ended in the generator: no longer tracked."""
+        del self._jobs[self._keys.pop(tracked.job.id)]
