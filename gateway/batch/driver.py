@@ -41,6 +41,7 @@ from gateway.batch.storage import FileStore
 from gateway.state import GatewayState
 from shared.batch_transitions import BatchTransitions
 from shared.batches import ENDED_BATCH_STATUSES, BatchError, BatchRecord
+from shared.loops import LOOP_RESTART_S
 from shared.redis_health import failure_level
 from shared.transitions import ScriptRunner
 
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 
 STEPS_PER_TURN = 16
 """Steps of one batch before the driver turns to the next (several batches share a gateway)."""
-LOOP_RESTART_S = 0.5
 
 
 class BatchDriver:
