@@ -12,7 +12,7 @@ holds every script to its declaration), so adding an argument is one edit here a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 Arg = str | int | float
 
@@ -25,15 +25,11 @@ class ScriptArgs:
     argv: tuple[str, ...] = ()
     rest: str = ""
     """What ARGV holds after the named ones, from index `REST` ('' : nothing)."""
-    _key_set: frozenset[str] = field(init=False, repr=False, compare=False)
-    _arg_set: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for names in (self.keys, self.argv):
             if len(set(names)) != len(names) or not all(n.isidentifier() for n in names):
                 raise ValueError(f"{self.name}: names must be distinct identifiers: {names}")
-        object.__setattr__(self, "_key_set", frozenset(self.keys))
-        object.__setattr__(self, "_arg_set", frozenset(self.argv))
 
     def pack(
         self,
@@ -44,11 +40,18 @@ class ScriptArgs:
         """KEYS and ARGV in declared order, from every declared name (ValueError naming any
         that is missing or not declared); `rest` after them."""
         argv = argv or {}
-        if keys.keys() != self._key_set or argv.keys() != self._arg_set:
+        try:
+            key_list = [keys[n] for n in self.keys]
+            args = [argv[n] for n in self.argv]
+        except KeyError:
+            raise ValueError(self._mismatch(keys, argv)) from None
+        if len(keys) != len(self.keys) or len(argv) != len(self.argv):
             raise ValueError(self._mismatch(keys, argv))
-        if rest and not self.rest:
-            raise ValueError(f"{self.name} takes no ARGV after {', '.join(self.argv)}")
-        return [keys[n] for n in self.keys], [*(argv[n] for n in self.argv), *rest]
+        if rest:
+            if not self.rest:
+                raise ValueError(f"{self.name} takes no ARGV after {', '.join(self.argv)}")
+            args += rest
+        return key_list, args
 
     def _mismatch(self, keys: Mapping[str, str], argv: Mapping[str, Arg]) -> str:
         wrong = []
