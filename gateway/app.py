@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 from collections.abc import AsyncIterator
 
@@ -17,6 +18,7 @@ from gateway.access_log import AccessLog
 from gateway.auth_throttle import AuthThrottle
 from gateway.batch import routes as batch_routes
 from gateway.batch.runtime import BatchRuntime
+from gateway.compaction import Compactor
 from gateway.dashboard import routes as dashboard_routes
 from gateway.dashboard.hub import DashboardHub
 from gateway.deadline_sweep import DeadlineSweep
@@ -38,9 +40,9 @@ from gateway.pubsub_wire import (
 from gateway.registry import ModelRegistry
 from gateway.routes import docs, health, jobs, metrics, models
 from gateway.state import GatewayState
-from shared import __version__, runtime
+from shared import __version__, lifeline, runtime
 from shared.keys import Keys
-from shared.redisconn import connect, sentinels
+from shared.redisconn import check_url, connect, sentinels
 from shared.settings import GatewaySettings
 from shared.transitions import ScriptRunner
 
@@ -61,8 +63,10 @@ def create_app(
     `raw_pubsub`: stream events over genq's own hiredis pub/sub connection to
     `settings.redis_url` or the sentinels' master (default when the app makes its own
     client) rather than redis-py's. ValueError, before anything serves, for a URL option
-    that connection cannot honour.
+    that connection cannot honour, or that the URL's transport does not take.
     """
+    if redis is None and settings.redis_url:
+        check_url(settings.redis_url)
     use_raw = (redis is None) if raw_pubsub is None else raw_pubsub
     endpoint = (
         Endpoint.from_url(settings.redis_url, settings.redis_socket_timeout_s)
@@ -145,7 +149,9 @@ async def _start(
     app.state.batch = batches = BatchRuntime(state)
     app.state.dashboard = dashboard = DashboardHub(settings, client, keys)
     runtime.tune_gc()
-    _start_tasks(stack, router, state, fleet, DeadlineSweep(settings, client, scripts, keys))
+    sweep = DeadlineSweep(settings, client, scripts, keys)
+    app.state.compactor = compactor = Compactor(settings, client, scripts, keys)
+    _start_tasks(stack, router, state, fleet, sweep, compactor)
     groups = await queues.start(client, keys, settings.queue_models)
     stack.push_async_callback(queues.stop, groups)
     batches.start()
@@ -160,6 +166,7 @@ def _start_tasks(
     state: GatewayState,
     fleet: FleetExporter,
     sweep: DeadlineSweep,
+    compactor: Compactor,
 ) -> None:
     """The background loops; at shutdown the router closes first (its receive loop ends),
     then every loop is cancelled and awaited."""
@@ -169,6 +176,7 @@ def _start_tasks(
         "fleet-metrics": fleet.run,
         "pubsub-router": router.run,
         "deadline-sweep": sweep.run,
+        "log-compaction": compactor.run,
         "admission-repair": state.admission.repair_loop,
         "gateway-presence": state.presence.run,
     }
@@ -222,5 +230,11 @@ def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:
 
 
 def create_app_from_env() -> FastAPI:
-    """Factory for `uvicorn --factory` (each `genq gateway` process builds its own settings)."""
+    """Factory for `uvicorn --factory` (each `genq gateway` process builds its own settings).
+    A process spawned by uvicorn's supervisor (`--workers N`) dies with it: it gets SIGTERM,
+    closes its listening socket at once and drains its streams, instead of serving on as an
+    orphan that a restarted gateway could not bind beside."""
+    supervisor = multiprocessing.parent_process()
+    if supervisor is not None and supervisor.pid is not None:
+        lifeline.die_with_parent(supervisor.pid)
     return create_app(GatewaySettings())

@@ -210,6 +210,7 @@ class FleetExporter:
 
     async def round(self) -> None:
         """Take or renew the lease; holding it, read and publish the fleet's gauges."""
+        self.metrics.sample_process()  # every process, each round: its siblings render it
         ttl_ms = int(self.settings.metrics_fleet_lease_s * 1000)
         body = b""
         try:

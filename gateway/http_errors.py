@@ -9,6 +9,7 @@ pydantic-internal name, and what a client sent is echoed cut and escaped.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import sys
 from typing import Any
@@ -42,6 +43,10 @@ _UNION_TAG = re.compile(r"[^A-Za-z0-9_]|^(str|int|float|bool|none|list|dict|byte
 """A loc item pydantic adds for a union member (`constrained-str`, `list[int]`): no field name
 looks like one."""
 _LOC_ROOTS = frozenset({"body", "query", "header", "path", "cookie"})
+_BOUNDS = frozenset(
+    {"less_than", "less_than_equal", "greater_than", "greater_than_equal", "finite_number"}
+)
+"""pydantic's errors of a number out of its field's bounds."""
 
 OPENAI_UNSERVED = frozenset(
     {
@@ -162,18 +167,28 @@ def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     by_field: dict[str, list[str]] = {}
     for e in errors:
         msgs = by_field.setdefault(_param(e), [])
-        if e.get("msg", "invalid") not in msgs:
-            msgs.append(e.get("msg", "invalid"))
+        if (msg := _message(e)) not in msgs:
+            msgs.append(msg)
     parts = [f"{field}: {' or '.join(msgs)}" for field, msgs in by_field.items()]
     if len(parts) > _MAX_REPORTED:
         parts = [*parts[:_MAX_REPORTED], f"and {len(parts) - _MAX_REPORTED} more"]
     first = next(iter(by_field), "body")
     body = error_body("; ".join(parts), "invalid_request_error", first, "invalid_value")
     body["detail"] = [
-        {"loc": _clean_loc(e)[0], "msg": e.get("msg"), "type": e.get("type")}
+        {"loc": _clean_loc(e)[0], "msg": _message(e), "type": e.get("type")}
         for e in errors[:_MAX_REPORTED]
     ]
     return JSONResponse(body, 422)
+
+
+def _message(e: Any) -> str:
+    """pydantic's message, but for NaN and Infinity (Python's JSON reads them): pydantic
+    measures them against the field's bounds and says "should be less than or equal to 2",
+    which is not what is wrong."""
+    value = e.get("input")
+    if e.get("type") in _BOUNDS and isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, not {value}"
+    return str(e.get("msg", "invalid"))
 
 
 def _clean_loc(e: Any) -> tuple[list[str | int], str]:

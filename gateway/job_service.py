@@ -20,6 +20,7 @@ from gateway.admission import AdmissionControl
 from gateway.identity import Identity
 from gateway.registry import LoadedCard, ModelRegistry
 from shared import events
+from shared.compact import CompactLog
 from shared.deadlines import expire_due
 from shared.errors import BadRequest, Conflict, JobNotFound, PromptTooLong, Unprocessable, shown
 from shared.events import EVENT_FIELD, CancelledEvent, EventError, QueuedEvent, TokenEvent
@@ -66,7 +67,7 @@ class Submitted:
 INLINE_CHARS = 512
 """Prompts up to this many characters are tokenized on the event loop: ~0.1 ms of it (33 µs
 for 130 characters with the sim's byte-level BPE) against ~0.13 ms of CPU for the hop to a
-thread and back (docs/benchmarks.md, "The CPU pipeline after the production surface")."""
+thread and back (measured on the 2-core dev box)."""
 
 
 class JobService:
@@ -83,14 +84,16 @@ class JobService:
         self.scripts = scripts
         self.registry = registry
         self.keys = Keys(settings.key_prefix)
-        self.transitions = Transitions(self.keys, settings.recent_jobs)
+        self.transitions = Transitions(
+            self.keys, settings.recent_jobs, settings.event_compact_grace_s
+        )
         self.admission = AdmissionControl(settings, redis, scripts, self.keys)
         self._short_of_replicas = False
         """The last submit was answered with fewer replicas than GENQ_REDIS_WAIT_REPLICAS."""
 
     def validate_id(self, job_id: str) -> str:
         if not JOB_ID.fullmatch(job_id):
-            raise JobNotFound(f"no job {shown(job_id)}", param="id")
+            raise job_not_found(job_id)
         access_log.touched_job(job_id)
         return job_id
 
@@ -303,8 +306,18 @@ class JobService:
             record = await self._expire(record)
         view = record.view()
         if text_so_far and record.result is None and record.attempt > 0:
-            view.text, view.text_truncated = await self._text_so_far(job_id)
+            if record.log is not None:  # its log was compacted: the text is there
+                view.text, view.text_truncated = self._compacted_text(record.log)
+            else:
+                view.text, view.text_truncated = await self._text_so_far(job_id)
         return view
+
+    def _compacted_text(self, value: str) -> tuple[str, bool]:
+        """`_text_so_far` of a compacted log (`shared.compact`, which holds the text of a job
+        without a result)."""
+        cap = self.settings.partial_text_max_chars
+        text = CompactLog.decode(value).full_text(None)
+        return text[:cap], len(text) > cap
 
     async def _text_so_far(self, job_id: str) -> tuple[str, bool]:
         """The token texts of the job's log, a page at a time, up to `partial_text_max_chars`;
@@ -351,7 +364,7 @@ class JobService:
         raw = await self.redis.hgetall(self.keys.job(self.validate_id(job_id)))
         record = JobRecord.from_hash(raw) if raw else None
         if record is None or not caller.may_see(record):
-            raise JobNotFound(f"no job '{job_id}' (unknown, or expired)", param="id")
+            raise job_not_found(job_id)
         return record
 
     async def cancel(self, job_id: str, caller: Identity, reason: str = "cancelled") -> JobView:
@@ -365,7 +378,7 @@ class JobService:
                 return await self.get(job_id, caller, text_so_far=False)  # it is about to end
             if isinstance(reply, CancelEnded):
                 if reply.status == "missing":
-                    raise JobNotFound(f"no job '{job_id}' (unknown, or expired)", param="id")
+                    raise job_not_found(job_id)
                 raise Conflict(f"job '{job_id}' already ended: {reply.status}", param="id")
             if await self._cancel_queued(job_id, reply, reason):
                 return await self.get(job_id, caller)
@@ -434,8 +447,14 @@ def _log_queued(record: JobRecord, caller: Identity) -> None:
     }
     if caller.keyed:
         fields["owner"] = caller.owner
-    log.info("job queued", extra=fields)
+    log.debug("job queued", extra=fields)  # a healthy job's one info line is the worker's end
     access_log.touched_job(spec.id)
+
+
+def job_not_found(job_id: str) -> JobNotFound:
+    """The 404 of a job the caller may not see: the same for a malformed id, an unknown one,
+    an expired one and another owner's, so that none tells anything about the others."""
+    return JobNotFound(f"no job {shown(job_id)} (unknown, or expired)", param="id")
 
 
 def _overdue(record: JobRecord) -> bool:

@@ -7,8 +7,16 @@ write its values into files of a directory they share, and every process renders
 files, so each scrape sees the same totals. With one process the values live in this app's
 own registry; the metrics and the code that records them are the same either way.
 
-Labels are bounded: a route is its template (`/v1/jobs/{job_id}`), never the raw path, and
-paths no route matches share `unmatched`.
+Labels are bounded: a route is its template (`/v1/jobs/{job_id}`), never the raw path, a
+static file is its folder's (`/dashboard/assets/{path}`), and paths no route matches share
+`unmatched`.
+
+Each process's resident memory, CPU seconds and open files are the standard
+`process_resident_memory_bytes`, `process_cpu_seconds_total` and `process_open_fds`. One
+process exports prometheus_client's own collector; in multiprocess mode that collector would
+show only the process a scrape reached, so each process writes its figures into gauges of
+its own (a `pid` label; a dead process's leave with it), every fleet round and before it
+renders.
 """
 
 from __future__ import annotations
@@ -22,11 +30,12 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
     multiprocess,
 )
-from starlette.routing import compile_path
+from starlette.routing import Mount, compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import multiproc
@@ -35,6 +44,13 @@ UNMATCHED = "unmatched"
 """The route label of a request no route matches (a 404): raw paths would be unbounded."""
 CLIENT_CLOSED_REQUEST = 499
 """The status of a response nobody reads: its client disconnected (nginx's convention)."""
+PROCESS_GAUGES = {
+    "process_resident_memory_bytes": "Resident memory size in bytes.",
+    "process_cpu_seconds_total": "Total user and system CPU time spent in seconds.",
+    "process_open_fds": "Number of open file descriptors.",
+}
+"""The figures of prometheus_client's ProcessCollector each gateway process exports in
+multiprocess mode, under the collector's names."""
 
 
 class GatewayMetrics:
@@ -66,6 +82,15 @@ class GatewayMetrics:
             ["route"],
             registry=r,
         )
+        self._process = ProcessCollector(registry=None if self.multiprocess else r)
+        self._process_gauges = (
+            {
+                name: Gauge(name, doc, registry=r, multiprocess_mode="liveall")
+                for name, doc in PROCESS_GAUGES.items()
+            }
+            if self.multiprocess
+            else {}
+        )
         self._responses: dict[tuple[str, str, int], Counter] = {}
         self.extra: list[Callable[[], bytes]] = []
         """More exposition text to answer with: `genq serve`'s in-process worker's."""
@@ -82,6 +107,17 @@ class GatewayMetrics:
             child = self._responses[key] = self.responses.labels(route, method, str(status))
         child.inc()
 
+    def sample_process(self) -> None:
+        """In multiprocess mode, this process's memory, CPU and open files into its gauges
+        (the files its siblings read when they render)."""
+        if not self._process_gauges:
+            return
+        for family in self._process.collect():
+            for sample in family.samples:
+                gauge = self._process_gauges.get(sample.name)
+                if gauge is not None:
+                    gauge.set(sample.value)
+
     def set_fleet(self, body: bytes) -> None:
         """The fleet's gauges this process exports from now on (b"": none)."""
         self.fleet = body
@@ -95,6 +131,7 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """This process's metrics (every process's, in multiprocess mode) and the fleet's."""
         if self.multiprocess:
+            self.sample_process()
             multiproc.forget_dead()
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
@@ -126,6 +163,11 @@ class RouteNames:
         if self._templates is None:  # once, from FastAPI's own (cached) document
             paths = sorted(self.app.openapi().get("paths", {}), key=lambda t: t.count("{"))
             self._templates = [(compile_path(t)[0], t) for t in paths]
+            # static files (the dashboard's, the docs'): the folder they are served from
+            mounts = [r.path for r in self.app.routes if isinstance(r, Mount) and r.path]
+            self._templates += [
+                (compile_path(f"{m}/{{path:path}}")[0], f"{m}/{{path}}") for m in mounts
+            ]
         return next((t for regex, t in self._templates if regex.fullmatch(path)), UNMATCHED)
 
 

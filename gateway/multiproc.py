@@ -5,7 +5,8 @@ Each of the N processes writes its metric values into files of one directory
 reaches any process sees one consistent view. The directory must be in the environment
 before prometheus_client is imported in the children, which `prepare` ensures: genq's
 supervisor sets it before uvicorn spawns them (they start fresh interpreters and inherit
-it). It is emptied at start, since values left by an earlier run would add to this run's.
+it). It is emptied at start, since values left by an earlier run would add to this run's; one
+made here and left by a supervisor killed outright is removed when the next one starts.
 
 A process that died leaves its files: counters must keep counting what it did, but its
 live gauges (open streams) must stop counting, which `mark_process_dead` does; `forget_dead`
@@ -30,6 +31,8 @@ from prometheus_client import multiprocess, values
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 FLEET_FILE = "genq-fleet.prom"
+MADE_PREFIX = "genq-metrics-"
+"""A directory made here is MADE_PREFIX, the supervisor's pid, a dash and a random name."""
 _PID = re.compile(r"_(\d+)\.db$")
 _dead: set[int] = set()
 """Processes already marked dead (their files are read on every render)."""
@@ -52,7 +55,8 @@ def prepare() -> Path | None:
     here (the caller removes it at exit), else None."""
     given = directory()
     if given is None:
-        made = Path(tempfile.mkdtemp(prefix="genq-metrics-"))
+        reclaim()
+        made = Path(tempfile.mkdtemp(prefix=f"{MADE_PREFIX}{os.getpid()}-"))
         os.environ[ENV] = str(made)
         return made
     given.mkdir(parents=True, exist_ok=True)
@@ -60,6 +64,16 @@ def prepare() -> Path | None:
         with contextlib.suppress(FileNotFoundError):
             stale.unlink()
     return None
+
+
+def reclaim() -> None:
+    """Remove the directories that supervisors killed outright left (no cleanup ran in them):
+    this user's, named for a process that no longer runs."""
+    for path in Path(tempfile.gettempdir()).glob(f"{MADE_PREFIX}*-*"):
+        pid = path.name.removeprefix(MADE_PREFIX).split("-")[0]
+        with contextlib.suppress(OSError):
+            if pid.isdigit() and path.stat().st_uid == os.getuid() and not _alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def remove(made: Path | None) -> None:

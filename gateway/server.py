@@ -41,7 +41,10 @@ def listen(host: str, port: int) -> socket.socket:
             f"genq: error: cannot listen on {host}:{port}: {reason} (another --port, or stop "
             "what holds it)"
         ) from None
-    sock.set_inheritable(True)  # uvicorn's worker processes serve this same socket
+    # Not inheritable (Python's default, said here since it matters): uvicorn hands it to its
+    # worker processes by name, and no other child (an engine process, a redis-server) may
+    # hold the port open after the gateway has gone.
+    sock.set_inheritable(False)
     return sock
 
 

@@ -26,8 +26,11 @@ from starlette.types import Receive, Scope, Send
 from gateway.http_protocol import ABORT_EXTENSION
 from gateway.pubsub import Subscription
 from shared import events
+from shared.compact import CompactLog, Envelope
 from shared.events import EVENT_FIELD, FINAL_EVENT_TYPES, ErrorEvent, EventError
 from shared.keys import Keys, event_id, seq_of
+from shared.records import RecordError, unpack
+from shared.schemas import JobResult
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -69,11 +72,16 @@ class EventFollower:
         """One page of the events after `last` from the job's log: at most
         `event_page_entries`, and about `stream_buffer_bytes` of them by the sizes read so
         far, so a page of large events (logprobs) held while a slow client takes it costs no
-        more than the live buffer would."""
+        more than the live buffer would. A finished job's log compacted into its record
+        (`shared.compact`) is read from there, a page of the same size at a time."""
         page = self._page
         entries = await self.redis.xrange(
             self.keys.events(self.job_id), f"({event_id(self.last)}", "+", count=page
         )
+        if not entries:  # nothing new, or compacted: the log is gone then
+            compacted = await self._read_compacted()
+            if compacted is not None:
+                return compacted
         accepted = self._accept([_from_log(i, f[EVENT_FIELD]) for i, f in entries])
         self.log_ahead = len(entries) == page and len(accepted) == page
         if entries:
@@ -81,6 +89,42 @@ class EventFollower:
             fits = self.settings.stream_buffer_bytes * len(entries) // size
             self._page = max(1, min(self.settings.event_page_entries, fits))
         return accepted
+
+    async def _compact_log(self) -> tuple[CompactLog, JobResult | None] | None:
+        """The job's compact log and result, if its log was compacted (`shared.compact`).
+        Read again each time, not kept: it holds the job's whole text."""
+        key = self.keys.job(self.job_id)
+        log_value = await self.redis.hget(key, "log")  # a running job's read costs no more
+        if log_value is None:
+            return None
+        result = await self.redis.hget(key, "result")
+        try:
+            compact = CompactLog.decode(log_value)
+            return compact, JobResult.model_validate_json(unpack(result)) if result else None
+        except (RecordError, ValueError):
+            log.error("job's compact log does not decode", extra={"job_id": self.job_id})
+            return None
+
+    async def _read_compacted(self) -> list[tuple[int, str, str]] | None:
+        """One page of the events after `last` from the job's compact log; None if it has
+        none (its log was not compacted)."""
+        found = await self._compact_log()
+        if found is None:
+            return None
+        compact, result = found
+        s = self.settings
+        items, more = compact.replay(
+            self.last, result, max_bytes=s.stream_buffer_bytes, max_events=s.event_page_entries
+        )
+        out = []
+        for seq, etype, attempt, data in items:  # one after another by construction
+            out.append((seq, etype, data))  # a token event stands for those up to its seq
+            self.last, self.attempt = seq, attempt
+            if etype in FINAL_EVENT_TYPES:
+                self.finished = True
+                break
+        self.log_ahead = more and not self.finished
+        return out
 
     def _accept(self, items: list[Envelope]) -> list[tuple[int, str, str]]:
         """The run of items that continues `last` without a hole.
@@ -169,14 +213,27 @@ class EventFollower:
             tail = await self.redis.xrevrange(self.keys.events(self.job_id), "+", "-", count=1)
         except (RedisError, OSError):
             return True  # Redis is away: keep waiting for it
-        if not tail:
-            return False
+        if not tail:  # expired, or compacted
+            return await self._open_compacted()
         entry_id, fields = tail[0]
         try:
             etype = events.peek(fields[EVENT_FIELD])[1]
         except (EventError, KeyError):
             return True
         if etype in FINAL_EVENT_TYPES and seq_of(entry_id) <= self.last:
+            self.finished = True
+            return False
+        return True
+
+    async def _open_compacted(self) -> bool:
+        """`_open` for a job whose log is gone: whether its compact log goes on past `last`."""
+        try:
+            found = await self._compact_log()
+        except (RedisError, OSError):
+            return True
+        if found is None:
+            return False
+        if found[0].last_seq <= self.last:  # it ended at or before `last`
             self.finished = True
             return False
         return True
@@ -194,10 +251,6 @@ async def sse_stream(follower: EventFollower) -> AsyncIterator[bytes]:
             yield KEEPALIVE
         else:
             yield "".join(sse_frame(*e) for e in batch).encode()
-
-
-Envelope = tuple[int, str, int, str]
-"""(seq, type, attempt, the event's JSON)."""
 
 
 def _from_log(entry_id: str, data: str) -> Envelope:

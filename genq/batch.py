@@ -21,7 +21,8 @@ from typing import IO, Any
 import httpx
 from tqdm import tqdm
 
-DEFAULT_URL = "http://127.0.0.1:8000"
+from genq.client import DEFAULT_URL, add_api_key_flag, auth_headers, fail, one_line_errors
+
 DEFAULT_ENDPOINT = "/v1/chat/completions"
 POLL_S = 1.0
 ENDED = ("completed", "failed", "expired", "cancelled")
@@ -32,42 +33,49 @@ DOWNLOAD_CHUNK = 1 << 16
 
 def add_parser(sub: Any) -> None:
     """`genq batch` and its commands, under the `genq` parser's subparsers."""
-    p = sub.add_parser("batch", help="batches of requests from a JSONL file (OpenAI Batch API)")
+    about = "batches of requests from a JSONL file (OpenAI Batch API)"
+    p = sub.add_parser("batch", help=about, description=f"{about}.")
     commands = p.add_subparsers(dest="batch_command", required=True)
 
     def command(name: str, help_: str) -> argparse.ArgumentParser:
-        c = commands.add_parser(name, help=help_)
-        c.add_argument("--url", default=DEFAULT_URL, help=f"the gateway (default {DEFAULT_URL})")
-        c.add_argument("--api-key")
+        c = commands.add_parser(name, help=help_, description=f"{help_[0].upper()}{help_[1:]}.")
+        c.add_argument("--url", default=DEFAULT_URL, help="the gateway")
+        add_api_key_flag(c)
         return c
 
     c = command("submit", "upload FILE.jsonl and start a batch of its lines")
-    c.add_argument("file", type=Path)
-    c.add_argument("--endpoint", help="default: the url of the file's first line")
+    c.add_argument("file", type=Path, help="the requests, one JSON object a line")
+    c.add_argument(
+        "--endpoint", help="the route of every line (default: the url of the file's first line)"
+    )
     c.add_argument("--window", default="24h", help="completion window: 24h, or shorter (90m)")
     c.add_argument("--wait", action="store_true", help="show progress, then fetch the results")
     c.add_argument("-o", "--output", type=Path, help="with --wait: write the results here")
     c = command("status", "one batch: status and counts")
-    c.add_argument("id")
+    c.add_argument("id", help="the batch's id (batch_…)")
     c.add_argument("--json", action="store_true", help="the Batch object as JSON")
     c = command("list", "recent batches")
-    c.add_argument("--limit", type=int, default=20)
+    c.add_argument("--limit", type=int, default=20, help="most batches shown, newest first")
     c = command("cancel", "cancel a batch (what finished is kept)")
-    c.add_argument("id")
+    c.add_argument("id", help="the batch's id (batch_…)")
     c = command("results", "fetch a batch's output file (or its error file)")
-    c.add_argument("id")
-    c.add_argument("-o", "--output", type=Path, help="default: stdout")
+    c.add_argument("id", help="the batch's id (batch_…)")
+    c.add_argument("-o", "--output", type=Path, help="the file to write (default: stdout)")
     c.add_argument("--errors", action="store_true", help="the error file instead")
 
 
 def main(args: argparse.Namespace) -> int:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    with httpx.Client(base_url=args.url, headers=headers, timeout=None) as client:
-        try:
-            return _COMMANDS[args.batch_command](client, args)
-        except ApiError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
+    """The command; every failure (the gateway's error answer, no gateway, a file that cannot
+    be read or written) is one line on stderr and exit status 1."""
+
+    def run() -> int:
+        with httpx.Client(base_url=args.url, headers=auth_headers(args), timeout=None) as client:
+            try:
+                return _COMMANDS[args.batch_command](client, args)
+            except ApiError as exc:
+                return fail(str(exc))
+
+    return one_line_errors(args.url, run)
 
 
 class ApiError(Exception):
@@ -77,12 +85,16 @@ class ApiError(Exception):
 def _call(client: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
     r = client.request(method, path, **kwargs)
     if r.status_code >= 400:
-        try:
-            message = r.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = r.text
-        raise ApiError(f"{r.status_code}: {message}")
+        raise _api_error(r)
     return r.json()
+
+
+def _api_error(r: httpx.Response) -> ApiError:
+    try:
+        message = r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = r.text
+    return ApiError(f"{r.status_code}: {message}")
 
 
 # ---- commands -----------------------------------------------------------------------------
@@ -100,7 +112,11 @@ def _submit(client: httpx.Client, args: argparse.Namespace) -> int:
         "endpoint": endpoint,
         "completion_window": args.window,
     }
-    batch = _call(client, "POST", "/v1/batches", json=body)
+    try:
+        batch = _call(client, "POST", "/v1/batches", json=body)
+    except (ApiError, httpx.TransportError):
+        _forget(client, uploaded["id"])
+        raise
     try:  # from here on, Ctrl-C leaves a batch that exists: say how to follow it
         print(f"batch {batch['id']}: {batch['request_counts']['total']} requests", file=sys.stderr)
         if not args.wait:
@@ -177,6 +193,15 @@ def _first_url(path: Path) -> str | None:
     return url if isinstance(url, str) else None
 
 
+def _forget(client: httpx.Client, file_id: str) -> None:
+    """Delete the file uploaded for a batch that was not created: nothing else would use it.
+    Best effort: the batch's own failure is what the user is told."""
+    try:
+        client.delete(f"/v1/files/{file_id}")
+    except httpx.TransportError:
+        pass
+
+
 def _wait(client: httpx.Client, batch: dict[str, Any]) -> dict[str, Any]:
     """Poll until the batch ends, with a progress bar on stderr."""
     counts = batch["request_counts"]
@@ -224,7 +249,7 @@ def _download(client: httpx.Client, file_id: str, out: IO[bytes]) -> None:
     with client.stream("GET", f"/v1/files/{file_id}/content") as r:
         if r.status_code >= 400:
             r.read()
-            raise ApiError(f"{r.status_code}: {r.text}")
+            raise _api_error(r)
         for chunk in r.iter_bytes(DOWNLOAD_CHUNK):
             out.write(chunk)
     out.flush()

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
+from genq.client import api_key
 from genq.stats import TokenTimes, latency
 from shared import runtime
 
@@ -286,7 +287,7 @@ def request_body(api: str, args: argparse.Namespace, prompt: str, seed: int) -> 
 
 
 async def run_bench(args: argparse.Namespace) -> dict:
-    target = Target.from_url(args.url, args.api_key)
+    target = Target.from_url(args.url, api_key(args))
     api = getattr(args, "api", "native")
     rng = random.Random(0)
     bodies = [
@@ -355,7 +356,7 @@ def _summary(
 
 def main(args: argparse.Namespace) -> int:
     try:
-        Target.from_url(args.url, args.api_key)
+        Target.from_url(args.url, api_key(args))
     except ValueError as exc:
         print(f"genq bench: {exc}", file=sys.stderr)
         return 2
@@ -364,5 +365,6 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         for k, v in summary.items():
-            print(f"{k:>22}: {v}")
+            if v is not None:  # no error, or no /readyz figures: nothing to show
+                print(f"{k:>22}: {v}")
     return 0 if summary["errors"] == 0 else 1

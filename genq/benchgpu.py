@@ -25,7 +25,8 @@ round): a ratio per turn and the median of the rounds; with `--replay` each bare
 jobs when the system's last turn sent them rather than all at once; with `--ab-worker-env` a
 second system with those settings takes its turns too (an option against the defaults under
 the same drift: `ratio alt/system` per round and its median). `--bare-again`,
-`--bare-load N` and `--pin-engine` are the diagnostics of docs/benchmarks.md (issue 15).
+`--bare-load N` and `--pin-engine` tell what slows the engine's step (the host's other
+processes, the core it runs on).
 
 Engine settings come from GENQ_* as for a worker (e.g. GENQ_PREFILL_COOLDOWN=4 for both the
 bare loop and the worker). `--sampler-probe` (exllamav3, bare): how long each step spends
@@ -56,6 +57,7 @@ import redis
 from genq import procstats
 from genq.bench import Client, Target
 from genq.stats import TokenTimes, latency, percentile
+from shared import lifeline
 from shared.keys import Keys
 from shared.logs import setup as setup_logging
 from shared.schemas import Sampling
@@ -333,6 +335,7 @@ class System:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,
+                preexec_fn=lifeline.preexec(),  # a killed benchmark leaves no service running
             )
         )
 
@@ -629,7 +632,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _add_diagnostics(p: argparse.ArgumentParser) -> None:
-    """The flags of docs/benchmarks.md's diagnostics: samplers, CPUs, drift."""
+    """The flags of the diagnostics behind docs/performance.md: samplers, CPUs, drift."""
     p.add_argument(
         "--cpu-sampling",
         action="store_true",
@@ -658,7 +661,7 @@ def _add_diagnostics(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --compare: run the bare loop again after the system (kept loaded meanwhile), "
         "so each ratio has a bare figure before and after it; then once more with each job "
-        "arriving when the system's client sent it (the issue's 'takes jobs as they arrive')",
+        "arriving when the system's client sent it (the bare loop takes jobs as they arrive)",
     )
     _add_turn_flags(p)
 
@@ -942,7 +945,7 @@ class Turns:
         replay: bool = False,
     ) -> None:
         """`replay`: each bare turn takes its jobs as the system's last turn at that level
-        sent them (the issue's "the bare loop takes jobs as they arrive"), not all at once."""
+        sent them (the bare loop takes jobs as they arrive), not all at once."""
         assert self.system is not None
         systems = {"system": self.system} | ({"alt": self.alt} if self.alt else {})
         warm = workload(2, 64, 128, 8, _vocab(self.system.model))
@@ -1054,7 +1057,10 @@ class Busy:
 
     def __enter__(self) -> Busy:
         spin = "while True: pass"
-        self.procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(self.n)]
+        self.procs = [
+            subprocess.Popen([sys.executable, "-c", spin], preexec_fn=lifeline.preexec())
+            for _ in range(self.n)
+        ]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -1064,9 +1070,9 @@ class Busy:
 
 
 def ratio(bare: dict, system: dict, kind: str = "system/bare") -> dict:
-    """The issue's targets at one level: tokens/s and per-stream decode rate as a share of the
-    bare generator's (≥ 0.97), time to first token p50 over it; the engine's step in the
-    worker's engine process and as the worker sees it, beside the bare loop's. `kind`
+    """The system against the bare loop at one level: tokens/s and per-stream decode rate as a
+    share of the bare generator's (≥ 0.97), time to first token p50 over it; the engine's step
+    in the worker's engine process and as the worker sees it, beside the bare loop's. `kind`
     "alt/system": `bare` is the defaults' system row (its engine step under `bare`)."""
 
     def share(key: str) -> float | None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any, TypeVar, get_args
 
 from pydantic import ValidationError
 from pydantic_core import PydanticUndefined
 
 from genq import batch as batch_cli
+from genq.client import DEFAULT_URL, add_api_key_flag
 from shared import __version__, logs
 from shared.settings import GatewaySettings, LogLevel, RedisSettings, Settings, WorkerSettings
 
@@ -43,12 +45,20 @@ def _invalid(exc: ValidationError) -> str:
 
 
 def _need_redis(settings: RedisSettings, command: str) -> None:
-    """SystemExit with one line when `command`'s settings name no Redis."""
+    """SystemExit with one line when `command`'s settings name no Redis, or a URL with an
+    option its transport does not take."""
     if not settings.redis_configured:
         raise SystemExit(
             f"genq: error: genq {command} needs a Redis: --redis-url redis://HOST:6379/0, "
             "GENQ_REDIS_URL or GENQ_REDIS_SENTINELS (genq serve runs one of its own)"
         )
+    if settings.redis_url:
+        from shared.redisconn import check_url
+
+        try:
+            check_url(settings.redis_url)
+        except ValueError as exc:  # the message names the option, never the URL's password
+            raise SystemExit(f"genq: error: GENQ_REDIS_URL: {exc}") from None
 
 
 def _redis_flag(p: argparse.ArgumentParser, embedded: bool = False) -> None:
@@ -160,6 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="gateway + worker in one process (dev, demos, one GPU)")
     _listen_flags(p)
     _redis_flag(p, embedded=True)
+    data = p.add_mutually_exclusive_group()
+    data.add_argument(
+        "--data-dir",
+        type=Path,
+        help="where the private redis-server keeps its data, across restarts (default: "
+        "$XDG_DATA_HOME/genq/redis, else ~/.local/share/genq/redis)",
+    )
+    data.add_argument(
+        "--ephemeral",
+        action="store_true",
+        help="the private redis-server keeps nothing: its data goes when genq serve stops",
+    )
     _engine_flags(p)
     _launcher_flags(p, default_procs="auto")
 
@@ -251,27 +273,55 @@ def _listen_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _client_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the gateway")
+    p.add_argument("--url", default=DEFAULT_URL, help="the gateway")
     p.add_argument("--model", default="sim", help="model name")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens per request")
     p.add_argument(
         "--priority", choices=["interactive", "batch"], default="interactive", help="queue"
     )
-    p.add_argument("--api-key", help="a GENQ_API_KEYS key, when the gateway asks for one")
+    add_api_key_flag(p)
+
+
+BROKEN_PIPE_EXIT = 128 + 13
+"""Exit status when stdout's reader left (`genq batch list | head -1`): what a shell reports
+for a program killed by SIGPIPE, the usual end of a command whose output was cut short."""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        status = _run(args)
+        sys.stdout.flush()  # here, not at exit: a reader that left is told apart below
+    except BrokenPipeError:
+        # The reader has what it wanted; nothing to say. stdout goes to /dev/null so that
+        # the interpreter's own flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
     # into every command's settings: the processes a command starts take it from there
     level = {"log_level": args.log_level}
     logs.setup(_load(RedisSettings, **level))
     if args.command == "serve":
+        from genq.embedded_redis import default_data_dir
         from genq.serve import serve
         from worker.process import check_engine
 
         settings = _settings(**level, **_engine_settings(args), redis_url=args.redis_url)
         check_engine(settings)
-        return serve(settings, args.host, args.port, args.gpus, args.procs_per_gpu)
+        data_dir = None if args.ephemeral else (args.data_dir or default_data_dir())
+        return serve(
+            settings,
+            args.host,
+            args.port,
+            args.gpus,
+            args.procs_per_gpu,
+            data_dir,
+            data_dir_chosen=args.data_dir is not None,
+        )
     if args.command == "gateway":
         return _gateway(args, level)
     if args.command == "worker":

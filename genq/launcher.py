@@ -35,6 +35,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
+from shared import lifeline
 from shared.settings import WorkerSettings
 from worker import cpus
 from worker.exl2 import loader
@@ -52,11 +53,11 @@ CRASH_LOOP_EXIT = 1
 """The launcher's exit code after a child exceeded its restarts (a failure to systemd)."""
 
 # `--procs-per-gpu auto`: as many processes as memory and CPU allow, up to the point where
-# more stopped paying on an H200 with an 8B model (docs/benchmarks.md, issue 5). With sampling
+# more stopped paying on an H200 with an 8B model (docs/performance.md). With sampling
 # on the GPU (the default) a process is one core (its generator thread, GIL-bound) and the GPU
 # is the shared part: 2 per GPU was best or within 9 % of the best from 64 to 256 streams, 4
 # worse at every level. With exllamav2's CPU sampler a process wants ~4 cores and 4 did best.
-# Re-measured with the engine process (docs/benchmarks.md, `procs1 procs2`, 2026-12-03): two
+# Re-measured with the engine process (docs/performance.md, "Processes per GPU"): two
 # processes are 1.09 x one at 256 streams on an H200, 0.87-0.92 x at 64-128; the full GPU is
 # what the service is sized by, so the default stays 2 (`--procs-per-gpu 1` for 64-128).
 AUTO_MAX_PROCS = 2
@@ -156,7 +157,8 @@ class Launcher:
         env = dict(c.env)
         if c.restarts:  # a fresh id: the old one's entries are reclaimed like any dead worker's
             env["GENQ_WORKER_ID"] = f"{c.env['GENQ_WORKER_ID']}r{c.restarts}"
-        c.proc = subprocess.Popen(self.command, env=env)
+        # SIGTERM when the launcher dies, however it dies: the child drains and exits
+        c.proc = subprocess.Popen(self.command, env=env, preexec_fn=lifeline.preexec())
         c.started = time.monotonic()
         log.info(
             "worker process started",

@@ -7,9 +7,12 @@ One plan, chosen before anything starts (`plan_serve`):
   multi    this process runs the gateway (uvicorn); a child runs the launcher with N worker
            processes per GPU. Needs a Redis every process can reach.
 
-Redis, in this order: GENQ_REDIS_URL (or GENQ_REDIS_SENTINELS); a private `redis-server`
-started in a temporary directory on a free port and stopped on exit; in-process fakeredis
-(single only).
+Redis, in this order: GENQ_REDIS_URL (or GENQ_REDIS_SENTINELS); a private `redis-server` on a
+free port, stopped on exit, its data kept in a per-user folder (or nowhere, `--ephemeral`: see
+genq/embedded_redis.py); in-process fakeredis (single only).
+
+Every process it starts (the redis-server, the worker launcher, an engine process) dies with
+it, however it dies (shared/lifeline.py).
 
 The listening socket comes first: a busy port stops `genq serve` before Redis or any worker
 starts, and the address is printed only once it is ours.
@@ -38,7 +41,7 @@ from gateway.http_protocol import HTTP_PROTOCOL
 from gateway.server import listen, run_gateway, url_of
 from genq import launcher
 from genq.embedded_redis import private_redis
-from shared import logs, runtime
+from shared import lifeline, logs, runtime
 from shared.redisconn import connect
 from shared.settings import Settings
 from worker.process import install_signals, open_engine
@@ -65,13 +68,24 @@ def plan_serve(settings: Settings, gpus: str | None, procs_per_gpu: str | None) 
 
 
 def serve(
-    settings: Settings, host: str, port: int, gpus: str | None, procs_per_gpu: str | None
+    settings: Settings,
+    host: str,
+    port: int,
+    gpus: str | None,
+    procs_per_gpu: str | None,
+    data_dir: Path | None,
+    data_dir_chosen: bool = True,
 ) -> int:
+    """`data_dir`: where the private redis-server keeps its data (None: nothing is kept);
+    `data_dir_chosen`: given by the user (not the default), so one that cannot be made stops
+    the start."""
     sock = listen(host, port)
     url = url_of(sock)
     plan = plan_serve(settings, gpus, procs_per_gpu)
     with sock, contextlib.ExitStack() as stack:
-        if not settings.redis_configured and (redis_url := stack.enter_context(private_redis())):
+        if not settings.redis_configured and (
+            redis_url := stack.enter_context(private_redis(data_dir, data_dir_chosen))
+        ):
             settings = settings.model_copy(update={"redis_url": redis_url})
         if not settings.redis_configured and plan.multi:
             log.warning("no redis-server to share between worker processes: running one")
@@ -154,6 +168,7 @@ def _serve_multi(settings: Settings, sock: socket.socket, url: str, plan: ServeP
             str(plan.procs_per_gpu),
         ],
         env=os.environ.copy(),
+        preexec_fn=lifeline.preexec(),  # drains and exits when this process dies
     )
     model = served_model(settings)
     where = f"{plan.procs_per_gpu} worker process(es) per GPU on GPU(s) {','.join(plan.gpus)}"

@@ -8,6 +8,8 @@ import sys
 
 import httpx
 
+from genq.client import auth_headers
+
 
 def submit(args: argparse.Namespace) -> int:
     try:
@@ -32,8 +34,7 @@ def _submit(args: argparse.Namespace) -> int:
         body["temperature"] = args.temperature
     if args.seed is not None:
         body["seed"] = args.seed
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    with httpx.Client(base_url=args.url, headers=headers, timeout=None) as client:
+    with httpx.Client(base_url=args.url, headers=auth_headers(args), timeout=None) as client:
         if not args.stream:
             r = client.post("/v1/jobs", json=body)
             if r.status_code >= 400:

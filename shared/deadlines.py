@@ -42,7 +42,7 @@ async def expire_due(
         job_ids = await redis.zrangebyscore(index, "-inf", now, start=0, num=limit)
     if not job_ids:
         return []
-    transitions = Transitions(keys, settings.recent_jobs)
+    transitions = Transitions(keys, settings.recent_jobs, settings.event_compact_grace_s)
     states = await scripts.run_all([transitions.state(j) for j in job_ids])
     running = [
         (j, st)

@@ -102,11 +102,11 @@ class Conflict(GenqError):
 class PayloadTooLarge(GenqError):
     status = 413
     code = "payload_too_large"
+    type = "invalid_request_error"
 
 
 class TooLarge(PayloadTooLarge):
     code = "too_large"
-    type = "invalid_request_error"
 
 
 class Unprocessable(GenqError):

@@ -73,6 +73,11 @@ class Keys:
         """Sorted set: ids of jobs with a timeout, scored by their deadline (unix seconds)."""
         return f"{self.prefix}deadlines"
 
+    def compact_due(self) -> str:
+        """Sorted set: ids of ended jobs scored by when their event log is compacted (unix
+        seconds). One key for every job, like the deadlines index: part of the Cluster seam."""
+        return f"{self.prefix}compactdue"
+
     def dead_letters(self) -> str:
         return f"{self.prefix}dead"
 

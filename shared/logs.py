@@ -44,7 +44,7 @@ def _as_text(value: object) -> str:
 
 _ENCODER = msgspec.json.Encoder(enc_hook=_as_text)
 """msgspec, not json.dumps: a third of the cost of a line at the rates of the access log
-(docs/benchmarks.md, "Logs")."""
+(measured: docs/performance.md, "Logs")."""
 
 
 class JsonFormatter(logging.Formatter):

@@ -20,7 +20,7 @@ FolderFormat = Literal["exl2", "exl3", "plain", "other"]
 
 PLAIN_FOLDER_ENGINE: ModelEngine = "exllamav2"
 """The engine for a plain fp16/bf16 folder, which both read: the faster one on the GPU
-benchmark (docs/benchmarks.md, `device_run.sh exl3fp16`): exllamav2's worker did 1.26-1.58 x
+benchmark (docs/performance.md, "GPU: exllamav3"): exllamav2's worker did 1.26-1.58 x
 the tokens/s of exllamav3's on the fp16 8B at 1 to 256 streams (exllamav3's graph-captured
 decode runs only for EXL3 projections)."""
 

@@ -5,17 +5,23 @@ Hashes and stream entries are flat: one Redis field per model field, `None` fiel
 A string or number is stored as its plain text (so the Lua scripts can compare and count
 it: `status`, `worker`, `attempt`); anything structured (a spec, a result) as its JSON.
 `to_hash` / `from_hash` are the only ways in and out; `fields` encodes a partial update (the
-fields a state transition sets), validated against the model like a whole record.
+fields a state transition sets), validated against the model like a whole record. A JSON
+field may also be stored packed (`pack`: compressed, then base85, after a `~` no JSON text
+starts with): what an ended job's compaction does to its result and spec; `from_hash` reads
+both.
 """
 
 from __future__ import annotations
 
+import base64
+import bz2
 import hashlib
 import json
 import re
 import types
 import typing
-from collections.abc import Mapping
+import zlib
+from collections.abc import Callable, Mapping
 from functools import cache
 from typing import Any, Literal, Self
 
@@ -36,6 +42,13 @@ the old rule ends with the old records and can never open a new one to every key
 _OWNER_HEX_DIGITS = 32
 """128 bits of the key's SHA-256: no two keys collide, and the key cannot be recovered."""
 _SCALARS = (str, int, float, bool)
+PACKED = "~"
+"""The first character of a packed value (`pack`): JSON text never starts with it. The next
+names its codec."""
+_CODECS: dict[str, tuple[Callable[[bytes], bytes], Callable[[bytes], bytes]]] = {
+    "z": (lambda b: zlib.compress(b, zlib.Z_BEST_COMPRESSION), zlib.decompress),
+    "b": (lambda b: bz2.compress(b, 9), bz2.decompress),
+}
 
 
 class RecordError(ValueError):
@@ -66,6 +79,29 @@ def _text(value: bytes | str) -> str:
         except UnicodeDecodeError:
             raise RecordError("a field is not UTF-8 text") from None
     return value
+
+
+def pack(text: str) -> str:
+    """`text` compressed and made printable (Redis values are read as UTF-8 text): by zlib or
+    bz2, whichever is smaller (bz2 wins on a few KB of text and token ids), then base85."""
+    data = text.encode()
+    codec, packed = min(
+        ((c, compress(data)) for c, (compress, _) in _CODECS.items()), key=lambda x: len(x[1])
+    )
+    return PACKED + codec + base64.b85encode(packed).decode()
+
+
+def unpack(value: str) -> str:
+    """What `pack` packed; any other value as it is. RecordError for a damaged packed value."""
+    if not value.startswith(PACKED):
+        return value
+    codec = _CODECS.get(value[1:2])
+    try:
+        if codec is None:
+            raise ValueError("no such codec")
+        return codec[1](base64.b85decode(value[2:])).decode()
+    except (ValueError, OSError, zlib.error, UnicodeDecodeError):
+        raise RecordError("a packed field does not unpack") from None
 
 
 class HashModel(BaseModel):
@@ -127,7 +163,7 @@ class HashModel(BaseModel):
         try:
             for key, value in raw.items():
                 name, text = _text(key), _text(value)
-                data[name] = json.loads(text) if name in json_fields else text
+                data[name] = json.loads(unpack(text)) if name in json_fields else text
             for name in cls._required_nullable() - data.keys():
                 data[name] = None
             return cls.model_validate(data)
@@ -179,6 +215,9 @@ class JobRecord(HashModel):
     done_stream: str | None = None
     """A stream told the job's id in the step that ends it (EMIT of a final event, SETTLE):
     a batch's, so that its tracker learns which lines finished without polling them."""
+    log: str | None = None
+    """The compact form of its event log (`shared.compact`, packed), once the log was
+    compacted (GENQ_EVENT_COMPACT_GRACE_S after the job ended); the log is gone then."""
 
     @property
     def created_at(self) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import (
@@ -50,6 +51,11 @@ _TRANSIENT_REPLIES = (
 """Error replies of a Redis that will take the same command again shortly (BUSY: a script
 or module ran long), however the client library names them."""
 
+TCP_ONLY = ("socket_keepalive", "socket_keepalive_options", "socket_type")
+"""Options of redis-py's TCP connection (and its TLS one) that its unix-socket connection does
+not take: passed to one, its constructor raises TypeError at the first command. Likewise the
+`ssl_*` options, which only its TLS connection (`rediss://`) takes."""
+
 
 def is_transient(exc: BaseException) -> bool:
     """Whether a command that failed with `exc` should simply be sent again later: the Redis
@@ -83,14 +89,42 @@ def connect(settings: RedisSettings, url: str | None = None, **overrides: Any) -
         health_check_interval=settings.redis_health_check_s,
         socket_timeout=settings.redis_socket_timeout_s,
         socket_connect_timeout=settings.redis_socket_timeout_s,
-        socket_keepalive=True,
+        socket_keepalive=True,  # TCP only: dropped below for a unix socket
         max_connections=settings.redis_max_connections,
     )
     options.update(overrides)
     if not target:
-        return _master_client(settings, options)
+        return _master_client(settings, options)  # sentinels hand out host:port: always TCP
+    check_url(target)
+    if _is_unix_socket(target):
+        for name in TCP_ONLY:
+            options.pop(name, None)
     pool = options.pop("connection_pool_class").from_url(target, **options)
     return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
+
+
+def check_url(url: str) -> None:
+    """ValueError naming each option `url` sets that its transport does not take (redis-py
+    would pass it on, to fail at the first command): a TCP-only one in a unix:// URL, an ssl_*
+    one in any but a rediss:// URL. The message never quotes the URL: it may hold a password."""
+    parsed = parse_url(url)  # ValueError: a scheme or option value redis-py does not read
+    transport = parsed.get("connection_class")
+    refused = [
+        f"{name}: TCP only, a unix:// URL has no such option"
+        for name in parsed
+        if transport is UnixDomainSocketConnection and name in TCP_ONLY
+    ]
+    refused += [
+        f"{name}: TLS only, in a rediss:// URL"
+        for name in parsed
+        if name.startswith("ssl_") and transport is not SSLConnection
+    ]
+    if refused:
+        raise ValueError("redis_url option " + "; ".join(refused))
+
+
+def _is_unix_socket(url: str) -> bool:
+    return parse_url(url).get("connection_class") is UnixDomainSocketConnection
 
 
 class SentinelBlockingPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):  # type: ignore[misc]

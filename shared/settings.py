@@ -110,8 +110,8 @@ def _limit_pairs(text: str) -> dict[str, str]:
 
 
 WAIT_TIMEOUT_MS = 100
-"""A submit's WAIT on loopback returns in well under a millisecond (docs/benchmarks.md,
-"Redis Sentinel"); this bound only matters while a replica is slow or gone."""
+"""A submit's WAIT on loopback costs about a millisecond (measured: docs/performance.md,
+"Redis Sentinel failover"); this bound only matters while a replica is slow or gone."""
 _SENTINEL_ONLY = (
     "redis_sentinel_master",
     "redis_sentinel_password",
@@ -278,6 +278,14 @@ class JobSettings(RedisSettings):
         ge=100,
         description="events kept in a job's event log, the replay streams resume from",
     )
+    event_compact_grace_s: int = Field(
+        default=300,
+        ge=0,
+        description="how long a finished job keeps its whole event log; then a gateway "
+        "replaces it by a compact form in the job's record (the text, token ids and logprobs, "
+        "and where each event's text begins), from which a resume with any Last-Event-ID gets "
+        "the same text and final event",
+    )
     recent_jobs: int = Field(
         default=1000,
         ge=0,
@@ -377,6 +385,12 @@ class GatewaySettings(JobSettings):
         ge=0,
         description="jobs one owner (API key) may have in flight for a model and priority "
         "before its next ones wait in the overflow stream behind other owners' (0 = off)",
+    )
+    event_compact_sweep_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="how often one gateway compacts the event logs of jobs finished longer "
+        "than GENQ_EVENT_COMPACT_GRACE_S ago",
     )
     deadline_sweep_s: float = Field(
         default=1.0,
@@ -734,7 +748,7 @@ class EngineSettings(BaseSettings):
         description="exllamav3: decode steps between two prefill passes while other jobs "
         "generate; 0 = a prefill pass on every step. On an H200 (EXL3 8B, 64 and 128 streams) "
         "exllamav3's own 4 gave 28-47 % fewer tokens/s and 1.3-9.6x the time to first token "
-        "(docs/benchmarks.md, issue 17)",
+        "(measured: docs/performance.md)",
     )
     shared_chunk_size: int | None = Field(
         default=None,
@@ -748,8 +762,8 @@ class EngineSettings(BaseSettings):
         description="exllamav3: sample the jobs without penalties or top logprobs in one "
         "batched pass per step (genq's GPU sampler) instead of one exllamav3 sampler launch per "
         "job. On an H200 (EXL3 8B, against the stock bare loop) the worker went from 0.93x to "
-        "1.12x at 256 streams and 1.01-1.10x to 1.08-1.22x at 64-128 (docs/benchmarks.md, "
-        "issue 17); smaller passes: GENQ_BATCHED_SAMPLING_MIN_JOBS",
+        "1.12x at 256 streams and 1.01-1.10x to 1.08-1.22x at 64-128 (measured: "
+        "docs/performance.md); smaller passes: GENQ_BATCHED_SAMPLING_MIN_JOBS",
     )
     batched_sampling_min_jobs: int = Field(
         default=16,
@@ -757,7 +771,7 @@ class EngineSettings(BaseSettings):
         description="exllamav3: the batched pass samples a decode step only when it serves at "
         "least this many jobs; in smaller steps each job launches its own sampler, which costs "
         "less there (0.05 ms a job against the pass's 0.54 ms at one stream, H200) and gave "
-        "1.03-1.09x the tokens/s at one stream on an fp16 8B (docs/benchmarks.md, issue 17)",
+        "1.03-1.09x the tokens/s at one stream on an fp16 8B (measured: docs/performance.md)",
     )
     triton_cache_dir: str | None = Field(
         default=None,
@@ -772,7 +786,7 @@ class EngineSettings(BaseSettings):
         description="exllamav3: torch's CPU threads in the engine process (torch.set_num_threads)."
         " The generator's step is bound by the one thread launching kernels; torch's default "
         "pool (one thread per CPU) spins beside it on the generator's small CPU tensors and "
-        "slowed a 64-stream step from 43 to 75 ms on an H200 (docs/benchmarks.md, issue 17)",
+        "slowed a 64-stream step from 43 to 75 ms on an H200 (measured: docs/performance.md)",
     )
 
     engine_cpus: str | None = Field(
@@ -780,8 +794,8 @@ class EngineSettings(BaseSettings):
         pattern=CPU_LIST,
         description="CPUs the engine process runs on (Linux cpulist, e.g. 7); default: its "
         "worker's. Its step is one thread launching kernels, for hosts that keep a core for "
-        "it; on an H200 host the gain was within that host's drift (docs/benchmarks.md, "
-        "issue 15)",
+        "it; on an H200 host the gain was within that host's drift (measured: "
+        "docs/performance.md)",
     )
 
     # sim
@@ -834,6 +848,13 @@ class WorkerSettings(JobSettings, EngineSettings):
     )
     claim_block_ms: int = Field(
         default=1000, ge=1, description="how long a worker's blocking read of the queues waits"
+    )
+    redis_start_timeout_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="a worker whose Redis has not answered this long after it started gives "
+        "up and exits non-zero (a wrong address fails the deploy instead of hanging; it says "
+        "that it waits every few seconds meanwhile); 0 = wait for ever",
     )
     log_repair_window_s: float = Field(
         default=10.0,

@@ -6,8 +6,9 @@ touches the keys of one job (one Cluster slot) and, besides them, only: SUBMIT i
 deadlines index, the idempotency key and the admission counters; EMIT and SETTLE the
 admission counters and the deadlines index when the job ends (shared/quotas.py), and the done
 stream of a batch's job (its record names it); TOUCH the queue it checks; SUBMIT, EMIT and
-SETTLE the recent-jobs stream (the dashboard's). Those are the seam for Cluster (per-slot
-submits, indexes per slot).
+SETTLE the recent-jobs stream (the dashboard's); EMIT and SETTLE add an ended job to the
+compaction index, COMPACT takes it off. Those are the seam for Cluster (per-slot submits,
+indexes per slot).
 
 Who may write a job (fencing): the gateway while it is `queued` and nobody runs it (SUBMIT,
 SETTLE of a cancel), the worker the record names at the record's `attempt` while it is
@@ -21,6 +22,7 @@ runner loads the scripts again and re-sends exactly those calls.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 
 R = TypeVar("R")
 RECENT_JOBS: int = JobSettings.model_fields["recent_jobs"].default
+COMPACT_GRACE_S: int = JobSettings.model_fields["event_compact_grace_s"].default
 EncodedEvent = tuple[int, str]
 """(seq, the event's JSON) as `shared.events.encode` made it."""
 
@@ -246,11 +249,19 @@ def _events(events: Sequence[EncodedEvent]) -> list[Arg]:
 
 class Transitions:
     """Builds the calls for the jobs of one key prefix. `recent_jobs`: the cap of the
-    recent-jobs stream the submit and end of every job are noted in (GENQ_RECENT_JOBS)."""
+    recent-jobs stream the submit and end of every job are noted in (GENQ_RECENT_JOBS);
+    `compact_grace_s`: how long an ended job keeps its whole event log
+    (GENQ_EVENT_COMPACT_GRACE_S)."""
 
-    def __init__(self, keys: Keys, recent_jobs: int = RECENT_JOBS) -> None:
+    def __init__(
+        self, keys: Keys, recent_jobs: int = RECENT_JOBS, compact_grace_s: int = COMPACT_GRACE_S
+    ) -> None:
         self.keys = keys
         self.recent_jobs = recent_jobs
+        self.compact_grace_s = compact_grace_s
+
+    def _compact_at(self) -> str:
+        return repr(time.time() + self.compact_grace_s)
 
     def _job_keys(self, job_id: str) -> list[str]:
         k = self.keys
@@ -262,11 +273,12 @@ class Transitions:
         return {"job": k.job(job_id), "events": k.events(job_id), "channel": k.channel(job_id)}
 
     def _ending_keys(self, job_id: str) -> list[str]:
-        """A job's keys, and what its end takes it off: the admission counters and the
-        deadlines index."""
+        """A job's keys, and what its end touches: the admission counters, the deadlines
+        index, the recent-jobs stream and the compaction index."""
         k = self.keys
         admission = [k.admission_counts(), k.admission_jobs(), k.admission_checks()]
-        return [*self._job_keys(job_id), *admission, k.deadlines(), k.recent_jobs()]
+        indexes = [k.deadlines(), k.recent_jobs(), k.compact_due()]
+        return [*self._job_keys(job_id), *admission, *indexes]
 
     def submit(
         self,
@@ -332,7 +344,7 @@ class Transitions:
     ) -> Call[EmitReply]:
         """The owner's events, and (when the job ends) its record `fields` and retention."""
         args: list[Arg] = [worker, attempt, maxlen, retention_s, job_id, self.recent_jobs]
-        args.append(len(events))
+        args += [self._compact_at(), len(events)]
         args += _events(events)
         args += _flat(fields or {})
         return Call(script("emit"), self._ending_keys(job_id), args, _emit_reply)
@@ -351,9 +363,20 @@ class Transitions:
     ) -> Call[bool]:
         """End a job nobody runs, if its status, attempt and log end are still these."""
         args: list[Arg] = [status, attempt, last_seq, maxlen, retention_s, job_id]
-        args += [self.recent_jobs, *event]
+        args += [self.recent_jobs, self._compact_at(), *event]
         args += _flat(fields)
         return Call(script("settle"), self._ending_keys(job_id), args, lambda r: bool(int(r)))
+
+    def compact(
+        self, job_id: str, *, last_seq: int, entries: int, fields: dict[str, str]
+    ) -> Call[str]:
+        """Replace an ended job's event log by its compact form, set with the other record
+        `fields` (the `log` field among them), if the log still ends at `last_seq` with
+        `entries`."""
+        k = self.keys
+        keys = [k.job(job_id), k.events(job_id), k.compact_due()]
+        args: list[Arg] = [job_id, last_seq, entries, *_flat(fields)]
+        return Call(script("compact"), keys, args, str)
 
     def hand_back(
         self, job_id: str, *, worker: str, attempt: int, counted: bool, error: str = ""

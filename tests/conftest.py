@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import json
 import os
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import fakeredis
 import httpx
@@ -37,6 +39,18 @@ def _drop_this_runs_keys() -> object:
         for i in range(0, len(batch), 1000):
             client.delete(*batch[i : i + 1000])
         client.close()
+
+
+@pytest.fixture(scope="session")
+def _data_homes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("data-home")
+
+
+@pytest.fixture(autouse=True)
+def _own_data_home(_data_homes: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`genq serve` keeps its private Redis's data under $XDG_DATA_HOME: each test's under a
+    folder of its own (made only when used), never the developer's, never another test's."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(_data_homes / uuid.uuid4().hex))
 
 
 @pytest.fixture(params=["redis", "fakeredis"])

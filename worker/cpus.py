@@ -121,8 +121,8 @@ def plan(
     """CPU sets for the children, one per entry of `gpus` (a GPU listed once per child).
     Each child gets whole cores making up `cpus_per_proc` logical CPUs (at least one core),
     from its GPU's NUMA node first. None when that would leave less than `reserve_cpus` for
-    the rest of the host: processes crowded onto every core did better unpinned (measured,
-    docs/benchmarks.md)."""
+    the rest of the host: processes crowded onto every core did better unpinned (measured
+    on two H200s with 32 vCPU: 8,056 against 7,678 tokens/s)."""
     if not gpus or not cores:
         return None
     smt = max(len(c.cpus) for c in cores)

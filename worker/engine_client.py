@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -125,6 +126,8 @@ class _Child:
                 ENGINE_MODULE,
                 "--fd",
                 str(theirs.fileno()),
+                "--parent",
+                str(os.getpid()),
                 pass_fds=(theirs.fileno(),),
             )
         finally:

@@ -14,7 +14,6 @@ of the socket closes, or with the worker itself (Linux: PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import logging
 import os
@@ -23,7 +22,7 @@ import socket
 import sys
 import time
 
-from shared import logs
+from shared import lifeline, logs
 from shared.settings import EngineSettings, RedisSettings
 from worker import cpus
 from worker.core import AddCommand, CancelCommand, Command, EngineCore
@@ -32,18 +31,18 @@ from worker.engines import build_engine
 from worker.wire import Add, Cancel, Channel, Close, Failed, Hello, Init, Step, ToEngine, engine_job
 
 log = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
 COALESCE_S = 0.001
 """Steps quicker than this go out in one message, at most this late. A GPU step takes longer
 (a message each); the sim's at `--step-ms 0` far less, and a message per step of a few tokens
-would cost the worker a wake-up each (measured: docs/benchmarks.md, issue 15)."""
+would cost the worker a wake-up each (measured: docs/performance.md, "The engine process")."""
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m worker.engine_process")
     p.add_argument("--fd", type=int, required=True, help="this end of the worker's socketpair")
+    p.add_argument("--parent", type=int, help="the worker's pid (default: this one's parent)")
     args = p.parse_args(argv)
-    _detach_from_signals()
+    _detach_from_signals(os.getppid() if args.parent is None else args.parent)
     channel = Channel(socket.socket(fileno=args.fd))
     first = channel.receive(wait=True)
     if not first or not isinstance(first[0], Init):
@@ -182,16 +181,13 @@ def _commands(received: list[ToEngine]) -> list[Command] | None:
     return out
 
 
-def _detach_from_signals() -> None:
+def _detach_from_signals(worker: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        # Dies with the worker even while loading a model (when it reads no socket). The
-        # worker forks it from its event loop's thread, which lives as long as the worker.
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the worker died before prctl took effect
-            os._exit(1)
+    # Dies with the worker even while loading a model (when it reads no socket); SIGKILL, as
+    # SIGTERM is ignored. The worker forks it from its event loop's thread, which lives as
+    # long as the worker.
+    lifeline.die_with_parent(worker, signal.SIGKILL)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 requeued, dead-lettered — and the counts behind the periodic summary (worker/summary.py).
 
 One line per step, never per token; ids, sizes and timings only: never a prompt, its text or
-the owner's key.
+the owner's key. At the default level a healthy job is one line, its end here ("job
+finished": queue time, tokens, timings, how it ended); the steps before it ("job queued" at
+the gateway, "job started" here) are debug lines. What is not healthy (a failed attempt, a
+requeue, a dead letter, a cancel, a deadline) stays at info or above.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ _END_MESSAGES = {
 
 def started(st: WorkerState, run: RunningJob) -> None:
     st.counts.started += 1
-    log.info(
+    log.debug(
         "job started",
         extra={
             "job_id": run.id,

@@ -232,9 +232,8 @@ class RunningJob:
         }
 
     def _result(self, reason: FinishReason | None) -> JobResult:
-        return JobResult(
-            text="".join(self.text_parts), token_ids=self.token_ids, finish_reason=reason
-        )
+        ids = self.resumed_ids + self.token_ids  # as the text: earlier attempts' too
+        return JobResult(text="".join(self.text_parts), token_ids=ids, finish_reason=reason)
 
     def _usage(self) -> Usage:
         prompt = self.prompt_tokens or len(self.spec.input_ids)

@@ -182,7 +182,7 @@ class TokenStats:
     """What is recorded per token, kept as plain numbers and turned into metrics only when
     scraped: prometheus_client's Histogram.observe and Counter.inc (a lock, a bucket scan)
     cost 0.7 µs a token more, about twice the engine boundary's whole cost per token
-    (docs/benchmarks.md, "Metrics")."""
+    (measured: docs/performance.md, "Metrics")."""
 
     generated: int = 0
     itl_counts: list[int] = field(default_factory=lambda: [0] * (len(ITL_BUCKETS) + 1))

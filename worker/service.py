@@ -39,6 +39,7 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -63,7 +64,28 @@ from worker.summary import Summary
 from worker.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
+DEFAULT_REDIS_PORT = 6379
 _TASK_STOP_TIMEOUT_S = 2.0
+WAITING_LINE_S = 5.0
+"""How often a worker waiting at start for Redis says so."""
+
+
+class RedisStartTimeout(Exception):
+    """Redis did not answer within GENQ_REDIS_START_TIMEOUT_S of the worker's start."""
+
+    def __init__(self, limit_s: float, where: str) -> None:
+        super().__init__(f"Redis at {where} did not answer within {limit_s:g} s of the start")
+        self.limit_s = limit_s
+        self.where = where
+
+
+def redis_address(settings: WorkerSettings) -> str:
+    """Where this worker looks for Redis, without its password: host:port/db, or the
+    sentinels."""
+    if settings.redis_sentinels:
+        return f"sentinels {','.join(settings.redis_sentinels)}"
+    parts = urlsplit(settings.redis_url or "")
+    return f"{parts.hostname}:{parts.port or DEFAULT_REDIS_PORT}{parts.path}"
 
 
 class Worker:
@@ -96,7 +118,7 @@ class Worker:
             keys=keys,
             redis=client,
             scripts=ScriptRunner(client),
-            transitions=Transitions(keys, settings.recent_jobs),
+            transitions=Transitions(keys, settings.recent_jobs, settings.event_compact_grace_s),
             queues={p: keys.queue(model, p) for p in PRIORITIES},
             overflow={p: keys.overflow(model, p) for p in PRIORITIES},
             lease=LeaseClock(settings.lease_s),
@@ -204,19 +226,58 @@ class Worker:
                 await requeue_waiting(st)
 
     async def _prepare_when_redis_answers(self) -> None:
-        """A worker started while Redis is away waits for it (until stopped) instead of dying."""
-        while not self.st.stopping.is_set():
-            try:
-                await self._prepare()
-                return
-            except (RedisError, OSError) as exc:
-                log.log(
-                    failure_level(self.st.redis),
-                    "Redis unreachable at start; retrying",
-                    extra={"error": str(exc)},
+        """A worker started while Redis is away waits for it, saying so every
+        `WAITING_LINE_S`, until stopped or for GENQ_REDIS_START_TIMEOUT_S: then
+        `RedisStartTimeout`. A Redis that accepts connections and never answers is bounded
+        too: each try is cut off at the deadline, whatever the socket timeouts."""
+        st = self.st
+        limit = st.settings.redis_start_timeout_s
+        began = time.monotonic()
+        deadline = began + limit if limit > 0 else None
+        telling = asyncio.create_task(self._tell_waiting(began, limit))
+        stopping = asyncio.create_task(st.stopping.wait())
+        try:
+            while not st.stopping.is_set():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise RedisStartTimeout(limit, redis_address(st.settings))
+                attempt = asyncio.create_task(self._prepare())
+                await asyncio.wait(
+                    {attempt, stopping}, timeout=left, return_when=asyncio.FIRST_COMPLETED
                 )
+                if not attempt.done():
+                    attempt.cancel()  # bounded: a Redis client can swallow a cancel
+                    await asyncio.wait({attempt}, timeout=_TASK_STOP_TIMEOUT_S)
+                    continue  # stopped, or past the deadline: the loop's checks say which
+                try:
+                    attempt.result()
+                    return
+                except (RedisError, OSError) as exc:
+                    log.log(
+                        failure_level(st.redis),
+                        "Redis unreachable at start; retrying",
+                        extra={"error": str(exc)},
+                    )
+                pause = st.settings.heartbeat_s
+                if deadline is not None:
+                    pause = min(pause, max(deadline - time.monotonic(), 0.0))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.st.stopping.wait(), self.st.settings.heartbeat_s)
+                    await asyncio.wait_for(asyncio.shield(stopping), pause)
+        finally:
+            telling.cancel()
+            stopping.cancel()
+
+    async def _tell_waiting(self, began: float, limit: float) -> None:
+        """A warning every `WAITING_LINE_S` while the start waits for Redis: one line per
+        outage (shared/redis_health.py) would leave a worker that never starts silent."""
+        where = redis_address(self.st.settings)
+        while True:
+            await asyncio.sleep(WAITING_LINE_S)
+            waited = time.monotonic() - began
+            extra: dict[str, object] = {"redis": where, "waited_s": round(waited, 1)}
+            if limit > 0:
+                extra["gives_up_in_s"] = round(max(limit - waited, 0.0), 1)
+            log.warning("waiting for Redis to answer before starting", extra=extra)
 
     async def _prepare(self) -> None:
         await ensure_groups(self.st)

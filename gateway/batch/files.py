@@ -32,7 +32,7 @@ from shared.batches import (
     new_file_id,
     result_file_id,
 )
-from shared.errors import BadRequest, NotFound, TooLarge
+from shared.errors import BadRequest, NotFound, TooLarge, shown
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ def _batch_of_result(record: FileRecord) -> str | None:
 
 def _not_found(file_id: str, param: str) -> NotFound:
     return NotFound(
-        f"no file '{file_id[:64]}' (unknown, deleted or expired)",
+        f"no file {shown(file_id)} (unknown, deleted or expired)",
         param=param,
         code="file_not_found",
     )

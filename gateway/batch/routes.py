@@ -31,8 +31,10 @@ router = APIRouter(
     dependencies=[Authorized, RateLimited],
     responses=error_responses(400, 401, 404, 409, 413, 422, 429, 503),
 )
-FileId = Annotated[str, Path(pattern=f"^{FILE_ID.pattern}$", description="file-<32 hex>")]
-BatchId = Annotated[str, Path(pattern=f"^{BATCH_ID.pattern}$", description="batch_<32 hex>")]
+# No pattern on the ids: a malformed one names no file or batch, so it is the same 404 as an
+# unknown one (the services check the form before any lookup), not a 422.
+FileId = Annotated[str, Path(description="file-<32 hex>")]
+BatchId = Annotated[str, Path(description="batch_<32 hex>")]
 AfterFile = Annotated[
     str | None, Query(pattern=f"^{FILE_ID.pattern}$", description="the last id of the page before")
 ]

@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+from pydantic_core import PydanticCustomError
 from redis.exceptions import ResponseError
 
 from gateway.batch.files import MAX_EXPIRES_AFTER_S, MIN_EXPIRES_AFTER_S, FileService
@@ -28,7 +29,7 @@ from shared.batches import (
     new_batch_id,
     window_seconds,
 )
-from shared.errors import BadRequest, Conflict, NotFound
+from shared.errors import BadRequest, Conflict, NotFound, shown
 from shared.keys import Keys
 from shared.transitions import ScriptRunner
 
@@ -55,11 +56,26 @@ class CreateBatch(BaseModel):
     endpoint: BatchEndpoint
     completion_window: str = Field(
         default="24h",
-        pattern=WINDOW_PATTERN,
+        json_schema_extra={"pattern": WINDOW_PATTERN},
         description="24h, or shorter (a genq extension): 90m, 30s, …",
     )
     metadata: dict[str, str] | None = None
     output_expires_after: OutputExpiresAfter | None = None
+
+    @field_validator("completion_window")
+    @classmethod
+    def _window(cls, window: str) -> str:
+        # checked here rather than by `pattern`, whose refusal would quote the regex
+        try:
+            window_seconds(window)
+        except ValueError:
+            raise PydanticCustomError(
+                "completion_window",
+                "must be a whole number of hours, minutes or seconds, at most 24h "
+                "(24h, 90m, 30s), not {window}",
+                {"window": shown(window)},
+            ) from None
+        return window
 
 
 class BatchService:
@@ -220,7 +236,7 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
 
 def _not_found(batch_id: str) -> NotFound:
     return NotFound(
-        f"no batch '{batch_id[:64]}' (unknown, or expired)",
+        f"no batch {shown(batch_id)} (unknown, or expired)",
         param="batch_id",
         code="batch_not_found",
     )

@@ -4,7 +4,11 @@ submitted and per job ended, `shared.records.RecentJob`), completed from the job
 Only new stream entries are read each round (the last id read is kept). A job's record is
 read while it is not ended, and once more when it ends; an ended job costs nothing after.
 Shown: ids, model, priority, status, attempt, worker, token counts and timings — never the
-prompt, the text or the owner."""
+prompt, the text or the owner.
+
+A running job has no usage in its record until it ends: its tokens so far are counted from
+its event log, only the entries new since the last round (`LOG_PAGE` at most a round, so a
+fast job catches up over a few rounds rather than costing one round a long read)."""
 
 from __future__ import annotations
 
@@ -15,11 +19,15 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from shared.keys import Keys
+from shared import events
+from shared.events import EVENT_FIELD, EventError, QueuedEvent, StartedEvent, TokenEvent
+from shared.keys import Keys, event_id, seq_of
 from shared.records import RecentJob, RecordError
 
 ENDED = frozenset({"succeeded", "failed", "cancelled", "expired"})
 RECORD_FIELDS = ("status", "attempt", "worker", "started_at", "finished_at", "usage", "timings")
+LOG_PAGE = 256
+"""Most event-log entries read per running job and round."""
 
 
 @dataclass(slots=True)
@@ -32,9 +40,15 @@ class JobRow:
     settled: bool = False
     """Ended, and its record read since: nothing about it changes any more."""
     detail: dict[str, Any] = field(default_factory=dict)
+    log_seq: int = 0
+    """The last event-log entry counted (running jobs: tokens so far)."""
+    prompt_tokens: int | None = None
+    tokens_so_far: int | None = None
+    """Tokens generated so far, from the log: the tokens an attempt resumed with, then those
+    of its token events."""
 
     def view(self) -> dict[str, Any]:
-        return {
+        out = {
             "id": self.id,
             "model": self.model,
             "priority": self.priority,
@@ -42,6 +56,26 @@ class JobRow:
             "created_at": self.created_at,
             **self.detail,
         }
+        if self.status == "running" and out.get("completion_tokens") is None:
+            out["tokens_so_far"] = self.tokens_so_far or 0
+            if out.get("prompt_tokens") is None:
+                out["prompt_tokens"] = self.prompt_tokens
+        return out
+
+    def count(self, entries: list[tuple[str, dict[str, str]]]) -> None:
+        """Fold new event-log entries into the tokens so far."""
+        for entry_id, fields in entries:
+            self.log_seq = seq_of(entry_id)
+            try:
+                ev = events.decode(fields[EVENT_FIELD])
+            except (EventError, KeyError):  # a damaged entry: the rest still counts
+                continue
+            if isinstance(ev, TokenEvent):
+                self.tokens_so_far = (self.tokens_so_far or 0) + ev.count
+            elif isinstance(ev, StartedEvent):
+                self.tokens_so_far = ev.resumed_tokens
+            elif isinstance(ev, QueuedEvent):
+                self.prompt_tokens = ev.prompt_tokens
 
 
 def _entry_time(entry_id: str) -> float:
@@ -63,7 +97,19 @@ class RecentJobs:
     async def refresh(self) -> list[dict[str, Any]]:
         await self._read_stream()
         await self._read_records()
+        await self._read_progress()
         return [row.view() for row in self._rows.values()]
+
+    async def _read_progress(self) -> None:
+        running = [r for r in self._rows.values() if r.status == "running"]
+        if not running:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for row in running:
+            after = f"({event_id(row.log_seq)}" if row.log_seq else "-"
+            pipe.xrange(self._keys.events(row.id), after, "+", count=LOG_PAGE)
+        for row, entries in zip(running, await pipe.execute(), strict=True):
+            row.count(entries)
 
     async def _read_stream(self) -> None:
         low = "-" if self._last is None else f"({self._last}"

@@ -75,6 +75,7 @@ from shared.errors import (
     GenqError,
     Unavailable,
     Unprocessable,
+    shown,
 )
 from shared.events import TokenEvent
 from shared.keys import Priority
@@ -209,6 +210,8 @@ async def _render(state: GatewayState, loaded: LoadedCard, req: ChatCompletionRe
     """The chat as prompt text: its size checked first, then rendered off the event loop (a
     template over thousands of messages is seconds of pure Python); a small chat renders on
     the loop (`off_loop`, `RENDER_CHARS_PER_MESSAGE`)."""
+    for i, m in enumerate(req.messages):
+        _check_message(i, m)
     settings = state.settings
     card = loaded.card
     template = card.chat_template or settings.default_chat_template
@@ -519,6 +522,34 @@ def _completion_prompts(req: CompletionRequest) -> list[Prompt]:
     if not prompts or any(len(x) == 0 for x in prompts):
         raise BadRequest("prompt is empty", param="prompt")
     return prompts
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""The roles OpenAI accepts in a chat request."""
+
+
+def _check_message(index: int, m: ChatMessage) -> None:
+    """The checks OpenAI makes: a known role; content in every message but an assistant's
+    that calls tools (or a function's); a tool's reply names its call."""
+    if m.role not in CHAT_ROLES:
+        allowed = ", ".join(f"'{r}'" for r in CHAT_ROLES)
+        raise BadRequest(
+            f"messages.{index}.role is {shown(m.role)}; allowed: {allowed}",
+            param=f"messages.{index}.role",
+        )
+    extra = m.model_extra or {}
+    calls = extra.get("tool_calls") or extra.get("function_call")
+    if m.content is None and m.role != "function" and not (m.role == "assistant" and calls):
+        needs = "content (or tool_calls)" if m.role == "assistant" else "content"
+        raise BadRequest(
+            f"messages.{index} ({m.role}) has no content; a {m.role} message needs {needs}",
+            param=f"messages.{index}.content",
+        )
+    if m.role == "tool" and not isinstance(extra.get("tool_call_id"), str):
+        raise BadRequest(
+            f"messages.{index} (tool) has no tool_call_id: a tool message answers one call",
+            param=f"messages.{index}.tool_call_id",
+        )
 
 
 def _message_dict(index: int, m: ChatMessage) -> dict[str, Any]:

@@ -43,13 +43,19 @@ local function set_fields(job, from)
   if #ARGV >= from then redis.call('HSET', job, unpack(ARGV, from, #ARGV)) end
 end
 
--- A job that ended keeps its record and log for `retention` seconds (0: it goes on) and
--- leaves the deadlines index (KEYS[7], if given; another slot: part of the Cluster seam).
-local function retain(job, events, retention, job_id)
+-- A job that ended keeps its record and log for `retention` seconds (0: it goes on), leaves
+-- the deadlines index (KEYS[7], if given) and joins the compaction index (KEYS[9], if given)
+-- at `compact_at`, when its log is replaced by a compact form (compact.lua). Both indexes are
+-- in another slot: part of the Cluster seam.
+local function retain(job, events, retention, job_id, compact_at)
   if tonumber(retention) > 0 then
     redis.call('EXPIRE', job, retention)
     redis.call('EXPIRE', events, retention)
     if KEYS[7] then redis.call('ZREM', KEYS[7], job_id) end
+    -- a batch's job is not compacted: its result is the batch's, its keys go soon
+    if KEYS[9] and compact_at and redis.call('HEXISTS', job, 'done_stream') == 0 then
+      redis.call('ZADD', KEYS[9], compact_at, job_id)
+    end
   end
 end
 

@@ -114,6 +114,7 @@ def test_over_the_size_limit_is_a_413(client: openai.OpenAI, db: redis.Redis, ge
     assert str(MAX_BYTES) in _error(exc)["message"] and "GENQ_FILE_MAX_BYTES" in exc.message
 
 
+@pytest.mark.contract
 @pytest.mark.parametrize(
     ("form", "param"),
     [

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.batch.conftest import (
     POISON,
@@ -19,11 +20,13 @@ from tests.batch.conftest import (
     chat_line,
     completion_line,
     jsonl,
+    run_batch,
     wait_ended,
 )
 
 CLI_S = 60.0
 INTERRUPTED = 130
+BROKEN_PIPE = 141
 
 
 def _genq(*args: str, url: str) -> subprocess.CompletedProcess[str]:
@@ -82,3 +85,37 @@ def test_ctrl_c_while_waiting_leaves_the_batch_running(
     cancelled = _genq("cancel", batch_id, url=genq.url)
     assert cancelled.returncode == 0 and batch_id in cancelled.stdout
     assert wait_ended(client, batch_id).status == "cancelled"
+
+
+def test_a_refused_batch_leaves_no_uploaded_file(
+    genq: Serve, tmp_path: Path, client: openai.OpenAI
+) -> None:
+    source = tmp_path / "refused-window.jsonl"
+    source.write_bytes(jsonl([completion_line("r0", "p")]))
+    done = _genq("submit", str(source), "--window", "48h", url=genq.url)
+    assert done.returncode == 1
+    [line] = done.stderr.splitlines()
+    assert line.startswith("genq: error: ") and "completion_window" in line
+    assert source.name not in [f.filename for f in client.files.list()]
+
+
+def test_output_cut_short_by_its_reader_ends_quietly(genq: Serve, client: openai.OpenAI) -> None:
+    """`genq batch list | head -1`: the reader leaves before genq writes; no traceback."""
+    run_batch(client, [completion_line("h0", "p")], endpoint="/v1/completions")
+    with subprocess.Popen(
+        [sys.executable, "-m", "genq", "batch", "list", "--url", genq.url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # the reader is gone before the first line
+        err = proc.stderr.read()
+        assert proc.wait(CLI_S) == BROKEN_PIPE and err == ""
+
+
+def test_malformed_ids_are_not_found_for_the_sdk(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.NotFoundError):
+        client.files.content("file-nope")

@@ -36,6 +36,7 @@ LONG_TOKENS = 64
 """A batch of LONG_LINES x LONG_TOKENS runs several seconds on the test's sim engine."""
 
 
+@pytest.mark.contract
 def test_a_chat_batch_returns_what_the_live_endpoint_returns(client: openai.OpenAI) -> None:
     lines = [
         chat_line(f"req-{i}", f"question {i}", seed=i, max_tokens=3 + i % 4) for i in range(40)
@@ -106,6 +107,7 @@ def test_batches_list_pages(client: openai.OpenAI) -> None:
 PAGED_FILES = 5
 
 
+@pytest.mark.contract
 def test_files_list_get_and_delete(client: openai.OpenAI) -> None:
     f = client.files.create(file=("mine.jsonl", jsonl([chat_line("a", "b")])), purpose="batch")
     assert f.filename == "mine.jsonl" and f.purpose == "batch" and f.status == "processed"

@@ -12,7 +12,7 @@ Segments (median, p90, min over the requests, ms):
 - started → first token (worker): START, the add to the engine process, the engine's first
   step (one `--step-ms` of it), the step's outputs back to the worker
 - first token: worker → client: the flush, pub/sub, SSE
-The GPU benchmark's TTFT overhead at one stream (genq.benchgpu, issue 15) is this path less
+The GPU benchmark's TTFT overhead at one stream (`genq.benchgpu --compare`) is this path less
 the engine's own step.
 """
 

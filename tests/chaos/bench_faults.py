@@ -1,4 +1,4 @@
-"""Ordinary Redis trouble and worker faults, measured (issue 12): each scenario `--reps` times
+"""Ordinary Redis trouble and worker faults, measured: each scenario `--reps` times
 on a private redis-server with real genq processes, printing what the tests assert on.
 
     python -m tests.chaos.bench_faults --reps 5 [--only restarts,oom,deadline,cancel]

@@ -30,6 +30,7 @@ def group() -> Iterator[SentinelGroup]:
         yield g
 
 
+@pytest.mark.contract
 async def test_a_master_killed_under_load_loses_no_accepted_job(
     group: SentinelGroup, tmp_path: Path
 ) -> None:

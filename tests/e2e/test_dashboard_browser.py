@@ -45,6 +45,35 @@ def _log_in(page: Page) -> None:
     page.wait("document.body.dataset.state === 'live'")
 
 
+TOKENS_CELL = 4
+
+
+def _cell(page: Page, row: str, index: int) -> str:
+    """The text of cell `index` of the row the CSS selector `row` picks."""
+    return str(
+        page.evaluate(f"document.querySelector({json.dumps(row)}).cells[{index}].textContent")
+    )
+
+
+def _a_batch(url: str) -> str:
+    """A batch of one short line, made with the user's key; its id."""
+    headers = {"Authorization": f"Bearer {USER}"}
+    body = {"model": "sim", "prompt": "hi", "max_tokens": 2}
+    line = {"custom_id": "b0", "method": "POST", "url": "/v1/completions", "body": body}
+    f = httpx.post(
+        f"{url}/v1/files",
+        files={"file": ("b.jsonl", json.dumps(line).encode() + b"\n")},
+        data={"purpose": "batch"},
+        headers=headers,
+        timeout=10,
+    )
+    assert f.status_code == 200, f.text
+    batch = {"input_file_id": f.json()["id"], "endpoint": "/v1/completions"}
+    r = httpx.post(f"{url}/v1/batches", json=batch, headers=headers, timeout=10)
+    assert r.status_code == 200, r.text
+    return str(r.json()["id"])
+
+
 def _job_status(page: Page, job_id: str) -> str | None:
     value = page.evaluate(
         f"(document.querySelector('[data-job-id=\"{job_id}\"]') || {{dataset: {{}}}})"
@@ -75,6 +104,7 @@ def test_the_dashboard_shows_the_fleet_live_without_errors(
         job_id = r.json()["id"]
         seen: list[str] = []
         busy = False
+        so_far: list[str] = []
         page.wait(f"document.querySelector('[data-job-id=\"{job_id}\"]') !== null")
         while (status := _job_status(page, job_id)) != "succeeded":
             assert status is not None
@@ -84,11 +114,28 @@ def test_the_dashboard_shows_the_fleet_live_without_errors(
                 f"document.querySelector('[data-worker-id=\"{worker_id}\"]')"
                 "?.dataset.active === '1'"
             )
+            if status == "running":
+                so_far.append(_cell(page, f'[data-job-id="{job_id}"]', TOKENS_CELL))
         assert "running" in seen and busy, seen  # it changed while the job ran, then again
-        tokens = page.evaluate(
-            f"document.querySelector('[data-job-id=\"{job_id}\"]').cells[4].textContent"
-        )
+        # while it ran, its tokens so far, marked as growing
+        assert any(t.endswith("…") and "→" in t for t in so_far), so_far
+        tokens = _cell(page, f'[data-job-id="{job_id}"]', TOKENS_CELL)
         assert tokens.endswith("→ 40")
+
+        # the batches, as wide as the jobs and above them; ids without their common prefix
+        batch_id = _a_batch(gateway.url)
+        page.wait(f"document.querySelector('[data-batch-id=\"{batch_id}\"]') !== null")
+        assert _cell(page, f'[data-batch-id="{batch_id}"]', 0) == batch_id[6:14] + "…"
+        assert _cell(page, f'[data-job-id="{job_id}"]', 0) == job_id[:8] + "…"
+        assert page.evaluate(
+            "!!(document.getElementById('batches').compareDocumentPosition("
+            "document.getElementById('jobs')) & Node.DOCUMENT_POSITION_FOLLOWING)"
+        )
+        widths = page.evaluate(
+            "['batches', 'jobs'].map((id) => document.getElementById(id)"
+            ".closest('section').offsetWidth)"
+        )
+        assert widths[0] == widths[1] > 0, widths
 
         page.call("Emulation.setDeviceMetricsOverride", **PHONE)
         page.wait("window.innerWidth === 390")

@@ -46,6 +46,7 @@ def frames(response: httpx.Response) -> Iterator[dict[str, Any]]:
                 yield json.loads(fields["data"])
 
 
+@pytest.mark.contract
 def test_the_stream_follows_a_job_and_ends_with_the_gateway(cluster: Cluster) -> None:
     gateway = cluster.gateway()
     cluster.worker("--step-ms", "20")

@@ -1,6 +1,7 @@
 """The lines an operator reads, from real `genq` processes writing JSON to a file: an access
 line per request (fields, the off switch), one line per job step with the right ids, token
-counts and timings, the worker's periodic summary, one warning when Redis is lost and one
+counts and timings (at the default level one line per healthy job, its end; the steps before
+it at debug), the worker's periodic summary, one warning when Redis is lost and one
 "reconnected" line when it is back — and never a prompt or an API key anywhere."""
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ def test_a_job_is_logged_at_each_step_and_every_request_once(fleet: tuple[Proc, 
         # the gateway logs `queued` once its SUBMIT returns: a worker may start the job first
         assert started["ts"] <= finished["ts"] and queued["ts"] <= finished["ts"]
         assert queued["logger"] == "gateway.job_service" and queued["process"] == gateway.proc.pid
+        assert queued["level"] == started["level"] == "debug"  # the info line is the end
         assert (queued["model"], queued["priority"], queued["owner"]) == (
             "sim",
             "interactive",
@@ -228,6 +230,13 @@ def test_the_access_log_switches_off_and_the_worker_sums_up(tmp_path: Path) -> N
         _stop(serve)
     records = _records(serve)
     assert len(_with(records, "job finished")) == len(jobs)  # the job lines stay on
+    for job in jobs:  # at the default level, a healthy job is one line: its end
+        [line] = [r for r in records if job["id"] in (r.get("job_id"), *r.get("job_ids", ()))]
+        assert (line["msg"], line["level"], line["logger"]) == (
+            "job finished",
+            "info",
+            "worker.joblog",
+        )
     assert not _access(records) and not [r for r in records if r["logger"] == "uvicorn.access"]
     lines = _with(records, "worker summary")
     assert sum(s["tokens"] for s in lines) == 3 + 5 + 8

@@ -68,6 +68,7 @@ def _stopped(p: Proc) -> None:
     p.stop(STOP_TIMEOUT_S)
 
 
+@pytest.mark.contract
 def test_gateway_processes_log_json_with_their_fields(tmp_path: Path) -> None:
     p = _genq(
         tmp_path,

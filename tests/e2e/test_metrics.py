@@ -71,6 +71,13 @@ def test_two_gateway_processes_export_one_view(cluster: Cluster) -> None:
         found = scrape(gw.url)
         assert one(found, "genq_http_responses_total", **health) == sum(served.values())
         assert one(found, "genq_queue_lag", model="sim", priority="interactive") == 0
+    # each process's memory, CPU and open files, whichever process answers the scrape
+    for _ in range(SCRAPES):
+        found = scrape(gw.url)
+        for name in ("process_resident_memory_bytes", "process_cpu_seconds_total"):
+            for pid in served:
+                assert (one(found, name, pid=str(pid)) or 0) > 0, (name, pid)
+        assert all((one(found, "process_open_fds", pid=str(pid)) or 0) > 0 for pid in served)
 
     # a stream open while scraping, then its client leaves
     with httpx.stream(

@@ -36,6 +36,7 @@ def _post(url: str, **body: object) -> httpx.Response:
     return httpx.post(f"{url}/v1/jobs", json=body, timeout=10)
 
 
+@pytest.mark.contract
 def test_stream_started_on_one_gateway_resumes_on_another(cluster: Cluster) -> None:
     a, b = cluster.gateway(), cluster.gateway()
     cluster.worker("--step-ms", "20")
@@ -93,6 +94,7 @@ def test_cancel_frees_the_slot_within_a_second(cluster: Cluster) -> None:
     assert httpx.get(f"{gw.url}/v1/jobs/{queued}").json()["attempt"] == 0  # never ran
 
 
+@pytest.mark.contract
 def test_disconnecting_stream_with_cancel_on_disconnect_cancels(cluster: Cluster) -> None:
     gw = cluster.gateway()
     cluster.worker("--step-ms", "50")

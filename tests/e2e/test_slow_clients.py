@@ -253,6 +253,7 @@ def test_non_reading_clients_cost_the_gateway_bounded_memory_while_open_and_afte
     assert after < MAX_GROWTH
 
 
+@pytest.mark.contract
 def test_a_slow_reader_gets_its_whole_stream_exactly_as_the_log_holds_it(
     cluster: Cluster, db: redis.Redis, opened: list[SilentClient]
 ) -> None:
@@ -287,6 +288,7 @@ def test_a_slow_reader_gets_its_whole_stream_exactly_as_the_log_holds_it(
         assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["length"]
 
 
+@pytest.mark.contract
 def test_a_client_that_reads_nothing_is_disconnected_after_the_stall_timeout(
     cluster: Cluster, db: redis.Redis, opened: list[SilentClient]
 ) -> None:

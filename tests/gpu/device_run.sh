@@ -149,7 +149,7 @@ for step in $steps; do
       # bare loop with the batched pass too; turnsq4batched: the worker's default said aloud):
       # the bare loop and one worker (defaults), both loaded, take turns at each level, the first to go
       # flipping each round; a ratio row per turn and the median per level. This host drifts
-      # by tens of percent within one call (docs/benchmarks.md): turns put both under the
+      # by tens of percent within one call (docs/performance.md): turns put both under the
       # same drift. turnsreplay: the bare loop takes each job when the system's last turn
       # sent it (--replay), so the decode rates compare under the same arrivals.
       model=/tmp/m8b

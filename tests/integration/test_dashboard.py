@@ -39,6 +39,10 @@ async def _snapshot(client: httpx.AsyncClient, **headers: str) -> dict[str, Any]
     return dict(r.json())
 
 
+LONG_TOKENS = 5000
+"""At 1 ms a step: seconds of running."""
+
+
 async def _until(client: httpx.AsyncClient, check: Any, timeout: float = 10.0) -> dict[str, Any]:
     async with asyncio.timeout(timeout):
         while True:
@@ -72,6 +76,27 @@ async def test_a_snapshot_shows_the_worker_queue_model_and_a_finished_job(stack:
     text = json.dumps(snap)
     assert SECRET_PROMPT not in text and owner_of(b"anonymous") not in text
     assert "anonymous" not in text
+
+
+async def test_a_running_job_shows_its_tokens_so_far(stack: Stack) -> None:
+    job = await stack.submit(prompt="the model", max_tokens=LONG_TOKENS)
+    await stack.wait_status(job["id"], "running")
+
+    def growing(s: dict[str, Any]) -> bool:
+        row = next((j for j in s["jobs"] if j["id"] == job["id"]), None)
+        return row is not None and row["status"] == "running" and row["tokens_so_far"] > 0
+
+    first = next(j for j in (await _until(stack.client, growing))["jobs"] if j["id"] == job["id"])
+    assert first["completion_tokens"] is None and first["prompt_tokens"] > 0
+    later = await _until(
+        stack.client,
+        lambda s: any(
+            j["id"] == job["id"] and j.get("tokens_so_far", 0) > first["tokens_so_far"]
+            for j in s["jobs"]
+        ),
+    )
+    assert later  # it grows as the job runs
+    await stack.client.delete(f"/v1/jobs/{job['id']}")
 
 
 async def test_queued_jobs_count_in_their_queue(settings: Settings, redis: aioredis.Redis) -> None:

@@ -366,3 +366,86 @@ async def test_a_prompt_of_ids_with_no_room_is_refused_before_the_body_is_parsed
     r = await stack.client.post(path, json=body)
     assert r.status_code in (200, 202), r.text
     assert parsed
+
+
+# ---- ids, limits and messages as OpenAI answers them ----------------------------------------
+
+
+async def test_a_malformed_id_is_the_same_404_as_an_unknown_one(stack: Stack) -> None:
+    """A malformed id names nothing, as an unknown one: the same 404 (the SDK's
+    NotFoundError), not a 422 quoting the id's pattern."""
+    unknown = {"batch": "batch_" + "0" * 32, "file": "file-" + "0" * 32, "job": "0" * 32}
+    routes = {
+        "batch": ("/v1/batches/{}", "/v1/batches/{}/cancel"),
+        "file": ("/v1/files/{}", "/v1/files/{}/content"),
+        "job": ("/v1/jobs/{}", "/v1/jobs/{}/events"),
+    }
+    for kind, templates in routes.items():
+        for template in templates:
+            method = "POST" if template.endswith("cancel") else "GET"
+            known_shape = await stack.client.request(method, template.format(unknown[kind]))
+            expected = error_of(known_shape, 404)
+            for bad in (f"{kind}_nope", "x" * 80):
+                err = error_of(await stack.client.request(method, template.format(bad)), 404)
+                shown_id = repr(bad[:64])[1:-1] + ("…" if len(bad) > 64 else "")
+                assert err == {
+                    **expected,
+                    "message": expected["message"].replace(unknown[kind], shown_id),
+                }, template
+
+
+async def test_an_over_large_body_is_an_invalid_request_error(small: Stack) -> None:
+    big = json.dumps({"model": "sim", "prompt": "x" * (2 * BODY_LIMIT)})
+    err = error_of(await small.client.post("/v1/jobs", content=big, headers=JSON), 413)
+    assert err["type"] == "invalid_request_error"
+
+
+async def test_nan_and_a_bad_completion_window_are_refused_in_words(stack: Stack) -> None:
+    for value in ("NaN", "Infinity"):
+        raw = '{"model": "sim", "prompt": "x", "temperature": ' + value + "}"
+        for route in ("/v1/jobs", "/v1/completions"):
+            err = error_of(await stack.client.post(route, content=raw, headers=JSON), 422)
+            assert err["param"] == "temperature"
+            assert "finite number" in err["message"] and "less than" not in err["message"]
+    raw = '{"model": NaN, "prompt": "x"}'  # not a number field: the usual type error
+    err = error_of(await stack.client.post("/v1/jobs", content=raw, headers=JSON), 422)
+    assert err["param"] == "model" and "finite" not in err["message"]
+    body = {"input_file_id": "file-" + "0" * 32, "endpoint": "/v1/completions"}
+    for window in ("48h", "1d", "soon"):
+        r = await stack.client.post("/v1/batches", json={**body, "completion_window": window})
+        err = error_of(r, 422)
+        assert err["param"] == "completion_window" and "(?:" not in err["message"]
+        assert "at most 24h" in err["message"] and repr(window) in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "wizard", "content": "x"}, "messages.0.role"),
+        ({"role": "user"}, "messages.0.content"),
+        ({"role": "system", "content": None}, "messages.0.content"),
+        ({"role": "assistant"}, "messages.0.content"),
+        ({"role": "tool", "content": "42"}, "messages.0.tool_call_id"),
+    ],
+)
+async def test_chat_messages_are_checked_as_openai_checks_them(
+    stack: Stack, message: dict, param: str
+) -> None:
+    body = {"model": "sim", "messages": [message], "max_tokens": 2}
+    err = error_of(await stack.client.post("/v1/chat/completions", json=body), 400)
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    if param.endswith("role"):
+        assert "'user'" in err["message"] and "'assistant'" in err["message"]
+
+
+async def test_an_assistant_message_calling_tools_needs_no_content(stack: Stack) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    r = await stack.client.post(
+        "/v1/chat/completions", json={"model": "sim", "messages": messages, "max_tokens": 2}
+    )
+    assert r.status_code == 200, r.text

@@ -5,6 +5,8 @@ and an in-process sim worker."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from typing import Any
 
@@ -22,6 +24,7 @@ from tests.conftest import running_stack
 
 LONG = 5000
 """Tokens: at 1 ms a step, seconds of work."""
+BATCH_END_S = 20.0
 
 
 def _lines(caplog: pytest.LogCaptureFixture, msg: str, job_id: str) -> list[dict[str, Any]]:
@@ -35,7 +38,7 @@ def _lines(caplog: pytest.LogCaptureFixture, msg: str, job_id: str) -> list[dict
 async def test_a_poison_job_logs_each_attempt_its_requeues_and_its_dead_letter(
     settings: Settings, redis: aioredis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.DEBUG, logger="worker.joblog")  # "job started" is a debug line
     async with running_stack(settings, redis, poison_marker="POISON") as stack:
         poison = await stack.submit(prompt="a POISON pill", max_tokens=20)
         await stack.wait_status(poison["id"], "failed")
@@ -113,3 +116,30 @@ async def test_a_request_names_at_most_max_job_ids_and_only_its_own(
     assert first["job_ids"] == [f"a-{i}" for i in range(MAX_JOB_IDS)]
     assert second["job_id"] == "b-0" and "job_ids" not in second
     touched_job("outside any request")  # nothing to note it in: no error
+
+
+async def test_a_batch_that_is_only_long_is_never_called_stalled(
+    settings: Settings, redis: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its lines resolve slower than GENQ_BATCH_SWEEP_S: the sweep runs (a debug line) and
+    nothing says the batch is stalled, at any level."""
+    caplog.set_level(logging.DEBUG, logger="gateway.batch")
+    quick = settings.model_copy(update={"batch_sweep_s": 0.1, "batch_poll_s": 0.05})
+    line = {"method": "POST", "url": "/v1/completions"}
+    body = {"model": "sim", "prompt": "the model", "max_tokens": 600}  # 1 ms steps: 0.6 s
+    data = "".join(json.dumps({**line, "custom_id": f"l{i}", "body": body}) + "\n" for i in (0, 1))
+    async with running_stack(quick, redis) as stack:
+        files = {"file": ("long.jsonl", data.encode())}
+        f = await stack.client.post("/v1/files", files=files, data={"purpose": "batch"})
+        created = await stack.client.post(
+            "/v1/batches", json={"input_file_id": f.json()["id"], "endpoint": "/v1/completions"}
+        )
+        batch_id = created.json()["id"]
+        async with asyncio.timeout(BATCH_END_S):
+            while (await stack.client.get(f"/v1/batches/{batch_id}")).json()[
+                "status"
+            ] != "completed":
+                await asyncio.sleep(0.05)
+    said = [r for r in caplog.records if r.__dict__.get("batch_id") == batch_id]
+    assert any(r.getMessage().startswith("batch sweep") for r in said)  # it was quiet a while
+    assert not [r.getMessage() for r in caplog.records if "stall" in r.getMessage().lower()]

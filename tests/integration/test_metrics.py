@@ -115,6 +115,21 @@ async def test_responses_count_by_route_template_and_status(settings: Settings, 
     assert not any("not-a-job" in str(ls) or "/no/such" in str(ls) for (_, ls) in found)
 
 
+async def test_static_files_count_under_their_folder_and_the_process_is_measured(
+    settings: Settings, redis
+) -> None:  # type: ignore[no-untyped-def]
+    async with gateway_only(settings, redis) as client:
+        assert (await client.get("/dashboard/assets/dashboard.js")).status_code == 200
+        assert (await client.get("/dashboard/assets/nope.js")).status_code == 404
+        found = samples((await client.get("/metrics")).text)
+    assets = {"route": "/dashboard/assets/{path}", "method": "GET"}
+    assert value(found, "genq_http_responses_total", **assets, status="200") == 1
+    assert value(found, "genq_http_responses_total", **assets, status="404") == 1
+    assert value(found, "genq_http_responses_total", route="unmatched") is None
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds"):
+        assert (value(found, name) or 0) > 0, name
+
+
 async def test_metrics_are_open_unless_a_key_is_required(settings: Settings, redis) -> None:  # type: ignore[no-untyped-def]
     settings.api_keys = ["user-key"]
     async with gateway_only(settings, redis) as client:

@@ -27,6 +27,8 @@ from shared.settings import GatewaySettings
 from tests.conftest import test_prefix
 from tests.procs import RedisServer, free_port
 
+pytestmark = pytest.mark.contract  # redis-py's URL parsing and SSLConnection options
+
 WIRE_LOGGER = "gateway.pubsub_wire"
 SLACK_S = 3.0
 """Beyond the PING interval and PONG timeout: the wait for a loaded 2-core machine."""

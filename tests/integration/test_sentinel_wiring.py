@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import cast
 
+import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 
@@ -24,6 +25,8 @@ from tests.integration.test_pubsub_wire import (
     published_and_heard,
     until,
 )
+
+pytestmark = pytest.mark.contract  # redis-py's Sentinel and connection internals
 
 WAIT_TIMEOUT_MS = 50
 

@@ -9,15 +9,23 @@ import re
 import pytest
 
 from genq.cli import build_parser
+from genq.client import API_KEY_ENV
 from shared.settings import Settings
 
 NO_HELP_NEEDED = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
 
 
-def _parsers() -> dict[str, argparse.ArgumentParser]:
-    top = build_parser()
-    [commands] = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
-    return {"genq": top, **{f"genq {n}": p for n, p in commands.choices.items()}}
+def _parsers(
+    top: argparse.ArgumentParser | None = None, name: str = "genq"
+) -> dict[str, argparse.ArgumentParser]:
+    """Every parser, commands of commands (`genq batch submit`) included."""
+    top = top or build_parser()
+    out = {name: top}
+    for action in top._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, parser in action.choices.items():
+                out.update(_parsers(parser, f"{name} {sub}"))
+    return out
 
 
 def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -31,9 +39,19 @@ def test_every_flag_has_help(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(_parsers()))
+def test_no_help_says_its_default_twice(name: str) -> None:
+    twice = [
+        a.option_strings or a.dest
+        for a in _options(_parsers()[name])
+        if (a.help or "").count("default") > 1
+    ]
+    assert not twice, f"{name}: {twice}"
+
+
+@pytest.mark.parametrize("name", list(_parsers()))
 def test_every_variable_named_in_help_is_a_setting(name: str) -> None:
     text = _parsers()[name].format_help()
-    named = set(re.findall(r"GENQ_[A-Z0-9_]+", text))
+    named = set(re.findall(r"GENQ_[A-Z0-9_]+", text)) - {API_KEY_ENV}  # the clients' own
     unknown = {v for v in named if v.removeprefix("GENQ_").lower() not in Settings.model_fields}
     assert not unknown, f"{name} names {unknown}"
 

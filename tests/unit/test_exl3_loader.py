@@ -188,7 +188,7 @@ def test_torch_keeps_to_the_threads_the_settings_name(
     events: list[tuple[Any, ...]], model_dir: Path
 ) -> None:
     """torch's default pool (a thread per CPU) spinning beside the kernel-launching thread
-    made a 64-stream exllamav3 step 75 ms instead of 43 on an H200 (docs/benchmarks.md)."""
+    made a 64-stream exllamav3 step 75 ms instead of 43 on an H200 (docs/performance.md)."""
     loader.load_backend(settings(model_dir))
     loader.load_backend(settings(model_dir, torch_threads=4))
     assert sys.modules["torch"].threads == [1, 4]  # type: ignore[attr-defined]

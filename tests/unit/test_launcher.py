@@ -98,12 +98,18 @@ def test_a_dying_child_is_restarted_with_backoff(monkeypatch) -> None:  # type: 
 
 _GPU0_DIES = (
     "import os, signal, sys, time\n"
+    "ready = os.environ.get('LAUNCHER_TEST_READY')\n"
     "if os.environ['CUDA_VISIBLE_DEVICES'] == '0':\n"
+    "    while ready and not os.path.exists(ready):\n"
+    "        time.sleep(0.01)\n"
     "    sys.exit(3)\n"
     "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+    "if ready:\n"
+    "    open(ready, 'w').close()\n"
     "time.sleep(60)\n"
 )
-"""A child command: on GPU 0 it exits at once with 3; elsewhere it runs until SIGTERM."""
+"""A child command: on GPU 0 it exits with 3 (once the file LAUNCHER_TEST_READY names exists,
+if it names one); elsewhere it runs until SIGTERM (and makes that file once it would drain)."""
 
 
 def _supervise(la: Launcher, timeout: float) -> int | None:
@@ -126,7 +132,11 @@ def _fast_restarts(la: Launcher, backoff: float) -> None:
 
 
 @pytest.mark.parametrize("limit", [3, 0])
-def test_a_crash_loop_stops_every_child_and_exits_non_zero(limit: int) -> None:
+def test_a_crash_loop_stops_every_child_and_exits_non_zero(
+    limit: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the healthy child can drain before the launcher gives up (a SIGTERM earlier kills it)
+    monkeypatch.setenv("LAUNCHER_TEST_READY", str(tmp_path / "ready"))
     s = Settings(restart_limit=limit, restart_window_s=60, shutdown_grace_s=5)
     la = Launcher(s, ["0", "1"], 1, command=[sys.executable, "-c", _GPU0_DIES])
     _fast_restarts(la, 0.05)

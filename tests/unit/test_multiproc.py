@@ -40,6 +40,24 @@ def test_prepare_makes_a_directory_when_none_is_given(monkeypatch: pytest.Monkey
     assert not made.exists()
 
 
+def test_a_directory_left_by_a_killed_supervisor_goes_at_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # read TMPDIR again
+    monkeypatch.setenv(multiproc.ENV, "restored-at-teardown")
+    monkeypatch.delenv(multiproc.ENV)
+    left = tmp_path / f"{multiproc.MADE_PREFIX}{_dead_pid()}-abc"
+    running = tmp_path / f"{multiproc.MADE_PREFIX}{os.getpid()}-def"
+    for d in (left, running):
+        d.mkdir()
+        (d / "counter_1.db").write_bytes(b"")
+    made = multiproc.prepare()
+    assert made is not None and made.name.startswith(f"{multiproc.MADE_PREFIX}{os.getpid()}-")
+    assert not left.exists() and running.exists()
+    multiproc.remove(made)
+
+
 def test_a_dead_processs_live_gauges_go_and_its_counters_stay(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,9 +10,10 @@ models and plain fp16/bf16 folders.
 - `loader`: `load_backend` (model, cache, tokenizer, warm-up, generator and job factories),
   the generator's shape.
 
-exllamav3 samples on the GPU itself (one fused kernel per job); `batch_sampling` runs the
-batched pass both engines share (`worker.dyngen.batch_pass`) instead where it pays (see
-docs/benchmarks.md). What both dynamic-generator engines share is `worker.dyngen`'s; this
+exllamav3 samples on the GPU itself (one fused kernel per job); from
+`GENQ_BATCHED_SAMPLING_MIN_JOBS` jobs in a step genq samples them in one batched pass instead
+(`batch_sampling`, on the pass both engines share: `worker.dyngen.batch_pass`; measured:
+docs/performance.md). What both dynamic-generator engines share is `worker.dyngen`'s; this
 package never imports the exllamav2 engine's. torch and exllamav3 are imported only inside
 functions, so every module of this package imports on a CPU install.
 """

@@ -3,7 +3,7 @@
 exllamav3 samples each job on the GPU, but one job at a time: after every decode pass its
 generator calls each job's `receive_logits`, which launches that job's `ComboSampler` (a
 masking fill, then its fused kernel) from Python. The bare loop's probe (`genq.benchgpu
---sampler-probe`, docs/benchmarks.md, issue 17) measured those launches at 3.4 ms of a
+--sampler-probe`, docs/performance.md) measured those launches at 3.4 ms of a
 31.8 ms step at 64 streams on the EXL3 8B: 10.7 % of the step, growing with the batch.
 
 With this on, genq samples the jobs it can in one batched pass instead, the one exllamav2's
@@ -26,9 +26,9 @@ of a decode pass that would serve fewer than `min_jobs` of them (`GENQ_BATCHED_S
 default 16): the pass's host time is mostly fixed (0.54 ms a step at one stream, 1.47
 at 64 on an H200) and one job's own launches cost ~0.05 ms, so below ~14 jobs the launches are
 cheaper; on the fp16 8B, where one stream's step is bound by launching kernels, the worker did
-1.03-1.09 x the tokens/s with exllamav3's own sampler at one stream (docs/benchmarks.md, issue
-17). Below it a job's tokens are exactly what `GENQ_BATCHED_SAMPLING=false` gives (its RNG is
-not drawn from for the pass); a job whose steps cross the line changes sampler there: the same
+1.03-1.09 x the tokens/s with exllamav3's own sampler at one stream (docs/performance.md).
+Below it a job's tokens are exactly what `GENQ_BATCHED_SAMPLING=false` gives (its RNG is not
+drawn from for the pass); a job whose steps cross the line changes sampler there: the same
 distribution (below), its draws from the same seeded RNG.
 
 Semantics on this path are the batched pass's (`worker/dyngen/batch_pass.py`): one uniform

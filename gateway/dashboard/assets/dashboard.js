@@ -1,7 +1,8 @@
 // genq dashboard: one EventSource on /dashboard/events; per section (models, queues, workers,
 // jobs, batches) each frame carries the rows that changed ({key: row}) and, when it changed,
-// the order of the rows' keys: the page keeps the rows and shows those the order names. Ages tick locally between frames, on the
-// gateway's clock. Every value goes in as text (textContent), never as HTML.
+// the order of the rows' keys: the page keeps the rows and shows those the order names. Ages
+// tick locally between frames, on the gateway's clock. Every value goes in as text
+// (textContent), never as HTML.
 "use strict";
 
 const view = { rows: {}, order: {}, offsetMs: 0, lastFrame: 0, source: null };
@@ -33,7 +34,20 @@ function age(at) {
 }
 
 const secs = (v) => (v == null ? "–" : v < 1 ? `${Math.round(v * 1000)} ms` : `${v.toFixed(2)} s`);
-const shortId = (id) => (id.length > 12 ? id.slice(0, 8) + "…" : id);
+// An id without the prefix every id of its kind shares (batch_), cut to its first 8
+// characters; the whole id is the element's title.
+const ID_PREFIX = /^(batch_|file-)/;
+const shortId = (id) => {
+  const own = id.replace(ID_PREFIX, "");
+  return own.length > 12 ? own.slice(0, 8) + "…" : own;
+};
+
+// Tokens: prompt → completion; a running job's so far, marked as still growing.
+function tokens(j) {
+  if (j.completion_tokens != null) return `${j.prompt_tokens ?? 0} → ${j.completion_tokens}`;
+  if (j.tokens_so_far != null) return `${j.prompt_tokens ?? "?"} → ${j.tokens_so_far}…`;
+  return "–";
+}
 
 function fill(table, rows, render, empty) {
   const body = $(table).tBodies[0];
@@ -88,7 +102,7 @@ const render = {
     fill("jobs", rows, (j) => el("tr", { "data-job-id": j.id, "data-status": j.status },
       td(el("code", { title: j.id }, shortId(j.id))), td(badge(j.status)), td(j.model ?? "–", "wide"),
       td(j.priority ?? "–", "wide"),
-      td(j.completion_tokens == null ? "–" : `${j.prompt_tokens ?? 0} → ${j.completion_tokens}`, "num"),
+      td(tokens(j), "num"),
       td(secs(j.ttft_s), "num"), td(secs(j.queue_s), "num wide"),
       td(el("span", { class: "age", "data-at": j.created_at }, age(j.created_at)), "num")),
       "no job yet");
