@@ -85,9 +85,17 @@ class ScriptArgs:
 
 JOB = ("job", "events", "channel")
 """A job's keys: its record (hash), its event log (stream, entry ids 0-<seq>), its channel."""
-ENDING = (*JOB, "admission_counts", "admission_jobs", "admission_checks", "deadlines", "recent")
+ENDING = (
+    *JOB,
+    "admission_counts",
+    "admission_jobs",
+    "admission_checks",
+    "deadlines",
+    "recent",
+    "compact_due",
+)
 """A job's keys, and what its end touches: the admission counters (see release in
-prelude.lua), the deadlines index and the recent-jobs stream."""
+prelude.lua), the deadlines index, the recent-jobs stream and the compaction index."""
 
 SUBMIT = ScriptArgs(
     "submit",
@@ -123,6 +131,33 @@ SUBMIT = ScriptArgs(
     rest="n_scopes scopes (jobs field, tokens field, max jobs, max tokens), then n_entry "
     "queue entry (field, value) pairs, then record (field, value) pairs",
 )
+EMIT = ScriptArgs(
+    "emit",
+    keys=ENDING,
+    argv=("worker", "attempt", "maxlen", "retention", "job_id", "recent_cap", "compact_at", "n"),
+    rest="n (seq, json) pairs, then record (field, value) pairs",
+)
+SETTLE = ScriptArgs(
+    "settle",
+    keys=ENDING,
+    argv=(
+        "status",
+        "attempt",
+        "last_seq",
+        "maxlen",
+        "retention",
+        "job_id",
+        "recent_cap",
+        "compact_at",
+    ),
+    rest="one (seq, json) pair, then record (field, value) pairs",
+)
+COMPACT = ScriptArgs(
+    "compact",
+    keys=("job", "events", "compact_due"),
+    argv=("job_id", "last_seq", "entries"),
+    rest="record (field, value) pairs: the compact log (`log`), and fields packed smaller",
+)
 START = ScriptArgs("start", keys=JOB, argv=("worker", "now", "max_attempts"))
 HAND_BACK = ScriptArgs("hand_back", keys=JOB, argv=("worker", "attempt", "counted", "error"))
 REQUEST_CANCEL = ScriptArgs("request_cancel", keys=JOB, argv=("reason",))
@@ -155,6 +190,9 @@ DECLARED: dict[str, ScriptArgs] = {
     s.name: s
     for s in (
         SUBMIT,
+        EMIT,
+        SETTLE,
+        COMPACT,
         START,
         HAND_BACK,
         REQUEST_CANCEL,

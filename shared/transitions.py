@@ -63,8 +63,7 @@ def script(name: str) -> Script:
     declared KEYS and ARGV by name (`shared.scripts`)."""
     lua = resources.files("shared") / "lua"
     prelude = (lua / "prelude.lua").read_text(encoding="utf-8")
-    declared = DECLARED.get(name)
-    prologue = declared.prologue() if declared is not None else ""
+    prologue = DECLARED[name].prologue()
     body = (lua / f"{name}.lua").read_text(encoding="utf-8")
     return Script(name, prelude + "\n" + prologue + body)
 
@@ -263,22 +262,24 @@ class Transitions:
     def _compact_at(self) -> str:
         return repr(time.time() + self.compact_grace_s)
 
-    def _job_keys(self, job_id: str) -> list[str]:
-        k = self.keys
-        return [k.job(job_id), k.events(job_id), k.channel(job_id)]
-
     def _job(self, job_id: str) -> dict[str, str]:
         """A job's keys by name (`shared.scripts.JOB`)."""
         k = self.keys
         return {"job": k.job(job_id), "events": k.events(job_id), "channel": k.channel(job_id)}
 
-    def _ending_keys(self, job_id: str) -> list[str]:
-        """A job's keys, and what its end touches: the admission counters, the deadlines
-        index, the recent-jobs stream and the compaction index."""
+    def _ending(self, job_id: str) -> dict[str, str]:
+        """A job's keys, and what its end touches (`shared.scripts.ENDING`): the admission
+        counters, the deadlines index, the recent-jobs stream and the compaction index."""
         k = self.keys
-        admission = [k.admission_counts(), k.admission_jobs(), k.admission_checks()]
-        indexes = [k.deadlines(), k.recent_jobs(), k.compact_due()]
-        return [*self._job_keys(job_id), *admission, *indexes]
+        return {
+            **self._job(job_id),
+            "admission_counts": k.admission_counts(),
+            "admission_jobs": k.admission_jobs(),
+            "admission_checks": k.admission_checks(),
+            "deadlines": k.deadlines(),
+            "recent": k.recent_jobs(),
+            "compact_due": k.compact_due(),
+        }
 
     def submit(
         self,
@@ -343,11 +344,18 @@ class Transitions:
         retention_s: int = 0,
     ) -> Call[EmitReply]:
         """The owner's events, and (when the job ends) its record `fields` and retention."""
-        args: list[Arg] = [worker, attempt, maxlen, retention_s, job_id, self.recent_jobs]
-        args += [self._compact_at(), len(events)]
-        args += _events(events)
-        args += _flat(fields or {})
-        return Call(script("emit"), self._ending_keys(job_id), args, _emit_reply)
+        args: dict[str, Arg] = {
+            "worker": worker,
+            "attempt": attempt,
+            "maxlen": maxlen,
+            "retention": retention_s,
+            "job_id": job_id,
+            "recent_cap": self.recent_jobs,
+            "compact_at": self._compact_at(),
+            "n": len(events),
+        }
+        rest = [*_events(events), *_flat(fields or {})]
+        return call(lua.EMIT, _emit_reply, self._ending(job_id), args, rest)
 
     def settle(
         self,
@@ -362,10 +370,17 @@ class Transitions:
         retention_s: int,
     ) -> Call[bool]:
         """End a job nobody runs, if its status, attempt and log end are still these."""
-        args: list[Arg] = [status, attempt, last_seq, maxlen, retention_s, job_id]
-        args += [self.recent_jobs, self._compact_at(), *event]
-        args += _flat(fields)
-        return Call(script("settle"), self._ending_keys(job_id), args, lambda r: bool(int(r)))
+        args: dict[str, Arg] = {
+            "status": status,
+            "attempt": attempt,
+            "last_seq": last_seq,
+            "maxlen": maxlen,
+            "retention": retention_s,
+            "job_id": job_id,
+            "recent_cap": self.recent_jobs,
+            "compact_at": self._compact_at(),
+        }
+        return call(lua.SETTLE, _truthy, self._ending(job_id), args, [*event, *_flat(fields)])
 
     def compact(
         self, job_id: str, *, last_seq: int, entries: int, fields: dict[str, str]
@@ -374,9 +389,9 @@ class Transitions:
         `fields` (the `log` field among them), if the log still ends at `last_seq` with
         `entries`."""
         k = self.keys
-        keys = [k.job(job_id), k.events(job_id), k.compact_due()]
-        args: list[Arg] = [job_id, last_seq, entries, *_flat(fields)]
-        return Call(script("compact"), keys, args, str)
+        keys = {"job": k.job(job_id), "events": k.events(job_id), "compact_due": k.compact_due()}
+        args: dict[str, Arg] = {"job_id": job_id, "last_seq": last_seq, "entries": entries}
+        return call(lua.COMPACT, str, keys, args, _flat(fields))
 
     def hand_back(
         self, job_id: str, *, worker: str, attempt: int, counted: bool, error: str = ""

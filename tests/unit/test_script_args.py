@@ -19,8 +19,6 @@ from tests.prefixes import test_prefix
 
 LUA = resources.files("shared") / "lua"
 SCRIPTS = sorted(p.name.removesuffix(".lua") for p in LUA.iterdir() if p.name.endswith(".lua"))
-PENDING = {"emit", "settle"}
-"""Scripts still read by position (the compaction branch changes them): declared once merged."""
 POSITIONAL = re.compile(r"\bKEYS\s*\[|\bARGV\s*\[\s*\d|unpack\(\s*ARGV\s*,\s*\d")
 
 
@@ -31,8 +29,6 @@ def _body(name: str) -> str:
 
 @pytest.mark.parametrize("name", [s for s in SCRIPTS if s != "prelude"])
 def test_every_script_is_declared_and_names_its_arguments_as_declared(name: str) -> None:
-    if name in PENDING:
-        pytest.skip("read by position until the compaction branch is merged")
     declared = DECLARED.get(name)
     assert declared is not None, f"{name}.lua has no ScriptArgs in shared/scripts.py"
     body = _body(name)
