@@ -15,11 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from gateway.identity import Identity
 from shared.errors import BadRequest, TooManyRequests, Unavailable
 from shared.keys import Keys, Priority, scope_fields
+from shared.loops import keep_running
 from shared.quotas import Admission, Quota, QuotaCalls
 from shared.schemas import JobSpec
 from shared.settings import GatewaySettings
@@ -263,9 +264,9 @@ class AdmissionControl:
         return released
 
     async def repair_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.quota_repair_s)
-            try:
-                await self.repair()
-            except (RedisError, OSError) as exc:
-                log.warning("admission repair failed", extra={"error": str(exc)})
+        await keep_running(
+            self.repair,
+            failed="admission repair failed",
+            log=log,
+            every_s=self.settings.quota_repair_s,
+        )

@@ -8,20 +8,18 @@ the one read, so a sweep run twice, or by two processes, compacts a job once."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
 import uuid
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from shared.compact import CompactLog, LogEntries
 from shared.events import EventError
 from shared.keys import Keys, seq_of
+from shared.loops import keep_running
 from shared.records import PACKED, JobRecord, RecordError, pack
-from shared.redis_health import failure_level
 from shared.settings import GatewaySettings
 from shared.transitions import Call, ScriptRunner, Transitions
 
@@ -47,14 +45,14 @@ class Compactor:
 
     async def run(self) -> None:
         interval = self.settings.event_compact_sweep_s
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                if await self._turn(interval):
-                    await self.sweep()
-            except (RedisError, OSError) as exc:
-                level = failure_level(self.redis)
-                log.log(level, "compaction sweep failed", extra={"error": str(exc)})
+
+        async def step() -> None:
+            if await self._turn(interval):
+                await self.sweep()
+
+        await keep_running(
+            step, failed="compaction sweep failed", log=log, every_s=interval, redis=self.redis
+        )
 
     async def _turn(self, interval: float) -> bool:
         """Whether this process sweeps this round: the lock lasts one interval."""

@@ -4,17 +4,15 @@ workers `expired` (shared/deadlines.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import uuid
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from shared.deadlines import expire_due
 from shared.keys import Keys
-from shared.redis_health import failure_level
+from shared.loops import keep_running
 from shared.settings import GatewaySettings
 from shared.transitions import ScriptRunner
 
@@ -35,15 +33,14 @@ class DeadlineSweep:
 
     async def run(self) -> None:
         interval = self.settings.deadline_sweep_s
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                if await self._turn(interval):
-                    await self.sweep()
-            except (RedisError, OSError) as exc:
-                log.log(
-                    failure_level(self.redis), "deadline sweep failed", extra={"error": str(exc)}
-                )
+
+        async def step() -> None:
+            if await self._turn(interval):
+                await self.sweep()
+
+        await keep_running(
+            step, failed="deadline sweep failed", log=log, every_s=interval, redis=self.redis
+        )
 
     async def _turn(self, interval: float) -> bool:
         """Whether this process sweeps this round: the lock lasts one interval."""

@@ -28,8 +28,9 @@ from redis.exceptions import RedisError
 from gateway.metrics import GatewayMetrics
 from shared.batches import ENDED_BATCH_STATUSES, BatchStatus
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys, Priority
+from shared.scripts import LEASE, Arg
 from shared.settings import GatewaySettings
-from shared.transitions import Call, ScriptRunner, script
+from shared.transitions import Call, ScriptRunner, call
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +200,8 @@ class FleetExporter:
         self.holding = False
 
     def _lease(self, action: str, ttl_ms: int = 0) -> Call[bool]:
-        args: list[Any] = [self.token, action, ttl_ms]
-        return Call(script("lease"), [self.keys.fleet_metrics_lease()], args, _truthy)
+        args: dict[str, Arg] = {"token": self.token, "action": action, "ttl_ms": ttl_ms}
+        return call(LEASE, _truthy, {"lease": self.keys.fleet_metrics_lease()}, args)
 
     async def run(self) -> None:
         while True:

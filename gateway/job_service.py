@@ -26,7 +26,7 @@ from shared.errors import BadRequest, Conflict, JobNotFound, PromptTooLong, Unpr
 from shared.events import EVENT_FIELD, CancelledEvent, EventError, QueuedEvent, TokenEvent
 from shared.keys import Keys, seq_of
 from shared.records import JOB_ID, ControlMessage, IdempotencyClaim, JobRecord, QueueEntry
-from shared.schemas import MAX_METADATA_DEPTH, JobCreate, JobSpec, JobView, json_depth
+from shared.schemas import MAX_METADATA_DEPTH, JobCreate, JobSpec, JobView, Sampling, json_depth
 from shared.settings import GatewaySettings
 from shared.transitions import (
     Call,
@@ -117,7 +117,7 @@ class JobService:
             model=card.name,
             input_ids=ids,
             max_tokens=max_tokens,
-            sampling=body.model_dump(include=_SAMPLING_FIELDS),  # type: ignore[arg-type]
+            sampling=Sampling.of(body),
             priority=body.priority,
             created_at=now,
             deadline=now + body.timeout_s if body.timeout_s else None,
@@ -449,21 +449,6 @@ def _log_queued(record: JobRecord, caller: Identity) -> None:
         fields["owner"] = caller.owner
     log.debug("job queued", extra=fields)  # a healthy job's one info line is the worker's end
     access_log.touched_job(spec.id)
-
-
-_SAMPLING_FIELDS = {
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "logprobs",
-}
 
 
 def job_not_found(job_id: str) -> JobNotFound:

@@ -11,7 +11,6 @@ through `GET /v1/jobs/{id}/events` (on any gateway), which it marks, and which r
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -27,7 +26,7 @@ from gateway.identity import GENQ
 from gateway.job_service import JobService
 from shared.errors import Conflict, JobNotFound
 from shared.keys import Keys
-from shared.redis_health import failure_level
+from shared.loops import keep_running
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -83,20 +82,26 @@ class Presence:
     async def run(self) -> None:
         """Beat and sweep every `gateway_heartbeat_s` until cancelled. Nothing ends the loop:
         a gateway that stopped beating would have its own streams' jobs cancelled."""
-        while True:
+
+        async def step() -> None:
+            await self.beat()
             try:
-                await self.beat()
-            except (RedisError, OSError) as exc:
-                self._beating_since = None
-                log.log(
-                    failure_level(self.redis), "gateway heartbeat failed", extra={"error": str(exc)}
-                )
-            else:
-                try:
-                    await self.sweep()
-                except Exception:  # the next round tries again
-                    log.exception("sweeping the jobs of gone gateways failed")
-            await asyncio.sleep(self.settings.gateway_heartbeat_s)
+                await self.sweep()
+            except Exception:  # the next round tries again
+                log.exception("sweeping the jobs of gone gateways failed")
+
+        def beat_failed(exc: Exception) -> None:
+            self._beating_since = None
+
+        await keep_running(
+            step,
+            failed="gateway heartbeat failed",
+            log=log,
+            every_s=self.settings.gateway_heartbeat_s,
+            redis=self.redis,
+            pause_first=False,
+            on_failure=beat_failed,
+        )
 
     async def beat(self) -> None:
         pipe = self.redis.pipeline(transaction=False)

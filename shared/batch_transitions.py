@@ -8,9 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shared import scripts as lua
 from shared.batches import ResultKind
 from shared.keys import Keys
-from shared.transitions import Arg, Call, script
+from shared.scripts import Arg
+from shared.transitions import Call, call
 
 
 @dataclass(frozen=True)
@@ -57,15 +59,16 @@ class BatchTransitions:
     ) -> Call[ResultsWritten]:
         """Write each line's result unless the line has one (in either file)."""
         k = self.keys
-        keys = [
-            k.batch(batch_id),
-            k.batch_results(batch_id, "out"),
-            k.batch_results(batch_id, "err"),
-        ]
-        args: list[Arg] = [ttl_s, len(results)]
+        keys = {
+            "batch": k.batch(batch_id),
+            "output": k.batch_results(batch_id, "out"),
+            "errors": k.batch_results(batch_id, "err"),
+        }
+        groups: list[Arg] = []
         for r in results:
-            args += [r.line, r.kind, r.json, r.input_tokens, r.output_tokens, r.cached_tokens]
-        return Call(script("batch_results"), keys, args, _results_reply)
+            groups += [r.line, r.kind, r.json, r.input_tokens, r.output_tokens, r.cached_tokens]
+        args: dict[str, Arg] = {"ttl": ttl_s, "n": len(results)}
+        return call(lua.BATCH_RESULTS, _results_reply, keys, args, groups)
 
     def update(
         self,
@@ -76,19 +79,19 @@ class BatchTransitions:
         lease_token: str = "",
     ) -> Call[Updated]:
         """Set `fields` if the status is one of `statuses` (and the lease is `lease_token`'s)."""
-        keys = [self.keys.batch(batch_id), self.keys.batch_lease(batch_id)]
-        args: list[Arg] = [lease_token, " ".join(statuses)]
-        args += [x for kv in fields.items() for x in kv]
-        return Call(script("batch_update"), keys, args, _update_reply)
+        keys = {"batch": self.keys.batch(batch_id), "lease": self.keys.batch_lease(batch_id)}
+        args: dict[str, Arg] = {"token": lease_token, "statuses": " ".join(statuses)}
+        pairs = [x for kv in fields.items() for x in kv]
+        return call(lua.BATCH_UPDATE, _update_reply, keys, args, pairs)
 
     def hold(self, batch_id: str, *, token: str, ttl_ms: int) -> Call[bool]:
         """Take the batch's lease, or renew it if `token` holds it."""
-        args: list[Arg] = [token, "hold", ttl_ms]
-        return Call(script("lease"), [self.keys.batch_lease(batch_id)], args, _truthy)
+        args: dict[str, Arg] = {"token": token, "action": "hold", "ttl_ms": ttl_ms}
+        return call(lua.LEASE, _truthy, {"lease": self.keys.batch_lease(batch_id)}, args)
 
     def free(self, batch_id: str, *, token: str) -> Call[bool]:
-        args: list[Arg] = [token, "free", 0]
-        return Call(script("lease"), [self.keys.batch_lease(batch_id)], args, _truthy)
+        args: dict[str, Arg] = {"token": token, "action": "free", "ttl_ms": 0}
+        return call(lua.LEASE, _truthy, {"lease": self.keys.batch_lease(batch_id)}, args)
 
 
 def _truthy(r: Any) -> bool:

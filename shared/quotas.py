@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared import scripts as lua
 from shared.keys import Keys
-from shared.transitions import Call, script
+from shared.transitions import Call, call
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,26 +66,26 @@ class QuotaCalls:
         return [k.admission_counts(), k.admission_jobs(), k.admission_checks()]
 
     def rate_limit(self, owner: str, *, rate: float, burst: int) -> Call[RateReply]:
-        return Call(
-            script("rate_limit"),
-            [self.keys.rate_limit(owner)],
-            [repr(rate), burst],
+        return call(
+            lua.RATE_LIMIT,
             lambda r: RateReply(bool(int(r[0])), int(r[1])),
+            {"bucket": self.keys.rate_limit(owner)},
+            {"rate": repr(rate), "burst": burst},
         )
 
     def due(self, *, now: float, next_check: float, limit: int) -> Call[list[str]]:
-        args: list[str | int | float] = [repr(now), repr(next_check), limit]
-        return Call(
-            script("admission_due"),
-            [self.keys.admission_checks()],
-            args,
+        return call(
+            lua.ADMISSION_DUE,
             lambda r: [str(x) for x in r],
+            {"checks": self.keys.admission_checks()},
+            {"now": repr(now), "next_at": repr(next_check), "limit": limit},
         )
 
     def release(self, job_key: str) -> Call[bool]:
-        return Call(
-            script("admission_release"),
-            self.counter_keys(),
-            [job_key],
-            lambda r: bool(int(r)),
-        )
+        k = self.keys
+        keys = {
+            "counts": k.admission_counts(),
+            "jobs": k.admission_jobs(),
+            "checks": k.admission_checks(),
+        }
+        return call(lua.ADMISSION_RELEASE, lambda r: bool(int(r)), keys, {"job_key": job_key})

@@ -152,6 +152,29 @@ class Sampling(BaseModel):
     stop_token_ids: StopTokenIds = Field(default_factory=list)
     logprobs: Logprobs | None = Field(default=None, description="top-N logprobs per token")
 
+    @classmethod
+    def of(cls, body: BaseModel) -> Sampling:
+        """The sampler settings a request body carries (a `JobCreate`), as a `Sampling` of
+        their own (lists copied)."""
+        return cls.model_validate({name: getattr(body, name) for name in SAMPLING_FIELDS})
+
+    def changed(self) -> list[str]:
+        """The fields set off their defaults, in field order."""
+        return [name for name in SAMPLING_FIELDS if getattr(self, name) != SAMPLING_DEFAULTS[name]]
+
+
+SAMPLING_FIELDS: tuple[str, ...] = tuple(Sampling.model_fields)
+"""The sampler settings by name, in order: the one list of them. The native body (a
+subclass), the OpenAI bodies (`gateway.openai.protocol`), the job's spec, the engine
+process's wire struct (`worker.wire`) and every copy between them are made from it; each
+engine's mapping to its library is tested against it (`worker.engine.SamplingSupport`)."""
+SAMPLING_FIELD_SET = frozenset(SAMPLING_FIELDS)
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    name: info.get_default(call_default_factory=True)
+    for name, info in Sampling.model_fields.items()
+}
+"""Each sampler setting's neutral value: the engine does nothing for it."""
+
 
 _ONE_INPUT: dict[str, Any] = {
     "oneOf": [

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -31,15 +31,16 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from redis.exceptions import NoScriptError
 
+from shared import scripts as lua
 from shared.keys import Keys
 from shared.records import JobRecord, QueueEntry
+from shared.scripts import DECLARED, Arg, ScriptArgs
 from shared.settings import JobSettings
 
 if TYPE_CHECKING:
     from shared.quotas import Admission
 
 R = TypeVar("R")
-Arg = str | int | float
 RECENT_JOBS: int = JobSettings.model_fields["recent_jobs"].default
 COMPACT_GRACE_S: int = JobSettings.model_fields["event_compact_grace_s"].default
 EncodedEvent = tuple[int, str]
@@ -58,10 +59,13 @@ class Script:
 
 @cache
 def script(name: str) -> Script:
-    """`shared/lua/<name>.lua` with the prelude before it."""
+    """`shared/lua/<name>.lua` with the prelude before it, then the prologue that unpacks its
+    declared KEYS and ARGV by name (`shared.scripts`)."""
     lua = resources.files("shared") / "lua"
     prelude = (lua / "prelude.lua").read_text(encoding="utf-8")
-    return Script(name, prelude + "\n" + (lua / f"{name}.lua").read_text(encoding="utf-8"))
+    prologue = DECLARED[name].prologue()
+    body = (lua / f"{name}.lua").read_text(encoding="utf-8")
+    return Script(name, prelude + "\n" + prologue + body)
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,19 @@ class Call(Generic[R]):
     keys: list[str]
     args: list[Arg]
     parse: Callable[[Any], R]
+
+
+def call(
+    declared: ScriptArgs,
+    parse: Callable[[Any], R],
+    keys: Mapping[str, str],
+    argv: Mapping[str, Arg] | None = None,
+    rest: Sequence[Arg] = (),
+) -> Call[R]:
+    """A call of the script `declared` names, its KEYS and ARGV given by their declared
+    names (ValueError for a missing or unknown one)."""
+    key_list, args = declared.pack(keys, argv, rest)
+    return Call(script(declared.name), key_list, args, parse)
 
 
 # ---- replies ------------------------------------------------------------------------------
@@ -214,6 +231,10 @@ def _submit_reply(r: list[Any]) -> SubmitReply:
     return ClaimedBefore(str(r[1]))
 
 
+def _truthy(r: Any) -> bool:
+    return bool(int(r))
+
+
 def _flat(pairs: dict[str, str]) -> list[Arg]:
     return [x for kv in pairs.items() for x in kv]
 
@@ -241,17 +262,24 @@ class Transitions:
     def _compact_at(self) -> str:
         return repr(time.time() + self.compact_grace_s)
 
-    def _job_keys(self, job_id: str) -> list[str]:
+    def _job(self, job_id: str) -> dict[str, str]:
+        """A job's keys by name (`shared.scripts.JOB`)."""
         k = self.keys
-        return [k.job(job_id), k.events(job_id), k.channel(job_id)]
+        return {"job": k.job(job_id), "events": k.events(job_id), "channel": k.channel(job_id)}
 
-    def _ending_keys(self, job_id: str) -> list[str]:
-        """A job's keys, and what its end touches: the admission counters, the deadlines
-        index, the recent-jobs stream and the compaction index."""
+    def _ending(self, job_id: str) -> dict[str, str]:
+        """A job's keys, and what its end touches (`shared.scripts.ENDING`): the admission
+        counters, the deadlines index, the recent-jobs stream and the compaction index."""
         k = self.keys
-        admission = [k.admission_counts(), k.admission_jobs(), k.admission_checks()]
-        indexes = [k.deadlines(), k.recent_jobs(), k.compact_due()]
-        return [*self._job_keys(job_id), *admission, *indexes]
+        return {
+            **self._job(job_id),
+            "admission_counts": k.admission_counts(),
+            "admission_jobs": k.admission_jobs(),
+            "admission_checks": k.admission_checks(),
+            "deadlines": k.deadlines(),
+            "recent": k.recent_jobs(),
+            "compact_due": k.compact_due(),
+        }
 
     def submit(
         self,
@@ -267,44 +295,42 @@ class Transitions:
         spec = record.spec
         entry_fields = entry.to_hash()
         k = self.keys
-        keys = [
-            *self._job_keys(spec.id),
-            k.queue(spec.model, spec.priority),
-            k.deadlines(),
-            idempotency_key or "",
-            k.admission_counts(),
-            k.admission_jobs(),
-            k.admission_checks(),
-            k.overflow(spec.model, spec.priority),
-            k.recent_jobs(),
-        ]
+        keys = {
+            **self._job(spec.id),
+            "queue": k.queue(spec.model, spec.priority),
+            "deadlines": k.deadlines(),
+            "idempotency": idempotency_key or "",
+            "admission_counts": k.admission_counts(),
+            "admission_jobs": k.admission_jobs(),
+            "admission_checks": k.admission_checks(),
+            "overflow": k.overflow(spec.model, spec.priority),
+            "recent": k.recent_jobs(),
+        }
         scopes: list[Arg] = []
         for q in admission.quotas:
             scopes += [q.jobs_field, q.tokens_field, q.max_jobs, q.max_tokens]
-        args: list[Arg] = [
-            spec.id,
-            idempotency_claim,
-            idempotency_ttl_s,
-            "" if spec.deadline is None else repr(spec.deadline),
-            queued_event,
-            len(entry_fields),
-            admission.tokens,
-            repr(admission.check_at),
-            len(admission.quotas),
-            admission.fair_field,
-            admission.fair_share,
-            self.recent_jobs,
-            spec.model,
-            spec.priority,
-            *scopes,
-            *_flat(entry_fields),
-            *_flat(record.to_hash()),
-        ]
-        return Call(script("submit"), keys, args, _submit_reply)
+        args: dict[str, Arg] = {
+            "job_id": spec.id,
+            "claim": idempotency_claim,
+            "claim_ttl": idempotency_ttl_s,
+            "deadline": "" if spec.deadline is None else repr(spec.deadline),
+            "queued_event": queued_event,
+            "n_entry": len(entry_fields),
+            "tokens": admission.tokens,
+            "check_at": repr(admission.check_at),
+            "n_scopes": len(admission.quotas),
+            "fair_field": admission.fair_field,
+            "fair_share": admission.fair_share,
+            "recent_cap": self.recent_jobs,
+            "model": spec.model,
+            "priority": spec.priority,
+        }
+        rest = [*scopes, *_flat(entry_fields), *_flat(record.to_hash())]
+        return call(lua.SUBMIT, _submit_reply, keys, args, rest)
 
     def start(self, job_id: str, *, worker: str, now: float, max_attempts: int) -> Call[StartReply]:
-        args: list[Arg] = [worker, repr(now), max_attempts]
-        return Call(script("start"), self._job_keys(job_id), args, _start_reply)
+        args: dict[str, Arg] = {"worker": worker, "now": repr(now), "max_attempts": max_attempts}
+        return call(lua.START, _start_reply, self._job(job_id), args)
 
     def emit(
         self,
@@ -318,11 +344,18 @@ class Transitions:
         retention_s: int = 0,
     ) -> Call[EmitReply]:
         """The owner's events, and (when the job ends) its record `fields` and retention."""
-        args: list[Arg] = [worker, attempt, maxlen, retention_s, job_id, self.recent_jobs]
-        args += [self._compact_at(), len(events)]
-        args += _events(events)
-        args += _flat(fields or {})
-        return Call(script("emit"), self._ending_keys(job_id), args, _emit_reply)
+        args: dict[str, Arg] = {
+            "worker": worker,
+            "attempt": attempt,
+            "maxlen": maxlen,
+            "retention": retention_s,
+            "job_id": job_id,
+            "recent_cap": self.recent_jobs,
+            "compact_at": self._compact_at(),
+            "n": len(events),
+        }
+        rest = [*_events(events), *_flat(fields or {})]
+        return call(lua.EMIT, _emit_reply, self._ending(job_id), args, rest)
 
     def settle(
         self,
@@ -337,10 +370,17 @@ class Transitions:
         retention_s: int,
     ) -> Call[bool]:
         """End a job nobody runs, if its status, attempt and log end are still these."""
-        args: list[Arg] = [status, attempt, last_seq, maxlen, retention_s, job_id]
-        args += [self.recent_jobs, self._compact_at(), *event]
-        args += _flat(fields)
-        return Call(script("settle"), self._ending_keys(job_id), args, lambda r: bool(int(r)))
+        args: dict[str, Arg] = {
+            "status": status,
+            "attempt": attempt,
+            "last_seq": last_seq,
+            "maxlen": maxlen,
+            "retention": retention_s,
+            "job_id": job_id,
+            "recent_cap": self.recent_jobs,
+            "compact_at": self._compact_at(),
+        }
+        return call(lua.SETTLE, _truthy, self._ending(job_id), args, [*event, *_flat(fields)])
 
     def compact(
         self, job_id: str, *, last_seq: int, entries: int, fields: dict[str, str]
@@ -349,18 +389,23 @@ class Transitions:
         `fields` (the `log` field among them), if the log still ends at `last_seq` with
         `entries`."""
         k = self.keys
-        keys = [k.job(job_id), k.events(job_id), k.compact_due()]
-        args: list[Arg] = [job_id, last_seq, entries, *_flat(fields)]
-        return Call(script("compact"), keys, args, str)
+        keys = {"job": k.job(job_id), "events": k.events(job_id), "compact_due": k.compact_due()}
+        args: dict[str, Arg] = {"job_id": job_id, "last_seq": last_seq, "entries": entries}
+        return call(lua.COMPACT, str, keys, args, _flat(fields))
 
     def hand_back(
         self, job_id: str, *, worker: str, attempt: int, counted: bool, error: str = ""
     ) -> Call[bool]:
-        args: list[Arg] = [worker, attempt, int(counted), error]
-        return Call(script("hand_back"), self._job_keys(job_id), args, lambda r: bool(int(r)))
+        args: dict[str, Arg] = {
+            "worker": worker,
+            "attempt": attempt,
+            "counted": int(counted),
+            "error": error,
+        }
+        return call(lua.HAND_BACK, _truthy, self._job(job_id), args)
 
     def request_cancel(self, job_id: str, *, reason: str) -> Call[CancelReply]:
-        return Call(script("request_cancel"), self._job_keys(job_id), [reason], _cancel_reply)
+        return call(lua.REQUEST_CANCEL, _cancel_reply, self._job(job_id), {"reason": reason})
 
     def touch(
         self,
@@ -374,19 +419,24 @@ class Transitions:
     ) -> Call[bool]:
         """Keep a held entry's idle time low, if this worker still holds it (`attempt`: the
         job's, once started; None for a claim not started yet)."""
-        keys = [queue, self.keys.job(job_id)]
-        args: list[Arg] = [group, worker, entry_id, "" if attempt is None else attempt]
-        return Call(script("touch"), keys, args, lambda r: bool(int(r)))
+        keys = {"queue": queue, "job": self.keys.job(job_id)}
+        args: dict[str, Arg] = {
+            "group": group,
+            "worker": worker,
+            "entry": entry_id,
+            "attempt": "" if attempt is None else attempt,
+        }
+        return call(lua.TOUCH, _truthy, keys, args)
 
     def state(self, job_id: str) -> Call[JobState]:
-        return Call(script("state"), self._job_keys(job_id), [], _state_reply)
+        return call(lua.STATE, _state_reply, self._job(job_id))
 
     def release_idempotency(self, key: str, *, claim: str) -> Call[bool]:
-        return Call(script("release_idempotency"), [key], [claim], lambda r: bool(int(r)))
+        return call(lua.RELEASE_IDEMPOTENCY, _truthy, {"idempotency": key}, {"claim": claim})
 
     def delete_idle_consumer(self, queue: str, *, group: str, consumer: str) -> Call[bool]:
-        args: list[Arg] = [group, consumer]
-        return Call(script("delete_idle_consumer"), [queue], args, lambda r: bool(int(r)))
+        args: dict[str, Arg] = {"group": group, "consumer": consumer}
+        return call(lua.DELETE_IDLE_CONSUMER, _truthy, {"queue": queue}, args)
 
 
 class ScriptRunner:

@@ -14,8 +14,8 @@ from redis.exceptions import RedisError, ResponseError
 from shared import events
 from shared.events import EVENT_FIELD, ErrorEvent, TokenEvent
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Priority
+from shared.loops import LOOP_RESTART_S, REDIS_FAILURES, keep_running
 from shared.records import JOB_ID, JobRecord, QueueEntry, RecordError
-from shared.redis_health import failure_level
 from shared.redisconn import is_transient
 from shared.schemas import ErrorInfo, JobSpec
 from shared.transitions import Exhausted, Started, StartReply
@@ -30,7 +30,7 @@ from worker.entries import (
     requeue_waiting,
 )
 from worker.jobstate import Claim, RunningJob
-from worker.state import LOOP_RESTART_S, WorkerState
+from worker.state import WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -49,38 +49,40 @@ class Claimer:
 
     async def loop(self) -> None:
         st = self.st
+
+        async def step() -> None:
+            if not st.lease.held():  # claims now could not be started: wait for a beat
+                await asyncio.sleep(st.settings.heartbeat_s)
+                return
+            await self._start_waiting()
+            free = st.free_slots()
+            if free <= 0 or st.waiting:
+                st.room.clear()
+                await st.room.wait()
+                return
+            claims = await self._claim(free)
+            if claims:
+                st.waiting.extend(claims)
+            if st.stopping.is_set():  # a read that SIGTERM overtook: give them back now
+                await requeue_waiting(st)
+
+        async def claim_failed(exc: Exception) -> None:
+            if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+                # Redis lost the group (restarted without AOF)
+                with contextlib.suppress(*REDIS_FAILURES):
+                    await ensure_groups(st)
+
         # The flag, not only cancellation: a client may swallow a cancel during a blocking read.
-        while not st.stopping.is_set():
-            try:
-                if not st.lease.held():  # claims now could not be started: wait for a beat
-                    await asyncio.sleep(st.settings.heartbeat_s)
-                    continue
-                await self._start_waiting()
-                free = st.free_slots()
-                if free <= 0 or st.waiting:
-                    st.room.clear()
-                    await st.room.wait()
-                    continue
-                claims = await self._claim(free)
-                if claims:
-                    st.waiting.extend(claims)
-                if st.stopping.is_set():  # a read that SIGTERM overtook: give them back now
-                    await requeue_waiting(st)
-            except asyncio.CancelledError:
-                raise
-            except ResponseError as exc:
-                log.log(
-                    failure_level(st.redis), "claim failed; retrying", extra={"error": str(exc)}
-                )
-                if "NOGROUP" in str(exc):  # Redis lost the group (restarted without AOF)
-                    with contextlib.suppress(RedisError, OSError):
-                        await ensure_groups(st)
-                await asyncio.sleep(LOOP_RESTART_S)
-            except (RedisError, OSError) as exc:
-                log.log(
-                    failure_level(st.redis), "claim failed; retrying", extra={"error": str(exc)}
-                )
-                await asyncio.sleep(LOOP_RESTART_S)
+        await keep_running(
+            step,
+            failed="claim failed; retrying",
+            log=log,
+            every_s=0.0,
+            redis=st.redis,
+            retry_s=LOOP_RESTART_S,
+            running=lambda: not st.stopping.is_set(),
+            on_failure=claim_failed,
+        )
 
     async def _claim(self, free: int) -> list[Claim]:
         """Take up to `free` entries, interactive first; block briefly when all are empty.

@@ -68,6 +68,7 @@ class EngineCore:
             self.engine.cancel(job_id)
         self._attempts[job_id] = c.attempt
         try:
+            self.engine.sampling_support.check(c.job.sampling)
             self.engine.add(c.job)
         except Exception as exc:  # a job the engine refuses fails alone
             del self._attempts[job_id]

@@ -14,7 +14,11 @@ How an engine plugs in:
    tokens more in an optional `reserved_tokens` (exllamav3: 1; `reserved_tokens()` reads it).
 2. A branch in `worker.process.build_engine` that builds it from `EngineSettings` (import
    its library lazily there: a CPU install has no torch).
-3. Nothing else: the engine process, the attempts, cancels, text (when the worker makes it)
+3. A `sampling_support` table (`SamplingSupport`): where it honours each sampler setting
+   of `shared.schemas.Sampling`, or that it refuses one (a job setting it fails at add).
+   tests/unit/test_sampling_support.py holds every engine's table to the whole list of
+   settings, so a setting added to `Sampling` fails there until each engine maps it.
+4. Nothing else: the engine process, the attempts, cancels, text (when the worker makes it)
    and failures are handled around it. `step` may raise: every job is failed (handed back
    for another attempt) and `reset` is called.
 
@@ -25,12 +29,13 @@ only, ignores `sampling.stop`, and stops on stop tokens and lengths alone.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import msgspec
 
-from shared.schemas import FinishReason, ModelCard, Sampling
+from shared.schemas import SAMPLING_FIELD_SET, FinishReason, ModelCard, Sampling
 
 
 @dataclass(slots=True)
@@ -44,6 +49,39 @@ class EngineJob:
     """Tokens already sent to the client by an earlier attempt: prefilled, not re-emitted."""
     text: bool = True
     """Whether the engine makes the text and matches `sampling.stop`; False: token ids only."""
+
+
+@dataclass(frozen=True)
+class SamplingSupport:
+    """How an engine honours each sampler setting (`shared.schemas.SAMPLING_FIELDS`): every
+    setting is in exactly one of the three, and a test holds it so."""
+
+    sampler: frozenset[str]
+    """Settings its sampler mapping hands the library (exllamav2's sampler settings,
+    exllamav3's `ComboSampler` arguments): a test checks that a change to each changes what
+    the library is given."""
+    elsewhere: Mapping[str, str]
+    """Settings it honours outside that mapping: setting → where (stop conditions, logprobs)."""
+    refused: frozenset[str] = frozenset()
+    """Settings it cannot honour: a job that sets one off its default is refused at add."""
+
+    def __post_init__(self) -> None:
+        named = [*self.sampler, *self.elsewhere, *self.refused]
+        if len(named) != len(set(named)) or not set(named) <= SAMPLING_FIELD_SET:
+            raise ValueError(f"a setting named twice, or no sampler setting, in {named}")
+
+    @property
+    def missing(self) -> frozenset[str]:
+        """Settings the table does not name: none, once the engine is up to date."""
+        return SAMPLING_FIELD_SET - self.sampler - set(self.elsewhere) - self.refused
+
+    def check(self, s: Sampling) -> None:
+        """ValueError naming the refused settings `s` sets off their defaults."""
+        if not self.refused:
+            return
+        bad = [name for name in s.changed() if name in self.refused]
+        if bad:
+            raise ValueError(f"this engine does not support {', '.join(bad)}")
 
 
 # The two structs below cross the engine process's socket (worker/wire.py): msgspec, encoded
@@ -84,6 +122,7 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False):
 class Engine(Protocol):
     card: ModelCard
     tokenizer_json: str
+    sampling_support: SamplingSupport
 
     @property
     def max_batch(self) -> int: ...

@@ -45,6 +45,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys
+from shared.loops import LOOP_RESTART_S
 from shared.redis_health import failure_level
 from shared.redisconn import connect
 from shared.settings import WorkerSettings
@@ -58,7 +59,7 @@ from worker.lease import LeaseClock
 from worker.link import EngineLink
 from worker.metrics import WorkerMetrics
 from worker.runner import EngineRunner
-from worker.state import LOOP_RESTART_S, WorkerState
+from worker.state import WorkerState
 from worker.summary import Summary
 from worker.upkeep import Upkeep
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from shared.schemas import ModelCard
-from worker.engine import EngineJob, StepOutput
+from worker.engine import EngineJob, SamplingSupport, StepOutput
 from worker.text import first_stop, held_back
 
 SIM_NAME = "sim"
@@ -93,6 +93,26 @@ class SimEngine:
     # job over max_seq_len (admitting it to fail is better than leaving it queued forever).
     page_size = 0
     total_pages = 0
+    sampling_support = SamplingSupport(
+        sampler=frozenset(
+            {
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "repetition_penalty",
+                "presence_penalty",
+                "frequency_penalty",
+            }
+        ),
+        elsewhere={
+            "seed": "`_job_base`, as `EngineJob.seed` (the spec's, else one drawn from the job id)",
+            "stop": "`_text` cuts the text at the first (the worker does, when `job.text` is off)",
+            "stop_token_ids": "`_advance` ends the job on one",
+            "logprobs": "`_advance` reports that many alternatives per token",
+        },
+    )
+    """Sampler settings change the text (`_job_base` hashes them with the prompt and seed)."""
 
     def __init__(
         self,

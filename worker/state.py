@@ -18,7 +18,6 @@ from worker.lease import LeaseClock
 from worker.link import EngineLink
 from worker.metrics import WorkerMetrics
 
-LOOP_RESTART_S = 0.5
 EARLY_CANCELS_KEPT = 1000
 EARLY_CANCEL_TTL_S = 60.0
 

@@ -4,7 +4,6 @@ the reclaim of entries idle past the lease whose worker's heartbeat is gone."""
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import ctypes.util
 import logging
@@ -13,13 +12,13 @@ import socket
 import time
 from typing import Any, cast
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from shared import __version__
 from shared.deadlines import expire_due
 from shared.keys import CONSUMER_GROUP
+from shared.loops import REDIS_FAILURES, keep_running, log_failure
 from shared.records import Heartbeat, QueueEntry, RecordError
-from shared.redis_health import failure_level
 from worker.admission import Admission
 from worker.engine import Stop
 from worker.entries import drop_malformed
@@ -49,19 +48,24 @@ class Upkeep:
 
     async def heartbeat_loop(self) -> None:
         st = self.st
-        while not st.closing:
-            await asyncio.sleep(st.settings.heartbeat_s)
+
+        async def step() -> None:
             self._expire_overdue()
-            try:
-                await self.beat()
-            except (RedisError, OSError) as exc:
-                st.lease.beat_failed()
-                log.log(failure_level(st.redis), "heartbeat failed", extra={"error": str(exc)})
-                continue
+            await self.beat()
             try:
                 await self._expire_queued()
-            except (RedisError, OSError) as exc:
-                log.log(failure_level(st.redis), "deadline sweep failed", extra={"error": str(exc)})
+            except REDIS_FAILURES as exc:
+                log_failure(log, st.redis, "deadline sweep failed", exc)
+
+        await keep_running(
+            step,
+            failed="heartbeat failed",
+            log=log,
+            every_s=st.settings.heartbeat_s,
+            redis=st.redis,
+            running=lambda: not st.closing,
+            on_failure=lambda exc: st.lease.beat_failed(),
+        )
 
     async def publish_card(self) -> None:
         st = self.st
@@ -205,16 +209,22 @@ class Upkeep:
     async def reclaim_loop(self) -> None:
         """Take over entries idle for a whole lease whose owner's heartbeat is gone."""
         st = self.st
-        while not st.closing:
-            await asyncio.sleep(st.settings.heartbeat_s)
+
+        async def step() -> None:
             if st.stopping.is_set() or not st.lease.reclaim_allowed():
-                continue
-            try:
-                for queue in st.streams():
-                    await self._reclaim(queue)
-                    await self._forget_dead(queue)
-            except (RedisError, OSError) as exc:
-                log.log(failure_level(st.redis), "reclaim failed", extra={"error": str(exc)})
+                return
+            for queue in st.streams():
+                await self._reclaim(queue)
+                await self._forget_dead(queue)
+
+        await keep_running(
+            step,
+            failed="reclaim failed",
+            log=log,
+            every_s=st.settings.heartbeat_s,
+            redis=st.redis,
+            running=lambda: not st.closing,
+        )
 
     async def _forget_dead(self, queue: str) -> None:
         """A crashed worker's consumer, once it holds no entry (all reclaimed) and its lease

@@ -41,14 +41,13 @@ from gateway.batch.storage import FileStore
 from gateway.state import GatewayState
 from shared.batch_transitions import BatchTransitions
 from shared.batches import ENDED_BATCH_STATUSES, BatchError, BatchRecord
-from shared.redis_health import failure_level
+from shared.loops import LOOP_RESTART_S, keep_running
 from shared.transitions import ScriptRunner
 
 log = logging.getLogger(__name__)
 
 STEPS_PER_TURN = 16
 """Steps of one batch before the driver turns to the next (several batches share a gateway)."""
-LOOP_RESTART_S = 0.5
 
 
 class BatchDriver:
@@ -72,22 +71,27 @@ class BatchDriver:
         self._wake.set()
 
     async def loop(self) -> None:
-        # The flag, not only cancellation: a client may turn a cancel into a RedisError.
-        while not self.closing:
+        async def step() -> None:
             self._wake.clear()
-            busy = False
-            try:
-                busy = await self.run_once()
-            except (RedisError, OSError) as exc:
-                log.log(
-                    failure_level(self.redis),
-                    "batch driver: Redis failed; retrying",
-                    extra={"error": str(exc)},
-                )
-                await asyncio.sleep(LOOP_RESTART_S)
-            if not busy:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.settings.batch_poll_s)
+            if not await self.run_once():
+                await self._idle()
+
+        # The flag, not only cancellation: a client may turn a cancel into a RedisError.
+        await keep_running(
+            step,
+            failed="batch driver: Redis failed; retrying",
+            log=log,
+            every_s=0.0,
+            redis=self.redis,
+            retry_s=LOOP_RESTART_S,
+            running=lambda: not self.closing,
+            on_failure=lambda exc: self._idle(),
+        )
+
+    async def _idle(self) -> None:
+        """Wait for a wake, or `batch_poll_s`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), self.settings.batch_poll_s)
 
     async def run_once(self) -> bool:
         """One turn over the active batches; whether one of them has more to do right away."""

@@ -28,6 +28,7 @@ from gateway.state import GatewayState
 from shared.batch_transitions import BatchTransitions, LineResult
 from shared.batches import ENDED_BATCH_STATUSES
 from shared.events import EventError
+from shared.loops import LOOP_RESTART_S
 from shared.records import JOB_ID, JobRecord, RecordError
 from shared.redis_health import failure_level
 from shared.transitions import ScriptRunner
@@ -38,7 +39,6 @@ READ_COUNT = 128
 """Entries read per stream and round."""
 BLOCK_MS = 1000
 """How long a read waits for entries (new batches join the read after at most this)."""
-LOOP_RESTART_S = 0.5
 BUILD_GROUP = 32
 """Results built between two yields to the event loop."""
 

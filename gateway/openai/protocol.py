@@ -10,7 +10,7 @@ than being silently dropped.
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -18,6 +18,7 @@ from pydantic import (
     Field,
     ModelWrapValidatorHandler,
     SerializerFunctionWrapHandler,
+    create_model,
     model_serializer,
     model_validator,
 )
@@ -29,15 +30,12 @@ from shared.schemas import (
     MAX_MODEL_NAME_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
+    SAMPLING_FIELDS,
     Logprobs,
     MaxTokens,
-    MinP,
-    RepetitionPenalty,
-    Seed,
-    StopTokenIds,
+    Sampling,
     TimeoutS,
     TokenId,
-    TopK,
     check_unicode,
 )
 
@@ -88,9 +86,9 @@ class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
-class SamplingParams(OpenAIRequest):
-    """The fields both endpoints share: OpenAI's, then the native API's samplers and genq's
-    own (`priority`, `timeout_s`), with the native API's limits."""
+class _OpenAIParams(OpenAIRequest):
+    """The fields both endpoints share that OpenAI defines its own way (`temperature`'s range,
+    `stop` as one string or several), and genq's own (`priority`, `timeout_s`)."""
 
     @model_validator(mode="wrap")
     @classmethod
@@ -100,22 +98,14 @@ class SamplingParams(OpenAIRequest):
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     max_tokens: MaxTokens | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: Annotated[int, Field(ge=1), JSON_INTEGER] = 1
     stop: Stop = None
-    seed: Seed | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = Field(
         default=None, json_schema_extra=_UNSUPPORTED_OBJECT, description=_NOT_SUPPORTED
     )
-    top_k: TopK | None = None
-    min_p: MinP | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    stop_token_ids: StopTokenIds | None = None
     priority: Priority = "interactive"
     timeout_s: TimeoutS | None = None
 
@@ -128,6 +118,40 @@ class SamplingParams(OpenAIRequest):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+CONVERTED = frozenset({"stop", "logprobs"})
+"""Sampler settings an OpenAI body carries in a shape of its own: `stop` (`stop_list`), and
+`logprobs`, which each endpoint declares (an integer, or chat's `logprobs` and
+`top_logprobs`)."""
+AS_IS: tuple[str, ...] = tuple(f for f in SAMPLING_FIELDS if f not in CONVERTED)
+"""Sampler settings an OpenAI body carries under the native name, in the native type (within
+OpenAI's range, where narrower): the job takes them as they are, when given."""
+
+
+def _optional(name: str) -> tuple[Any, Any]:
+    """Sampling's field `name` as an OpenAI body field: its type and limits, absent (None)
+    by default, so the job keeps the native default."""
+    info = Sampling.model_fields[name]
+    described = [Field(description=info.description)] if info.description else []
+    extras = [*info.metadata, *described]
+    constrained: Any = Annotated[info.annotation, *extras] if extras else info.annotation
+    return (constrained | None, None)
+
+
+_DERIVED = {f: _optional(f) for f in AS_IS if f not in _OpenAIParams.model_fields}
+
+if TYPE_CHECKING:
+    SamplingParams = _OpenAIParams
+else:
+    SamplingParams = create_model(
+        "SamplingParams",
+        __base__=_OpenAIParams,
+        __module__=__name__,
+        __doc__="""The fields both endpoints share: OpenAI's, genq's own, then every native
+        sampler setting (`shared.schemas.Sampling`) with the native API's limits.""",
+        **_DERIVED,
+    )
 
 
 class CompletionRequest(SamplingParams):

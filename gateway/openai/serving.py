@@ -56,6 +56,7 @@ from gateway.openai.output import (
     RequestState,
 )
 from gateway.openai.protocol import (
+    AS_IS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -188,7 +189,7 @@ async def prepare_jobs(
         for j in range(req.n):
             index = len(jobs)
             job_id = request_id if index == 0 else uuid.uuid4().hex
-            seed = None if req.seed is None else (req.seed + j) % (MAX_SEED + 1)
+            seed = None if body.seed is None else (body.seed + j) % (MAX_SEED + 1)
             meta = _metadata(p.kind, run.id, index, req.user)
             jobs.append(
                 (
@@ -565,18 +566,7 @@ def _message_dict(index: int, m: ChatMessage) -> dict[str, Any]:
     return out
 
 
-_PASSED_ON = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "stop_token_ids",
-    "timeout_s",
-)
+_PASSED_ON = (*AS_IS, "timeout_s")
 """Fields of an OpenAI request that become the job's as they are, when given."""
 
 

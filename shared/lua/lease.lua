@@ -1,11 +1,12 @@
 -- LEASE: take a lease or renew one's own (`hold`, for ttl ms), or free one's own (`free`).
--- KEYS: lease. ARGV: token, 'hold' | 'free', ttl ms. -> 1 done | 0 another holds it
-local holder = redis.call('GET', KEYS[1])
-if ARGV[2] == 'free' then
-  if holder ~= ARGV[1] then return 0 end
-  redis.call('DEL', KEYS[1])
+-- KEYS and ARGV: LEASE in shared/scripts.py (A.action: 'hold' | 'free').
+-- -> 1 done | 0 another holds it
+local holder = redis.call('GET', K.lease)
+if A.action == 'free' then
+  if holder ~= A.token then return 0 end
+  redis.call('DEL', K.lease)
   return 1
 end
-if holder and holder ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+if holder and holder ~= A.token then return 0 end
+redis.call('SET', K.lease, A.token, 'PX', A.ttl_ms)
 return 1

@@ -1,5 +1,6 @@
--- Shared by every script (prepended when loaded). A job's keys: KEYS[1] its record (hash),
--- KEYS[2] its event log (stream, entry ids 0-<seq>), KEYS[3] its live channel.
+-- Shared by every script (prepended when loaded, before the prologue that names the
+-- script's KEYS and ARGV: shared/scripts.py). A job's keys: its record (hash), its event log
+-- (stream, entry ids 0-<seq>), its live channel.
 
 -- The ownership check, the only one: a running job is its worker's while the record names
 -- that worker at that attempt. A worker that lost its lease (paused, cut off) fails it and
@@ -44,17 +45,17 @@ local function set_fields(job, from)
 end
 
 -- A job that ended keeps its record and log for `retention` seconds (0: it goes on), leaves
--- the deadlines index (KEYS[7], if given) and joins the compaction index (KEYS[9], if given)
--- at `compact_at`, when its log is replaced by a compact form (compact.lua). Both indexes are
--- in another slot: part of the Cluster seam.
-local function retain(job, events, retention, job_id, compact_at)
+-- the deadlines index and joins the compaction index (`compact_due`) at `compact_at`, when its
+-- log is replaced by a compact form (compact.lua). Both indexes are in another slot: part of
+-- the Cluster seam.
+local function retain(job, events, retention, job_id, compact_at, deadlines, compact_due)
   if tonumber(retention) > 0 then
     redis.call('EXPIRE', job, retention)
     redis.call('EXPIRE', events, retention)
-    if KEYS[7] then redis.call('ZREM', KEYS[7], job_id) end
+    redis.call('ZREM', deadlines, job_id)
     -- a batch's job is not compacted: its result is the batch's, its keys go soon
-    if KEYS[9] and compact_at and redis.call('HEXISTS', job, 'done_stream') == 0 then
-      redis.call('ZADD', KEYS[9], compact_at, job_id)
+    if redis.call('HEXISTS', job, 'done_stream') == 0 then
+      redis.call('ZADD', compact_due, compact_at, job_id)
     end
   end
 end

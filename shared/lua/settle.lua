@@ -1,22 +1,18 @@
 -- SETTLE: end a job nobody runs (cancel or expire a queued one, fail one out of attempts),
 -- if it is still as the caller saw it: compare-and-set on status, attempt and the log's end.
--- The job stops counting against admission limits (KEYS[4..6], see release in prelude.lua),
--- leaves the deadlines index (KEYS[7]) and joins the compaction index (KEYS[9]); its end is
--- noted in the recent-jobs stream (KEYS[8]).
--- KEYS: job, events, channel, admission counts, jobs and checks, deadlines, recent jobs,
--- compaction index.
--- ARGV: status, attempt, last_seq, maxlen, retention, job id, recent-jobs cap, compact at
--- (unix seconds), then one (seq, json) pair, then record (field, value) pairs.
+-- The job stops counting against admission limits (see release in prelude.lua), leaves the
+-- deadlines index and joins the compaction index; its end is noted in the recent-jobs stream.
+-- KEYS and ARGV: SETTLE in shared/scripts.py (A.compact_at unix seconds).
 -- -> 1 settled | 0 the job changed meanwhile (the caller looks again)
-local h = redis.call('HMGET', KEYS[1], 'status', 'attempt')
-if h[1] ~= ARGV[1] or (h[2] or '0') ~= ARGV[2] then return 0 end
-if last_seq(KEYS[2]) ~= tonumber(ARGV[3]) then return 0 end
-append(KEYS[2], KEYS[3], ARGV[4], 9, 10)
-redis.call('HDEL', KEYS[1], 'worker')
-set_fields(KEYS[1], 11)
-retain(KEYS[1], KEYS[2], ARGV[5], ARGV[6], ARGV[8])
-release(KEYS[4], KEYS[5], KEYS[6], KEYS[1])
-tell_done(KEYS[1], ARGV[6])
-local ended = redis.call('HGET', KEYS[1], 'status') or 'ended'
-note_recent(KEYS[8], ARGV[7], 'job', ARGV[6], 'status', ended)
+local h = redis.call('HMGET', K.job, 'status', 'attempt')
+if h[1] ~= A.status or (h[2] or '0') ~= A.attempt then return 0 end
+if last_seq(K.events) ~= tonumber(A.last_seq) then return 0 end
+append(K.events, K.channel, A.maxlen, REST, REST + 1)
+redis.call('HDEL', K.job, 'worker')
+set_fields(K.job, REST + 2)
+retain(K.job, K.events, A.retention, A.job_id, A.compact_at, K.deadlines, K.compact_due)
+release(K.admission_counts, K.admission_jobs, K.admission_checks, K.job)
+tell_done(K.job, A.job_id)
+local ended = redis.call('HGET', K.job, 'status') or 'ended'
+note_recent(K.recent, A.recent_cap, 'job', A.job_id, 'status', ended)
 return 1

@@ -1,24 +1,24 @@
 -- START: a worker takes a job it claimed from the queue (queued, or running under a worker
 -- whose lease lapsed).
--- ARGV: worker, now, max_attempts.
+-- KEYS and ARGV: START in shared/scripts.py.
 -- -> {'ok', attempt, last_seq, spec, cancel}
 --  | {'exhausted', attempt, last_seq, status, last_error}: nothing written; the caller ends
 --    the job (settle) with an error event it builds
 --  | {status}: ended already, or 'missing'
-local st = redis.call('HGET', KEYS[1], 'status')
+local st = redis.call('HGET', K.job, 'status')
 if not st then return {'missing'} end
 if st ~= 'queued' and st ~= 'running' then return {st} end
 -- Every read that can fail (a damaged key) comes before the first write: a script that
 -- errors keeps what it wrote.
-local seq = last_seq(KEYS[2])
-local h = redis.call('HMGET', KEYS[1], 'attempt', 'handbacks', 'last_error')
+local seq = last_seq(K.events)
+local h = redis.call('HMGET', K.job, 'attempt', 'handbacks', 'last_error')
 local attempt = tonumber(h[1] or '0')
 -- a drain's hand-back is not a failure: those attempts are not counted against the job
-if attempt - tonumber(h[2] or '0') >= tonumber(ARGV[3]) then
+if attempt - tonumber(h[2] or '0') >= tonumber(A.max_attempts) then
   return {'exhausted', attempt, seq, st, h[3] or ''}
 end
-attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
-redis.call('HSETNX', KEYS[1], 'started_at', ARGV[2])
-local r = redis.call('HMGET', KEYS[1], 'spec', 'cancel')
+attempt = redis.call('HINCRBY', K.job, 'attempt', 1)
+redis.call('HSET', K.job, 'status', 'running', 'worker', A.worker)
+redis.call('HSETNX', K.job, 'started_at', A.now)
+local r = redis.call('HMGET', K.job, 'spec', 'cancel')
 return {'ok', attempt, seq, r[1], r[2] or ''}

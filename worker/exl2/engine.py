@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from worker.dyngen.engine import DynamicEngine
 from worker.dyngen.results import step_output
 from worker.engine import StepOutput
-from worker.exl2.loader import load_backend
+from worker.exl2.loader import SAMPLING_SUPPORT, load_backend
 
 if TYPE_CHECKING:
     from shared.settings import EngineSettings
@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class ExLlamaV2Engine(DynamicEngine):
+    sampling_support = SAMPLING_SUPPORT
+
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> ExLlamaV2Engine:
         return cls(*load_backend(settings))

@@ -23,6 +23,7 @@ from worker.dyngen.backend import (
     round_up,
 )
 from worker.dyngen.card import build_card, eos_ids
+from worker.engine import SamplingSupport
 from worker.exl2 import gpu_sampling
 
 if TYPE_CHECKING:
@@ -98,6 +99,28 @@ def sampler_fields(s: Sampling) -> dict[str, Any]:
         "temp_exponent": 1.0,
         **gpu_sampling.UNUSED,
     }
+
+
+SAMPLING_SUPPORT = SamplingSupport(
+    sampler=frozenset(
+        {
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        }
+    ),
+    elsewhere={
+        "seed": "`make_job`'s seed: `EngineJob.seed` (the spec's, else one drawn from the job id)",
+        "stop": "the engine's `add`: stop conditions (the worker matches them without `job.text`)",
+        "stop_token_ids": "the engine's `add`: stop conditions",
+        "logprobs": "`make_job`: return_probs and return_top_tokens",
+    },
+)
+"""Where the exllamav2 engine honours each sampler setting: `sampler_fields` maps the rest."""
 
 
 def sampling_threads(configured: int | None = None) -> int:

@@ -55,14 +55,18 @@ from worker.dyngen.batch_pass import ModelProxy, Plan, RowParams, pick_on_device
 log = logging.getLogger(__name__)
 
 
+PASS_APPLIES = frozenset({"temperature", "top_k", "top_p", "min_p"})
+"""Sampler settings the batched pass applies itself (`RowParams`)."""
+PASS_LEAVES = frozenset({"seed", "stop", "stop_token_ids"})
+"""Sampler settings the pass leaves where they are: the job's own seeded RNG, which it draws
+from, and the generator's stop conditions."""
+
+
 def row_params(s: Sampling) -> RowParams | None:
-    """How the batched pass serves a job with these settings, or None: exllamav3's sampler."""
-    if (
-        s.repetition_penalty != 1.0
-        or s.presence_penalty != 0.0
-        or s.frequency_penalty != 0.0
-        or s.logprobs is not None
-    ):
+    """How the batched pass serves a job with these settings, or None: exllamav3's sampler,
+    for a job that sets any other setting off its default (penalties, logprobs, and any
+    setting the pass was not written for)."""
+    if any(name not in PASS_APPLIES and name not in PASS_LEAVES for name in s.changed()):
         return None
     return RowParams(s.temperature, s.top_k, s.top_p, s.min_p)
 

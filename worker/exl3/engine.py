@@ -29,6 +29,7 @@ from worker.dyngen.engine import DynamicEngine
 from worker.engine import StepOutput
 from worker.exl3.loader import PAGE_TOKENS, RESERVED_TOKENS, load_backend
 from worker.exl3.results import error_output, streaming_output
+from worker.exl3.sampling import SAMPLING_SUPPORT
 
 if TYPE_CHECKING:
     from shared.settings import EngineSettings
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 
 
 class ExLlamaV3Engine(DynamicEngine):
+    sampling_support = SAMPLING_SUPPORT
+
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> ExLlamaV3Engine:
         return cls(*load_backend(settings))

@@ -23,9 +23,32 @@ from collections.abc import Callable
 from typing import Any
 
 from shared.schemas import Sampling
+from worker.engine import SamplingSupport
 
 WHOLE_CONTEXT = 10**8
 """`rep_sustain_range` covering any context: ComboSampler's own default, set explicitly."""
+
+
+SAMPLING_SUPPORT = SamplingSupport(
+    sampler=frozenset(
+        {
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        }
+    ),
+    elsewhere={
+        "seed": "`job_args`' seed: `EngineJob.seed` (the spec's, else one drawn from the job id)",
+        "stop": "the engine's `add`: stop conditions (the worker matches them without `job.text`)",
+        "stop_token_ids": "the engine's `add`: stop conditions",
+        "logprobs": "`job_args`: return_top_tokens and return_probs",
+    },
+)
+"""Where the exllamav3 engine honours each sampler setting: `combo_args` maps the rest."""
 
 
 def combo_args(s: Sampling) -> dict[str, Any]:

@@ -1,0 +1,66 @@
+"""The background loops of gateways and workers (heartbeats, sweeps, repairs, claims): run a
+step again and again for the life of the process, and when the step's Redis call fails, log
+it, pause, and go on. A loop that ended on a Redis error would leave its work undone until a
+restart; one that logged every failed call of an outage at warning would drown the one line
+that says Redis is lost (`shared.redis_health`)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+
+from redis.exceptions import RedisError
+
+from shared.redis_health import failure_level
+
+LOOP_RESTART_S = 0.5
+"""Pause before a loop's next step after one failed (Redis away, a loop restarted), so a
+failure that repeats at once does not spin."""
+REDIS_FAILURES: tuple[type[Exception], ...] = (RedisError, OSError)
+"""What a Redis call raises when Redis is away or answers an error."""
+
+
+def _forever() -> bool:
+    return True
+
+
+async def keep_running(
+    step: Callable[[], Awaitable[object]],
+    *,
+    failed: str,
+    log: logging.Logger,
+    every_s: float,
+    redis: object = None,
+    pause_first: bool = True,
+    retry_s: float = 0.0,
+    running: Callable[[], bool] = _forever,
+    on_failure: Callable[[Exception], Awaitable[None] | None] | None = None,
+) -> None:
+    """Run `step` while `running()`, pausing `every_s` (0: not at all) before each step
+    (`pause_first`) or after it. A step whose Redis call fails (`REDIS_FAILURES`) is logged
+    as `failed` on `log` (at warning, or debug while the outage of `redis`'s client is
+    already logged), then `on_failure` sees the error, and the loop goes on after `retry_s`
+    more. Anything else ends the loop (a bug: its supervisor logs it), as does cancellation."""
+    while running():
+        if pause_first and every_s:
+            await asyncio.sleep(every_s)
+        try:
+            await step()
+        except REDIS_FAILURES as exc:
+            log_failure(log, redis, failed, exc)
+            if on_failure is not None:
+                done = on_failure(exc)
+                if inspect.isawaitable(done):
+                    await done
+            if retry_s:
+                await asyncio.sleep(retry_s)
+        if not pause_first and every_s:
+            await asyncio.sleep(every_s)
+
+
+def log_failure(log: logging.Logger, redis: object, failed: str, exc: BaseException) -> None:
+    """One line about a failed Redis call: at warning, or debug during an outage already
+    logged (`failure_level`)."""
+    log.log(failure_level(redis), failed, extra={"error": str(exc)})
