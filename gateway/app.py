@@ -82,7 +82,11 @@ def create_app(
             backend = RawPubSub(target, f"genq-gateway-pubsub-{os.getpid()}")
         else:
             backend = RedisPyPubSub(client)
-        router = PubSubRouter(backend, buffer_bytes=settings.stream_buffer_bytes)
+        router = PubSubRouter(
+            backend,
+            buffer_bytes=settings.stream_buffer_bytes,
+            catchup_per_s=settings.stream_catchup_per_s,
+        )
         scripts = ScriptRunner(client)
         jobs = JobService(settings, client, scripts, registry)
         state = GatewayState(
