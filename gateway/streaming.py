@@ -181,7 +181,7 @@ class EventFollower:
         if live:  # a hole: the log has it
             return await self._refill()
         if not parsed:  # woken without news: messages may have been missed
-            return await self._check()
+            return await self._caught_up()
         if any(etype in FINAL_EVENT_TYPES for _, etype, _, _ in parsed):
             self.finished = True  # resumed past the end of a job that has now ended
         return []
@@ -193,6 +193,13 @@ class EventFollower:
             self._read_failed()
             return []
         self._failures = 0
+        return batch
+
+    async def _caught_up(self) -> list[tuple[int, str, str]]:
+        """What was missed, from the log; if nothing, whether the log is still there."""
+        batch = await self._refill()
+        if not batch and not self._failures:  # read, and nothing new: is the log there?
+            return await self._check()
         return batch
 
     async def _check(self) -> list[tuple[int, str, str]]:
