@@ -20,6 +20,7 @@ from gateway.streaming import EventFollower
 from shared import events
 from shared.events import DoneEvent, QueuedEvent, TokenEvent
 from shared.keys import Keys, event_id
+from shared.redisconn import connect
 from shared.schemas import Timings, Usage
 from shared.settings import Settings
 from tests.procs import RedisServer, redis_server
@@ -124,7 +125,7 @@ async def test_idle_streams_issue_no_redis_commands_and_still_send_keepalives(
 ) -> None:
     settings = Settings(redis_url=private.url, key_prefix="idle:", sse_keepalive_s=KEEPALIVE_S)
     keys = Keys(settings.key_prefix)
-    admin = aioredis.Redis.from_url(private.url, decode_responses=True)
+    admin = connect(settings)  # the gateway's client: a blocking pool
     jobs = [uuid.uuid4().hex for _ in range(IDLE_STREAMS)]
     pipe = admin.pipeline(transaction=False)
     for job_id in jobs:
@@ -165,7 +166,7 @@ async def test_events_published_while_pubsub_is_down_arrive_once_each_in_order(
     during the drop; the other half get it live, after the reconnect."""
     settings = Settings(redis_url=private.url, key_prefix="drop:", stream_catchup_per_s=100.0)
     keys = Keys(settings.key_prefix)
-    admin = aioredis.Redis.from_url(private.url, decode_responses=True)
+    admin = connect(settings)  # the gateway's client: a blocking pool
     jobs = [uuid.uuid4().hex for _ in range(DROP_STREAMS)]
     pipe = admin.pipeline(transaction=False)
     for job_id in jobs:
@@ -235,7 +236,7 @@ async def test_an_ending_published_before_redis_confirmed_the_subscribe_is_read_
     stream look at its log again."""
     settings = Settings(redis_url=private.url, key_prefix="confirm:")
     keys = Keys(settings.key_prefix)
-    admin = aioredis.Redis.from_url(private.url, decode_responses=True)
+    admin = connect(settings)  # the gateway's client: a blocking pool
     job_id = uuid.uuid4().hex
     pipe = admin.pipeline(transaction=False)
     _write(pipe, keys, job_id, 1, _queued(job_id))
@@ -267,7 +268,7 @@ async def test_a_stream_whose_log_vanished_unannounced_ends_at_its_safety_check(
     poll_s = 0.3
     settings = Settings(redis_url=private.url, key_prefix="gone:", stream_idle_poll_s=poll_s)
     keys = Keys(settings.key_prefix)
-    admin = aioredis.Redis.from_url(private.url, decode_responses=True)
+    admin = connect(settings)  # the gateway's client: a blocking pool
     job_id = uuid.uuid4().hex
     pipe = admin.pipeline(transaction=False)
     _write(pipe, keys, job_id, 1, _queued(job_id))
