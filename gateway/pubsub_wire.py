@@ -224,7 +224,7 @@ def _tls_context(options: dict[str, Any]) -> ssl.SSLContext:
         raise ValueError(f"redis_url TLS option(s) {names}: {exc}") from exc
 
 
-def _ignore(channel: str) -> None:
+def ignore_channel(channel: str) -> None:
     pass
 
 
@@ -236,7 +236,7 @@ class PubSubBackend(Protocol):
         self,
         on_message: OnMessage,
         on_reconnect: Callable[[], None],
-        on_subscribed: OnSubscribed = _ignore,
+        on_subscribed: OnSubscribed = ignore_channel,
     ) -> None:
         """Receive until closed. `on_reconnect` runs whenever messages may have been missed
         (a new connection is subscribed): streams then re-read their event logs.
@@ -294,7 +294,7 @@ class RawPubSub(asyncio.Protocol):
         self._lost: asyncio.Future[None] | None = None
         self._on_message: OnMessage = lambda c, d: None
         self._on_ready: Callable[[], None] = lambda: None
-        self._on_subscribed: OnSubscribed = _ignore
+        self._on_subscribed: OnSubscribed = ignore_channel
         self._unconfirmed: dict[str, int] = {}
         """SUBSCRIBEs of each channel sent on this connection and not yet confirmed: only the
         last one's reply confirms a channel unsubscribed and subscribed again meanwhile."""
@@ -313,7 +313,7 @@ class RawPubSub(asyncio.Protocol):
         self,
         on_message: OnMessage,
         on_reconnect: Callable[[], None],
-        on_subscribed: OnSubscribed = _ignore,
+        on_subscribed: OnSubscribed = ignore_channel,
     ) -> None:
         self._on_message, self._on_ready = on_message, on_reconnect
         self._on_subscribed = on_subscribed
@@ -498,7 +498,7 @@ class RedisPyPubSub:
         self,
         on_message: OnMessage,
         on_reconnect: Callable[[], None],
-        on_subscribed: OnSubscribed = _ignore,
+        on_subscribed: OnSubscribed = ignore_channel,
     ) -> None:
         backoff = _BACKOFF_START_S
         while not self._closed:

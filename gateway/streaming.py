@@ -213,7 +213,9 @@ class EventFollower:
             self._read_failed()
             return []
         self._failures = 0
-        if not tail:
+        if not tail:  # gone (expired, evicted), or kept in another form `_open` knows of
+            if await self._open():
+                return await self._refill()
             self.gone = True
             return []
         if seq_of(tail[0][0]) > self.last:

@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.pubsub import PubSubRouter, Subscription
-from gateway.pubsub_wire import OnMessage, OnSubscribed, RawPubSub
+from gateway.pubsub_wire import OnMessage, OnSubscribed, RawPubSub, ignore_channel
 from gateway.streaming import EventFollower
 from shared import events
 from shared.events import DoneEvent, QueuedEvent, TokenEvent
@@ -210,10 +210,13 @@ class Unconfirmed:
     immediate = True
 
     def __init__(self) -> None:
-        self.confirm: OnSubscribed = lambda channel: None
+        self.confirm: OnSubscribed = ignore_channel
 
     async def run(
-        self, on_message: OnMessage, on_reconnect: Callable[[], None], on_subscribed: OnSubscribed
+        self,
+        on_message: OnMessage,
+        on_reconnect: Callable[[], None],
+        on_subscribed: OnSubscribed = ignore_channel,
     ) -> None:
         self.confirm = on_subscribed
         await asyncio.Event().wait()
@@ -289,7 +292,7 @@ async def test_a_reconnect_wakes_every_stream_paced_not_at_once() -> None:
     router = PubSubRouter(Unconfirmed(), buffer_bytes=1 << 20, catchup_per_s=10_000)
     subs: list[Subscription] = [await router.subscribe(f"ch{i}") for i in range(2000)]
     start = time.monotonic()
-    router._catch_up()
+    router._catch_up()  # what a reconnect runs
     assert sum(s.wake.is_set() for s in subs) < len(subs) // 2
     await _until(lambda: all(s.wake.is_set() for s in subs), 5.0, "every stream woken")
     assert time.monotonic() - start >= 0.1  # 2,000 at 10,000/s: 0.2 s
