@@ -135,7 +135,11 @@ async def _start(
     fleet = FleetExporter(settings, client, keys, presence.id, app.state.metrics)
     stack.push_async_callback(fleet.close)
     stack.push_async_callback(presence.close)
-    router = PubSubRouter(backend, buffer_bytes=settings.stream_buffer_bytes)
+    router = PubSubRouter(
+        backend,
+        buffer_bytes=settings.stream_buffer_bytes,
+        catchup_per_s=settings.stream_catchup_per_s,
+    )
     state = GatewayState(
         settings=settings,
         redis=client,

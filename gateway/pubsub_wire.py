@@ -35,6 +35,7 @@ from redis.exceptions import RedisError
 log = logging.getLogger(__name__)
 
 OnMessage = Callable[[str, str], None]
+OnSubscribed = Callable[[str], None]
 _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 2.0
 _POLL_S = 1.0
@@ -223,13 +224,24 @@ def _tls_context(options: dict[str, Any]) -> ssl.SSLContext:
         raise ValueError(f"redis_url TLS option(s) {names}: {exc}") from exc
 
 
+def ignore_channel(channel: str) -> None:
+    pass
+
+
 class PubSubBackend(Protocol):
     immediate: bool
     """True when (un)subscribe only writes to a socket buffer: no batching needed."""
 
-    async def run(self, on_message: OnMessage, on_reconnect: Callable[[], None]) -> None:
+    async def run(
+        self,
+        on_message: OnMessage,
+        on_reconnect: Callable[[], None],
+        on_subscribed: OnSubscribed = ignore_channel,
+    ) -> None:
         """Receive until closed. `on_reconnect` runs whenever messages may have been missed
-        (a new connection is subscribed): streams then re-read their event logs."""
+        (a new connection is subscribed): streams then re-read their event logs.
+        `on_subscribed` runs when Redis has confirmed a channel's SUBSCRIBE: every message
+        published to it from then on arrives."""
         ...
 
     async def subscribe(self, *channels: str) -> None: ...
@@ -282,6 +294,10 @@ class RawPubSub(asyncio.Protocol):
         self._lost: asyncio.Future[None] | None = None
         self._on_message: OnMessage = lambda c, d: None
         self._on_ready: Callable[[], None] = lambda: None
+        self._on_subscribed: OnSubscribed = ignore_channel
+        self._unconfirmed: dict[str, int] = {}
+        """SUBSCRIBEs of each channel sent on this connection and not yet confirmed: only the
+        last one's reply confirms a channel unsubscribed and subscribed again meanwhile."""
         self._ready = False
         self._dropped = False
         self._heard = False
@@ -293,8 +309,14 @@ class RawPubSub(asyncio.Protocol):
     def from_url(cls, url: str, connect_timeout_s: float, name: str = "genq-gateway") -> RawPubSub:
         return cls(Endpoint.from_url(url, connect_timeout_s), name)
 
-    async def run(self, on_message: OnMessage, on_reconnect: Callable[[], None]) -> None:
+    async def run(
+        self,
+        on_message: OnMessage,
+        on_reconnect: Callable[[], None],
+        on_subscribed: OnSubscribed = ignore_channel,
+    ) -> None:
         self._on_message, self._on_ready = on_message, on_reconnect
+        self._on_subscribed = on_subscribed
         loop = asyncio.get_running_loop()
         backoff = _BACKOFF_START_S
         failed = 0  # connects failed in a row: the first is a warning, the rest debug
@@ -331,6 +353,7 @@ class RawPubSub(asyncio.Protocol):
         auth = self.endpoint.auth if self.endpoint is not None else ()
         hello = [_pack("AUTH", *auth)] if auth else []
         hello.append(_pack("CLIENT", "SETNAME", self.name))  # visible in CLIENT LIST
+        self._unconfirmed = dict.fromkeys(self._channels, 1)
         if self._channels:
             hello.append(_pack("SUBSCRIBE", *self._channels))
         t.write(b"".join(hello))
@@ -344,6 +367,8 @@ class RawPubSub(asyncio.Protocol):
                 if isinstance(reply, list) and reply:
                     if reply[0] == "message":
                         self._on_message(reply[1], reply[2])
+                    elif reply[0] == "subscribe":
+                        self._confirmed(reply[1])
                     elif reply[0] == "pong":  # PONG in subscribed mode
                         self._ponged()
                 elif isinstance(reply, hiredis.ReplyError):
@@ -353,6 +378,15 @@ class RawPubSub(asyncio.Protocol):
                     self._ponged()
         except hiredis.ProtocolError as exc:
             self._refused(f"unreadable reply: {exc}")
+
+    def _confirmed(self, channel: str) -> None:
+        left = self._unconfirmed.get(channel, 0) - 1
+        if left > 0:
+            self._unconfirmed[channel] = left
+            return
+        self._unconfirmed.pop(channel, None)
+        if left == 0 and channel in self._channels:
+            self._on_subscribed(channel)
 
     def _ping(self) -> None:
         if self._transport is None:
@@ -416,6 +450,8 @@ class RawPubSub(asyncio.Protocol):
         """Written at once: the caller queues its job next and wants to be listening first."""
         self._channels.update(channels)
         if self._transport is not None:
+            for c in channels:
+                self._unconfirmed[c] = self._unconfirmed.get(c, 0) + 1
             self._outbox.append(_pack("SUBSCRIBE", *channels))
             self._write_out()
 
@@ -453,12 +489,17 @@ class RedisPyPubSub:
     immediate = False
 
     def __init__(self, redis: aioredis.Redis) -> None:
-        self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        self._pubsub = redis.pubsub()
         self._channels: set[str] = set()
         self._has_channels = asyncio.Event()
         self._closed = False
 
-    async def run(self, on_message: OnMessage, on_reconnect: Callable[[], None]) -> None:
+    async def run(
+        self,
+        on_message: OnMessage,
+        on_reconnect: Callable[[], None],
+        on_subscribed: OnSubscribed = ignore_channel,
+    ) -> None:
         backoff = _BACKOFF_START_S
         while not self._closed:
             await self._has_channels.wait()
@@ -467,8 +508,12 @@ class RedisPyPubSub:
                     # A timeout, not a blocking read: some clients swallow a cancel while
                     # blocked, and the loop must notice `close()`.
                     msg = await self._pubsub.get_message(timeout=_POLL_S)
-                    if msg is not None and msg["type"] == "message":
+                    if msg is None:
+                        pass
+                    elif msg["type"] == "message":
                         on_message(msg["channel"], msg["data"])
+                    elif msg["type"] == "subscribe" and msg["channel"] in self._channels:
+                        on_subscribed(msg["channel"])
                     backoff = _BACKOFF_START_S
             except (RedisError, OSError, RuntimeError) as exc:
                 if self._closed:

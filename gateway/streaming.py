@@ -7,6 +7,12 @@ Memory per stream is bounded whatever the job's output: the live buffer is bound
 (`gateway.pubsub`), the log is read a page at a time (`event_page_entries`) and only as fast
 as the client takes it, and a client none of whose writes completes for
 `stream_stall_timeout_s` is disconnected.
+
+A stream waiting for news costs Redis nothing: it reads only when woken (news, a gap, a
+reconnect or a confirmed SUBSCRIBE, see `gateway.pubsub`), after a failed read (retried with
+backoff), and once per `stream_idle_poll_s` of silence (jittered), a safety net for changes no
+message announces. Every event a job gets is PUBLISHed in the same script that logs it, so
+nothing else needs polling; keepalive comments are timed here and cost no Redis either.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import AsyncIterator
 
@@ -39,6 +46,8 @@ KEEPALIVE = b": keepalive\n\n"
 DIVERGED_CODE = "stream_diverged"
 _WORKER_OUTPUT = frozenset({"token", "done"})
 """What an attempt writes only after its `started` (errors and cancels may come without)."""
+CHECK_JITTER = 0.5
+"""The safety check's wait is `stream_idle_poll_s` times 1 ± this, drawn per wait."""
 
 
 class EventFollower:
@@ -67,6 +76,13 @@ class EventFollower:
         """The last log read was a full page: the log may hold more at once."""
         self._page = settings.event_page_entries
         """Entries the next log read asks for (fewer once the events are known to be big)."""
+        self.gone = False
+        """The job's log is gone (expired, evicted): nothing more can come."""
+        self._check_at = 0.0
+        """When the stream looks at its log unasked: the safety check, or a failed read's
+        retry."""
+        self._failures = 0
+        """Log reads failed in a row."""
 
     async def read_log(self) -> list[tuple[int, str, str]]:
         """One page of the events after `last` from the job's log: at most
@@ -75,6 +91,7 @@ class EventFollower:
         more than the live buffer would. A finished job's log compacted into its record
         (`shared.compact`) is read from there, a page of the same size at a time."""
         page = self._page
+        self.sub.reading()
         entries = await self.redis.xrange(
             self.keys.events(self.job_id), f"({event_id(self.last)}", "+", count=page
         )
@@ -161,50 +178,104 @@ class EventFollower:
 
     async def batches(self) -> AsyncIterator[list[tuple[int, str, str]] | None]:
         """Batches of new events; None after `sse_keepalive_s` without any."""
-        backlog = await self._refill()  # Redis away: the loop below keeps re-reading
+        self._plan_check()
+        backlog = await self._refill()  # Redis away: retried after `stream_retry_s`
         if backlog:
             yield backlog
         elif not self.log_ahead and not await self._open():
             return  # resumed at or past the end of a job that has ended
+        keepalive_s = self.settings.sse_keepalive_s
         idle_since = time.monotonic()
         while not self.finished:
-            batch = await self._next()
+            batch = await self._next(idle_since + keepalive_s)
+            if self.gone:
+                return
             if batch:
                 idle_since = time.monotonic()
+                self._plan_check()
                 yield batch
-            elif time.monotonic() - idle_since >= self.settings.sse_keepalive_s:
+            elif time.monotonic() - idle_since >= keepalive_s:
                 idle_since = time.monotonic()
                 yield None
-            if not batch and not self.finished and not await self._open():
-                return
 
-    async def _next(self) -> list[tuple[int, str, str]]:
-        """The next events: from the log while it is ahead, else live, filling holes."""
+    async def _next(self, keepalive_at: float) -> list[tuple[int, str, str]]:
+        """The next events: from the log while it is ahead, else live, filling holes; nothing
+        once `keepalive_at` passes without news."""
         if self.log_ahead:  # catching up (a resume, or a client that fell behind)
             return await self._refill()
-        if not self.sub.buffer:
+        if not self.sub.wake.is_set():
             try:
-                async with asyncio.timeout(self.settings.stream_idle_poll_s):
+                wait = min(keepalive_at, self._check_at) - time.monotonic()
+                async with asyncio.timeout(max(0.0, wait)):
                     await self.sub.wake.wait()
             except TimeoutError:
-                pass
-        taken = self.sub.take()
-        live = [e for e in map(_parse, taken) if e[0] > self.last]
+                if time.monotonic() >= self._check_at:
+                    return await self._check()
+                return []
+        if self.sub.behind:  # the client fell behind: what it missed is in the log
+            self.sub.take()
+            return await self._refill()
+        parsed = [_parse(data) for data in self.sub.take()]
+        live = [e for e in parsed if e[0] > self.last]
         if live and live[0][0] == self.last + 1:
             batch = self._accept(live)
             if self.last < live[-1][0] and not self.finished:
                 batch += await self._refill()  # a hole inside the burst
             return batch
-        if live or not taken:  # a hole, fell behind, or woken without news: the log has it
+        if live:  # a hole: the log has it
             return await self._refill()
+        if not parsed:  # woken without news: messages may have been missed
+            return await self._caught_up()
+        if any(etype in FINAL_EVENT_TYPES for _, etype, _, _ in parsed):
+            self.finished = True  # resumed past the end of a job that has now ended
         return []
 
     async def _refill(self) -> list[tuple[int, str, str]]:
         try:
-            return await self.read_log()
+            batch = await self.read_log()
         except (RedisError, OSError):
-            self.log_ahead = False  # wait for news (or the idle poll) before trying again
+            self._read_failed()
             return []
+        self._failures = 0
+        return batch
+
+    async def _caught_up(self) -> list[tuple[int, str, str]]:
+        """What was missed, from the log; if nothing, whether the log is still there."""
+        batch = await self._refill()
+        if not batch and not self._failures:  # read, and nothing new: is the log there?
+            return await self._check()
+        return batch
+
+    async def _check(self) -> list[tuple[int, str, str]]:
+        """Whether anything was missed, from the log's last entry (one short read): the log
+        is read only if it holds more than was delivered."""
+        self._plan_check()
+        self.sub.reading()
+        try:
+            tail = await self.redis.xrevrange(self.keys.events(self.job_id), "+", "-", count=1)
+        except (RedisError, OSError):
+            self._read_failed()
+            return []
+        self._failures = 0
+        if not tail:  # gone (expired, evicted), or kept in another form `_open` knows of
+            if await self._open():
+                return await self._refill()
+            self.gone = True
+            return []
+        if seq_of(tail[0][0]) > self.last:
+            return await self._refill()
+        return []
+
+    def _plan_check(self) -> None:
+        jitter = random.uniform(1 - CHECK_JITTER, 1 + CHECK_JITTER)
+        self._check_at = time.monotonic() + self.settings.stream_idle_poll_s * jitter
+
+    def _read_failed(self) -> None:
+        """Redis away or a read cut short: look again soon, backing off while it fails."""
+        self.log_ahead = False
+        wait = self.settings.stream_retry_s * 2 ** min(self._failures, _MAX_DOUBLINGS)
+        self._check_at = time.monotonic() + min(wait, self.settings.stream_idle_poll_s)
+        self._failures += 1
 
     async def _open(self) -> bool:
         """False once nothing more can come: the job's log is gone (expired), or it ended at
@@ -237,6 +308,10 @@ class EventFollower:
             self.finished = True
             return False
         return True
+
+
+_MAX_DOUBLINGS = 16
+"""Bounds the retry's exponent (the wait is capped by `stream_idle_poll_s` long before)."""
 
 
 def sse_frame(seq: int, etype: str, data: str) -> str:

@@ -375,7 +375,13 @@ class GatewaySettings(JobSettings):
         description="a stream with no event for this long gets an SSE comment (proxies keep it)",
     )
     stream_idle_poll_s: float = Field(
-        default=2.0, gt=0, description="a stream silent this long re-reads the event log"
+        default=300.0,
+        gt=0,
+        description="a stream that heard nothing of its job this long looks at the end of "
+        "the job's event log anyway (one read; each wait jittered from half to one and a "
+        "half times this, so streams do not read together): a safety net for a change no "
+        "message announces, such as a log evicted from Redis. New events, a gap, and a "
+        "pub/sub reconnect make a stream read at once; waiting costs Redis nothing",
     )
     card_cache_s: float = Field(
         default=2.0, ge=0, description="a gateway reuses a model card read from Redis this long"
@@ -418,6 +424,19 @@ class GatewaySettings(JobSettings):
         gt=0,
         description="a stream none of whose writes completes this long (its client stopped "
         "reading) is disconnected, as nginx's send_timeout",
+    )
+    stream_catchup_per_s: float = Field(
+        default=5000.0,
+        gt=0,
+        description="after the gateway's pub/sub connection is made again (messages sent "
+        "while it was down are lost), its streams each look at their job's log, this many a "
+        "second rather than all at once, so many open streams do not stampede Redis",
+    )
+    stream_retry_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="a stream whose log read failed reads again after this long, the wait "
+        "doubling while reads keep failing, up to stream_idle_poll_s",
     )
     event_page_entries: int = Field(
         default=256,

@@ -73,7 +73,6 @@ def settings() -> Settings:
         heartbeat_s=0.2,
         lease_s=1.0,
         claim_block_ms=200,
-        stream_idle_poll_s=0.5,
         shutdown_grace_s=2.0,
     )
 

@@ -168,7 +168,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenqServer]:
         heartbeat_s=0.2,
         lease_s=1.0,
         claim_block_ms=200,
-        stream_idle_poll_s=0.5,
         shutdown_grace_s=0.5,
     )
 
