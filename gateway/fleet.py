@@ -174,7 +174,7 @@ class _Reading:
 
 def render(reading: FleetReading) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Reading(reading))  # type: ignore[arg-type]
+    registry.register(_Reading(reading))
     return generate_latest(registry)
 
 

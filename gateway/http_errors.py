@@ -123,7 +123,7 @@ def sse_response(description: str, json_model: type[BaseModel] | None = None) ->
     return doc
 
 
-def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
+def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 

@@ -60,7 +60,8 @@ class GatewayMetrics:
         self.multiprocess = multiproc.active()
         self.fleet_max_age_s = fleet_max_age_s
         """A fleet file older than this is not shown (its writer died: gateway/multiproc.py)."""
-        disable_created_metrics()  # as vLLM: a `_created` series per series doubles the text
+        # as vLLM: a `_created` series per series doubles the text (prometheus_client: untyped)
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.responses = Counter(
@@ -134,7 +135,7 @@ class GatewayMetrics:
             self.sample_process()
             multiproc.forget_dead()
             registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)
+            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
             own = generate_latest(registry) + multiproc.read_fleet(self.fleet_max_age_s)
         else:
             own = generate_latest(self.registry) + self.fleet

@@ -89,7 +89,7 @@ def forget_dead() -> None:
     pids = {int(m.group(1)) for f in os.listdir(path) if (m := _PID.search(f))}
     for pid in pids - _dead:
         if not _alive(pid):
-            multiprocess.mark_process_dead(pid, str(path))
+            multiprocess.mark_process_dead(pid, str(path))  # type: ignore[no-untyped-call]
             _dead.add(pid)
 
 

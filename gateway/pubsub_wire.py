@@ -218,7 +218,8 @@ def _tls_context(options: dict[str, Any]) -> ssl.SSLContext:
     """redis-py's own context for these options (its defaults: certificate and host name
     verified), built now so a missing or bad file stops the start."""
     try:
-        return SSLConnection(**options).ssl_context.get()
+        context: ssl.SSLContext = SSLConnection(**options).ssl_context.get()
+        return context
     except (RedisError, OSError, ValueError) as exc:
         names = ", ".join(sorted(options)) or "(defaults)"
         raise ValueError(f"redis_url TLS option(s) {names}: {exc}") from exc

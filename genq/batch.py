@@ -38,7 +38,9 @@ def add_parser(sub: Any) -> None:
     commands = p.add_subparsers(dest="batch_command", required=True)
 
     def command(name: str, help_: str) -> argparse.ArgumentParser:
-        c = commands.add_parser(name, help=help_, description=f"{help_[0].upper()}{help_[1:]}.")
+        c: argparse.ArgumentParser = commands.add_parser(
+            name, help=help_, description=f"{help_[0].upper()}{help_[1:]}."
+        )
         c.add_argument("--url", default=DEFAULT_URL, help="the gateway")
         add_api_key_flag(c)
         return c

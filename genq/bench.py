@@ -286,7 +286,7 @@ def request_body(api: str, args: argparse.Namespace, prompt: str, seed: int) -> 
     return json.dumps(body).encode()
 
 
-async def run_bench(args: argparse.Namespace) -> dict:
+async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     target = Target.from_url(args.url, api_key(args))
     api = getattr(args, "api", "native")
     rng = random.Random(0)
@@ -328,8 +328,8 @@ async def run_bench(args: argparse.Namespace) -> dict:
 
 
 def _summary(
-    args: argparse.Namespace, api: str, results: list[Result], wall: float, peak: dict
-) -> dict:
+    args: argparse.Namespace, api: str, results: list[Result], wall: float, peak: dict[str, Any]
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     errors = [r.error for r in results if not r.ok]
     tokens = sum(r.tokens for r in ok)

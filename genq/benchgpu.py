@@ -102,7 +102,9 @@ LATENCY_DIGITS = 1
 """Milliseconds are reported to this many decimals."""
 
 
-def summary(label: str, streams: int, traces: list[TokenTimes], wall: float, **extra: Any) -> dict:
+def summary(
+    label: str, streams: int, traces: list[TokenTimes], wall: float, **extra: Any
+) -> dict[str, Any]:
     tokens = sum(t.tokens for t in traces)
     steps = extra.get("steps")
     return {
@@ -171,7 +173,9 @@ class Bare:
 
         torch.cuda.empty_cache()
 
-    def run(self, jobs: list[Job], streams: int, arrivals: list[float] | None = None) -> dict:
+    def run(
+        self, jobs: list[Job], streams: int, arrivals: list[float] | None = None
+    ) -> dict[str, Any]:
         """Enqueue `streams` jobs, start the next as each ends (a job arrives when enqueued);
         or, given `arrivals` (seconds from the start, one per job), each job at its time, as
         the system's clients sent them."""
@@ -275,7 +279,7 @@ class SamplerTimer:
         }
 
 
-def run_bare(settings: Settings, jobs: list[Job], streams: int) -> dict:
+def run_bare(settings: Settings, jobs: list[Job], streams: int) -> dict[str, Any]:
     bare = Bare(settings)
     try:
         return bare.run(jobs, streams)
@@ -455,7 +459,7 @@ async def drive_http(
 
 def run_system(
     system: System, jobs: list[Job], streams: int, label: str, sent: dict[int, float] | None = None
-) -> dict:
+) -> dict[str, Any]:
     before = system.per_worker()
     counters = system.settled_counters()
     cpu = CpuUse(system)
@@ -540,7 +544,9 @@ class CpuUse:
         return out
 
 
-def genq_bench(system: System, streams: int, requests: int, new: int, prompt: int) -> dict:
+def genq_bench(
+    system: System, streams: int, requests: int, new: int, prompt: int
+) -> dict[str, Any]:
     """The `genq bench` command itself (fixed prompt length), for the record."""
     cmd = [
         sys.executable,
@@ -711,13 +717,13 @@ class BenchRun:
     """Every row's labels: the engine and where it samples (and the pinned CPU)."""
     worker_args: list[str]
     pin: EnginePin | None = None
-    results: list[dict] = field(default_factory=list)
-    bare_at: dict[int, dict] = field(default_factory=dict)
-    system_at: dict[int, dict] = field(default_factory=dict)
+    results: list[dict[str, Any]] = field(default_factory=list)
+    bare_at: dict[int, dict[str, Any]] = field(default_factory=dict)
+    system_at: dict[int, dict[str, Any]] = field(default_factory=dict)
     sent_at: dict[int, list[float]] = field(default_factory=dict)
     """When the system's client sent each job, by level: the bare loop's replayed arrivals."""
 
-    def report(self, r: dict) -> None:
+    def report(self, r: dict[str, Any]) -> None:
         """Print a row (one JSON line) and keep it; rewrite --json-out with every row so far."""
         self.results.append(r)
         print(json.dumps(r), flush=True)
@@ -852,7 +858,7 @@ def system_runs(run: BenchRun) -> None:
         system.close()
 
 
-def _system_levels(run: BenchRun, system: System, extra: dict) -> None:
+def _system_levels(run: BenchRun, system: System, extra: dict[str, Any]) -> None:
     a = run.a
     runs = [(a.streams, "system")] if a.system else []
     runs += [(c, "system sweep") for c in run.levels]
@@ -954,7 +960,9 @@ class Turns:
         self.bare.run(warm, len(warm))
         turns = ["bare", *systems]
         kinds = ["system/bare"] + (["alt/bare", "alt/system"] if self.alt else [])
-        ratios: dict[tuple[int, str], list[dict]] = {(c, k): [] for c in levels for k in kinds}
+        ratios: dict[tuple[int, str], list[dict[str, Any]]] = {
+            (c, k): [] for c in levels for k in kinds
+        }
         sent_at: dict[int, list[float]] = {}
         for r in range(rounds):
             for c in levels:
@@ -963,7 +971,7 @@ class Turns:
                 # arrivals)
                 shift = (r + replay) % len(turns)
                 order = turns[shift:] + turns[:shift]
-                rows: dict[str, dict] = {}
+                rows: dict[str, dict[str, Any]] = {}
                 for who in order:
                     print(f"# round {r}: {who} at {c} streams", file=sys.stderr, flush=True)
                     if who == "bare":
@@ -997,7 +1005,9 @@ class Turns:
         self.bare.close()
 
 
-def median_ratio(streams: int, rows: list[dict], kind: str = "system/bare") -> dict:
+def median_ratio(
+    streams: int, rows: list[dict[str, Any]], kind: str = "system/bare"
+) -> dict[str, Any]:
     """The median over the rounds of each ratio figure, with its range."""
 
     def med(key: str) -> dict[str, float | None]:
@@ -1069,7 +1079,9 @@ class Busy:
             p.wait()
 
 
-def ratio(bare: dict, system: dict, kind: str = "system/bare") -> dict:
+def ratio(
+    bare: dict[str, Any], system: dict[str, Any], kind: str = "system/bare"
+) -> dict[str, Any]:
     """The system against the bare loop at one level: tokens/s and per-stream decode rate as a
     share of the bare generator's (≥ 0.97), time to first token p50 over it; the engine's step
     in the worker's engine process and as the worker sees it, beside the bare loop's. `kind`

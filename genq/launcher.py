@@ -38,6 +38,7 @@ from pydantic import SecretStr
 from shared import lifeline
 from shared.settings import WorkerSettings
 from worker import cpus
+from worker.dyngen.backend import PAGE_TOKENS, cache_tokens
 from worker.exl2 import loader
 from worker.gpus import free_memory_bytes
 
@@ -93,7 +94,7 @@ class Child:
 def child_settings(settings: WorkerSettings, procs_per_gpu: int) -> dict[str, Any]:
     """Per-process share of one GPU: batch slots and cache tokens divided by N."""
     per = max(1, math.ceil(settings.max_batch / procs_per_gpu))
-    page = loader.PAGE_TOKENS
+    page = PAGE_TOKENS
     per_cache = max(page, (gpu_cache_tokens(settings) // procs_per_gpu) // page * page)
     return {"max_batch": per, "cache_tokens": per_cache}
 
@@ -101,7 +102,7 @@ def child_settings(settings: WorkerSettings, procs_per_gpu: int) -> dict[str, An
 def gpu_cache_tokens(settings: WorkerSettings) -> int:
     """Cache tokens for one GPU: what one exllamav2 worker there would allocate by itself."""
     seq_len = loader.max_seq_len(settings) or 0
-    return loader.cache_tokens(settings.cache_tokens, seq_len, settings.max_batch)
+    return cache_tokens(settings.cache_tokens, seq_len, settings.max_batch)
 
 
 def settings_env(settings: WorkerSettings, **overrides: Any) -> dict[str, str]:

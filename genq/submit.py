@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 
@@ -24,7 +26,7 @@ def submit(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    body: dict = {
+    body: dict[str, Any] = {
         "model": args.model,
         "prompt": args.prompt,
         "max_tokens": args.max_tokens,
@@ -66,7 +68,7 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _events(lines):  # type: ignore[no-untyped-def]
+def _events(lines: Iterator[str]) -> Iterator[tuple[str, Any]]:
     etype = None
     for line in lines:
         if line.startswith("event: "):

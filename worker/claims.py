@@ -145,7 +145,7 @@ class Claimer:
             self.st.id,
             streams,
             count=count,
-            block=block,  # type: ignore[arg-type]
+            block=block,
         )
         claims: list[Claim] = []
         for queue, entries in reply or []:

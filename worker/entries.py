@@ -29,7 +29,7 @@ async def requeue(st: WorkerState, claim: Claim) -> None:
     """A fresh queue entry for the job, and ours acknowledged, in one transaction."""
     pipe = st.redis.pipeline(transaction=True)
     entry = QueueEntry(job=claim.job_id, tokens=claim.need_tokens, owner=claim.owner)
-    pipe.xadd(claim.queue, entry.to_hash())  # type: ignore[arg-type]
+    pipe.xadd(claim.queue, entry.to_hash())
     pipe.xack(claim.queue, CONSUMER_GROUP, claim.entry_id)
     pipe.xdel(claim.queue, claim.entry_id)
     await pipe.execute()
@@ -65,7 +65,7 @@ async def drop_malformed(st: WorkerState, queue: str, entry_id: str, reason: str
     pipe = st.redis.pipeline(transaction=True)
     pipe.xadd(
         st.keys.dead_letters(),
-        letter.to_hash(),  # type: ignore[arg-type]
+        letter.to_hash(),
         maxlen=_DEAD_LETTERS_KEPT,
         approximate=True,
     )
@@ -97,7 +97,7 @@ async def dead_letter(st: WorkerState, claim: Claim, attempts: int, reason: str)
     )
     await st.redis.xadd(
         st.keys.dead_letters(),
-        entry.to_hash(),  # type: ignore[arg-type]
+        entry.to_hash(),
         maxlen=_DEAD_LETTERS_KEPT,
         approximate=True,
     )

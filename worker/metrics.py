@@ -82,7 +82,8 @@ class WorkerMetrics:
     def __init__(
         self, model: str = "", worker: str = "", gpu: str = "", max_seq_len: int = 8192
     ) -> None:
-        disable_created_metrics()  # as vLLM: a `_created` series per series doubles the text
+        # as vLLM: a `_created` series per series doubles the text (prometheus_client: untyped)
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.labels = (model, worker, gpu)
         self.snapshot: Snapshot = lambda: (0, 0, 0.0)
@@ -128,7 +129,7 @@ class WorkerMetrics:
         )
         self.reclaims = counter("genq_reclaims", "Queue entries taken over from dead workers.")
         self.dead_lettered = counter("genq_dead_lettered", "Jobs dead-lettered here.")
-        r.register(_Gauges(self))  # type: ignore[arg-type]
+        r.register(_Gauges(self))
 
     # ---- the hot path: once per engine output of a running job ----------------------------
 

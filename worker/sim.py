@@ -29,6 +29,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -267,7 +268,9 @@ class SimEngine:
         x = ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & _MASK64
         return self._words[(x >> 17) % len(self._words)]
 
-    def _logprob(self, base: int, position: int, token_id: int, piece: str, top: int) -> dict:
+    def _logprob(
+        self, base: int, position: int, token_id: int, piece: str, top: int
+    ) -> dict[str, Any]:
         uniform = -math.log(len(self._words))
         alternatives = [self._token_at(base ^ 0x5555, position * 31 + k) for k in range(top)]
         return {

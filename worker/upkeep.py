@@ -86,7 +86,7 @@ class Upkeep:
         pipe.exists(st.keys.model_card(st.model))  # first: its reply is read below
         key = st.keys.worker(st.id)
         fields = hb.to_hash()
-        pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
+        pipe.hset(key, mapping=fields)
         unset = [f for f in Heartbeat.model_fields if f not in fields]  # e.g. engine_down, now
         if unset:
             pipe.hdel(key, *unset)

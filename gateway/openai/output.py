@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
+from gateway.http_errors import ErrorDetail
 from gateway.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -20,7 +21,6 @@ from gateway.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
-    ErrorDetail,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,

@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
+from gateway.http_errors import ErrorDetail
 from gateway.identity import Identity
 from gateway.job_service import check_idempotency_key
 from gateway.openai.merge import Batch, disconnected, merged, stop_tasks
@@ -60,7 +61,6 @@ from gateway.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    ErrorDetail,
     ErrorResponse,
     SamplingParams,
 )

@@ -88,7 +88,7 @@ class DynamicEngine(ABC):
     def free_pages(self) -> int:
         """Pages no job holds (prefix-cache pages count as free: the generator reuses them),
         less what jobs waiting inside the generator will take when they start."""
-        waiting = sum(j.current_new_pages_required() for j in list(self._gen.pending_jobs))
+        waiting: int = sum(j.current_new_pages_required() for j in list(self._gen.pending_jobs))
         return self._unreferenced_pages() - waiting
 
     def add(self, job: EngineJob) -> None:

@@ -198,7 +198,7 @@ def job_class() -> type:
     from exllamav2.ext import none_tensor
     from exllamav2.generator import ExLlamaV2DynamicJob
 
-    class GenqJob(ExLlamaV2DynamicJob):  # type: ignore[misc, valid-type]
+    class GenqJob(ExLlamaV2DynamicJob):  # type: ignore[misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.genq_params = job_params(self)

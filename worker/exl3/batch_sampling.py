@@ -201,7 +201,7 @@ def job_class() -> type:
     after it."""
     from exllamav3 import Job
 
-    class GenqJob(Job):  # type: ignore[misc, valid-type]
+    class GenqJob(Job):  # type: ignore[misc]
         genq_params: RowParams | None = None
         genq_next: tuple[int, Any] | None = None
         """(decode pass, token) sampled in the batch for this job."""

@@ -25,9 +25,10 @@ import logging
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
+from worker.dyngen.backend import PAGE_TOKENS
 from worker.dyngen.engine import DynamicEngine
 from worker.engine import StepOutput
-from worker.exl3.loader import PAGE_TOKENS, RESERVED_TOKENS, load_backend
+from worker.exl3.loader import RESERVED_TOKENS, load_backend
 from worker.exl3.results import error_output, streaming_output
 from worker.exl3.sampling import SAMPLING_SUPPORT
 
