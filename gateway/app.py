@@ -24,6 +24,7 @@ from gateway.dashboard.hub import DashboardHub
 from gateway.deadline_sweep import DeadlineSweep
 from gateway.fleet import FleetExporter
 from gateway.job_service import JobService
+from gateway.keepalive import KeepaliveTicker
 from gateway.metrics import GatewayMetrics, ResponseMetrics
 from gateway.middleware import Authenticate, BodyLimit
 from gateway.openai import routes as openai_routes
@@ -155,7 +156,8 @@ async def _start(
     runtime.tune_gc()
     sweep = DeadlineSweep(settings, client, scripts, keys)
     app.state.compactor = compactor = Compactor(settings, client, scripts, keys)
-    _start_tasks(stack, router, state, fleet, sweep, compactor)
+    app.state.keepalives = keepalives = KeepaliveTicker(settings.sse_keepalive_s)
+    _start_tasks(stack, router, state, fleet, sweep, compactor, keepalives)
     groups = await queues.start(client, keys, settings.queue_models)
     stack.push_async_callback(queues.stop, groups)
     batches.start()
@@ -171,6 +173,7 @@ def _start_tasks(
     fleet: FleetExporter,
     sweep: DeadlineSweep,
     compactor: Compactor,
+    keepalives: KeepaliveTicker,
 ) -> None:
     """The background loops; at shutdown the router closes first (its receive loop ends),
     then every loop is cancelled and awaited."""
@@ -181,6 +184,7 @@ def _start_tasks(
         "pubsub-router": router.run,
         "deadline-sweep": sweep.run,
         "log-compaction": compactor.run,
+        "sse-keepalives": keepalives.run,
         "admission-repair": state.admission.repair_loop,
         "gateway-presence": state.presence.run,
     }

@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 import redis.asyncio as aioredis
@@ -30,7 +31,8 @@ from redis.exceptions import RedisError
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.http_protocol import ABORT_EXTENSION
+from gateway.http_protocol import ABORT_EXTENSION, KEEPALIVE_EXTENSION
+from gateway.keepalive import BY_TICKER, KEEPALIVE, Entry, KeepaliveTicker
 from gateway.pubsub import Subscription
 from shared import events
 from shared.compact import CompactLog, Envelope
@@ -42,7 +44,6 @@ from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
-KEEPALIVE = b": keepalive\n\n"
 DIVERGED_CODE = "stream_diverged"
 _WORKER_OUTPUT = frozenset({"token", "done"})
 """What an attempt writes only after its `started` (errors and cancels may come without)."""
@@ -184,7 +185,8 @@ class EventFollower:
             yield backlog
         elif not self.log_ahead and not await self._open():
             return  # resumed at or past the end of a job that has ended
-        keepalive_s = self.settings.sse_keepalive_s
+        # sent by the process's one loop, or by this stream when its server cannot do that
+        keepalive_s = math.inf if BY_TICKER.get(False) else self.settings.sse_keepalive_s
         idle_since = time.monotonic()
         while not self.finished:
             batch = await self._next(idle_since + keepalive_s)
@@ -363,6 +365,11 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stalled = False
+        self._ticker: KeepaliveTicker | None
+        self._write: Callable[[bytes], bool] | None
+        self._ticker, self._write = _keepalive_ticker(scope)
+        if self._ticker is not None:
+            BY_TICKER.set(True)  # the body's task and the followers' see it (copied contexts)
         async with anyio.create_task_group() as tg:
 
             async def body() -> None:
@@ -384,12 +391,18 @@ class EventStreamResponse(StreamingResponse):
                 abort()
 
     async def _stream(self, send: Send) -> bool:
-        """Starlette's `stream_response`, each write bounded in time: False if one stalled."""
+        """Starlette's `stream_response`, each write bounded in time: False if one stalled.
+        Keepalive comments come from the process's loop where there is one (`_ticker`)."""
         start = {"type": "http.response.start", "status": self.status_code}
         await send({**start, "headers": self.raw_headers})
+        entry = self._register()
         try:
             async for chunk in self.body_iterator:
                 data = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
+                if entry is not None:
+                    if data == KEEPALIVE:
+                        continue
+                    entry.last = time.monotonic()
                 try:
                     with anyio.fail_after(self.stall_timeout_s):
                         await send({"type": "http.response.body", "body": data, "more_body": True})
@@ -398,7 +411,27 @@ class EventStreamResponse(StreamingResponse):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return True
         finally:
+            if entry is not None and self._ticker is not None:
+                self._ticker.remove(entry)
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:  # its cleanup now, not when it is collected
                 with anyio.CancelScope(shield=True):
                     await aclose()
+
+    def _register(self) -> Entry | None:
+        if self._ticker is None or self._write is None:
+            return None
+        return self._ticker.add(self._write)
+
+
+def _keepalive_ticker(
+    scope: Scope,
+) -> tuple[KeepaliveTicker, Callable[[bytes], bool]] | tuple[None, None]:
+    """The app's keepalive loop and the server's writer of this stream's chunks, if the
+    server has one (genq's protocol); else (None, None): the stream sends its own."""
+    app = scope.get("app")
+    ticker = getattr(getattr(app, "state", None), "keepalives", None)
+    extension = scope.get("extensions", {}).get(KEEPALIVE_EXTENSION)
+    if not isinstance(ticker, KeepaliveTicker) or extension is None:
+        return None, None
+    return ticker, extension["write"]

@@ -48,6 +48,7 @@ from redis.exceptions import RedisError
 from gateway.http_errors import ErrorDetail
 from gateway.identity import Identity
 from gateway.job_service import check_idempotency_key
+from gateway.keepalive import KEEPALIVE
 from gateway.openai.merge import Batch, disconnected, merged, stop_tasks
 from gateway.openai.output import (
     ChatFormat,
@@ -67,7 +68,7 @@ from gateway.openai.protocol import (
 from gateway.openai.templates import render_chat
 from gateway.registry import LoadedCard
 from gateway.state import GatewayState
-from gateway.streaming import KEEPALIVE, EventFollower, EventStreamResponse
+from gateway.streaming import EventFollower, EventStreamResponse
 from shared import events
 from shared.errors import (
     BadRequest,
