@@ -9,16 +9,14 @@ the one read, so a sweep run twice, or by two processes, compacts a job once."""
 from __future__ import annotations
 
 import logging
-import os
 import time
-import uuid
 
 import redis.asyncio as aioredis
 
 from shared.compact import CompactLog, LogEntries
 from shared.events import EventError
 from shared.keys import Keys, seq_of
-from shared.loops import keep_running
+from shared.loops import one_process_each_round
 from shared.records import PACKED, JobRecord, RecordError, pack
 from shared.settings import GatewaySettings
 from shared.transitions import Call, ScriptRunner, Transitions
@@ -41,23 +39,16 @@ class Compactor:
         self.scripts = scripts
         self.keys = keys
         self.transitions = Transitions(keys, settings.recent_jobs, settings.event_compact_grace_s)
-        self._token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     async def run(self) -> None:
-        interval = self.settings.event_compact_sweep_s
-
-        async def step() -> None:
-            if await self._turn(interval):
-                await self.sweep()
-
-        await keep_running(
-            step, failed="compaction sweep failed", log=log, every_s=interval, redis=self.redis
+        await one_process_each_round(
+            self.sweep,
+            lock=self.keys.lock("compact-sweep"),
+            failed="compaction sweep failed",
+            log=log,
+            every_s=self.settings.event_compact_sweep_s,
+            redis=self.redis,
         )
-
-    async def _turn(self, interval: float) -> bool:
-        """Whether this process sweeps this round: the lock lasts one interval."""
-        lock = self.keys.lock("compact-sweep")
-        return bool(await self.redis.set(lock, self._token, nx=True, px=int(interval * 1000)))
 
     async def sweep(self, now: float | None = None) -> int:
         """Compact the jobs due by `now`, SWEEP_LIMIT at a time for at most one interval (a

@@ -5,14 +5,12 @@ workers `expired` (shared/deadlines.py)."""
 from __future__ import annotations
 
 import logging
-import os
-import uuid
 
 import redis.asyncio as aioredis
 
 from shared.deadlines import expire_due
 from shared.keys import Keys
-from shared.loops import keep_running
+from shared.loops import one_process_each_round
 from shared.settings import GatewaySettings
 from shared.transitions import ScriptRunner
 
@@ -29,23 +27,16 @@ class DeadlineSweep:
         self.redis = redis
         self.scripts = scripts
         self.keys = keys
-        self._token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     async def run(self) -> None:
-        interval = self.settings.deadline_sweep_s
-
-        async def step() -> None:
-            if await self._turn(interval):
-                await self.sweep()
-
-        await keep_running(
-            step, failed="deadline sweep failed", log=log, every_s=interval, redis=self.redis
+        await one_process_each_round(
+            self.sweep,
+            lock=self.keys.lock("deadline-sweep"),
+            failed="deadline sweep failed",
+            log=log,
+            every_s=self.settings.deadline_sweep_s,
+            redis=self.redis,
         )
-
-    async def _turn(self, interval: float) -> bool:
-        """Whether this process sweeps this round: the lock lasts one interval."""
-        lock = self.keys.lock("deadline-sweep")
-        return bool(await self.redis.set(lock, self._token, nx=True, px=int(interval * 1000)))
 
     async def sweep(self, job_ids: list[str] | None = None) -> list[str]:
         expired = await expire_due(

@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
+import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -58,6 +61,28 @@ async def keep_running(
                 await asyncio.sleep(retry_s)
         if not pause_first and every_s:
             await asyncio.sleep(every_s)
+
+
+async def one_process_each_round(
+    sweep: Callable[[], Awaitable[object]],
+    *,
+    lock: str,
+    failed: str,
+    log: logging.Logger,
+    every_s: float,
+    redis: Any,
+) -> None:
+    """`keep_running` for a sweep that one process of the fleet runs per round: each round
+    the process that takes the Redis lock `lock` (SET NX, lasting one round) sweeps; the
+    others wait for the next."""
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    lease_ms = int(every_s * 1000)
+
+    async def step() -> None:
+        if await redis.set(lock, token, nx=True, px=lease_ms):
+            await sweep()
+
+    await keep_running(step, failed=failed, log=log, every_s=every_s, redis=redis)
 
 
 def log_failure(log: logging.Logger, redis: object, failed: str, exc: BaseException) -> None:
