@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from gateway import access_log
 from gateway.admission import AdmissionControl
+from gateway.constraints import ConstraintChecker
 from gateway.identity import Identity
 from gateway.registry import LoadedCard, ModelRegistry
 from shared import events
@@ -88,6 +89,7 @@ class JobService:
             self.keys, settings.recent_jobs, settings.event_compact_grace_s
         )
         self.admission = AdmissionControl(settings, redis, scripts, self.keys)
+        self.constraints = ConstraintChecker(settings)
         self._short_of_replicas = False
         """The last submit was answered with fewer replicas than GENQ_REDIS_WAIT_REPLICAS."""
 
@@ -111,6 +113,11 @@ class JobService:
             _check_vocab(loaded, ids, "input_ids")
         _check_vocab(loaded, body.stop_token_ids, "stop_token_ids")
         max_tokens = self._max_tokens(body.max_tokens, len(ids), card.max_seq_len)
+        constraint = None
+        given = body.constraint()
+        if given is not None:
+            kind, value = given
+            constraint = await self.constraints.check(loaded, kind, value, kind, self.off_loop)
         now = time.time()
         return JobSpec(
             id=uuid.uuid4().hex,
@@ -121,6 +128,7 @@ class JobService:
             priority=body.priority,
             created_at=now,
             deadline=now + body.timeout_s if body.timeout_s else None,
+            constraint=constraint,
         )
 
     async def off_loop(self, work: Callable[[], T], size: int | None = None) -> T:

@@ -242,6 +242,7 @@ class JobRecord(HashModel):
             error=self.error,
             cancel_requested=self.status == "running" and self.cancel is not None,
             metadata=self.metadata,
+            constraint=self.spec.constraint.shown() if self.spec.constraint else None,
         )
 
 

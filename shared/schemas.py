@@ -18,6 +18,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from shared.constraints import CONSTRAINT_KINDS, Constraint, ConstraintKind
 from shared.errors import escaped
 from shared.keys import Priority
 
@@ -203,6 +204,17 @@ class JobCreate(Sampling):
         default=False, description="with `stream`: a client that disconnects cancels the job"
     )
     timeout_s: TimeoutS | None = None
+    json_schema: dict[str, Any] | None = Field(
+        default=None, description="constraint: the output is JSON valid under this schema"
+    )
+    regex: str | None = Field(
+        default=None, min_length=1, description="constraint: the output matches this regex"
+    )
+    grammar: str | None = Field(
+        default=None,
+        min_length=1,
+        description="constraint: the output is in this Lark grammar (llguidance's dialect)",
+    )
 
     @model_validator(mode="wrap")
     @classmethod
@@ -213,7 +225,18 @@ class JobCreate(Sampling):
     def _one_input(self) -> JobCreate:
         if (self.prompt is None) == (self.input_ids is None):
             raise ValueError("give exactly one of `prompt` and `input_ids`")
+        given = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one constraint at most, not {' and '.join(given)}")
         return self
+
+    def constraint(self) -> tuple[ConstraintKind, Any] | None:
+        """The constraint field given, and its value (one at most)."""
+        for kind in CONSTRAINT_KINDS:
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value
+        return None
 
 
 class JobSpec(BaseModel):
@@ -228,6 +251,7 @@ class JobSpec(BaseModel):
     created_at: float
     deadline: float | None = None
     add_bos: bool = False
+    constraint: Constraint | None = None
 
 
 class Usage(BaseModel):
@@ -293,6 +317,12 @@ class JobView(BaseModel):
         description="a cancel was asked for and the worker running the job has not yet stopped it",
     )
     metadata: dict[str, Any] = Field(default_factory=dict)
+    constraint: dict[str, Any] | None = Field(
+        default=None,
+        description="the job's constraint, if any: `type` (json_schema, regex or grammar) "
+        "and its value under that name; `origin` when an OpenAI field made it "
+        "(response_format, tools)",
+    )
 
 
 # ---- models -------------------------------------------------------------------------------

@@ -330,6 +330,23 @@ class GatewaySettings(JobSettings):
     max_metadata_bytes: int = Field(
         default=16_384, ge=0, description="largest `metadata` of a job, in bytes of JSON"
     )
+    max_constraint_bytes: int = Field(
+        default=262_144,
+        ge=1024,
+        description="largest constraint of a job (a JSON schema, regex, grammar or tool "
+        "list, in bytes of JSON), refused before it is compiled",
+    )
+    max_constraint_depth: int = Field(
+        default=64,
+        ge=2,
+        description="deepest nesting of a JSON schema constraint (objects and lists)",
+    )
+    constraint_cache_size: int = Field(
+        default=1024,
+        ge=0,
+        description="constraints a gateway process keeps compiled and checked (by hash): "
+        "one sent again is not compiled again",
+    )
     default_max_tokens: int = Field(
         default=256,
         ge=1,

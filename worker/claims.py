@@ -336,6 +336,7 @@ class Claimer:
                 sampling=spec.sampling,
                 seed=seed,
                 resume_ids=resumed[0],
+                grammar=spec.constraint.grammar if spec.constraint else None,
             ),
             started.attempt,
         )

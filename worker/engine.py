@@ -49,6 +49,10 @@ class EngineJob:
     """Tokens already sent to the client by an earlier attempt: prefilled, not re-emitted."""
     text: bool = True
     """Whether the engine makes the text and matches `sampling.stop`; False: token ids only."""
+    grammar: str | None = None
+    """The job's constraint as an llguidance grammar (`JobSpec.constraint`): every token it
+    generates is one the grammar allows, from the first (after `resume_ids`, which the engine
+    replays into its matcher); the job ends when the grammar is complete."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,16 @@ with BOS and ends with an open `assistant` header when a reply is wanted:
     assistant
 
 A worker's GENQ_CHAT_TEMPLATE still replaces it.
+
+Constraints (`EngineJob.grammar`): the sim runs the same llguidance matcher as the GPU engines
+(worker/constraint.py) and only ever emits a token it allows, so on a laptop and in CI the
+whole pipeline emits text that fits the job's schema, regex, grammar or tool call. Its choice
+among the allowed tokens is deterministic (`_constrained_pick`): the grammar's end as soon as
+it may end, after a few tokens; then a closing `"`, `)`, `]` or `}` half the time, or once
+the output is long (and then other punctuation, which moves a pattern on); otherwise its own
+next word when allowed, or some allowed plain token. Where the grammar offers a tool call at
+the start (`<tool_call>`, a special token of its tokenizer), it takes it unless the job's
+seed is odd.
 """
 
 from __future__ import annotations
@@ -34,12 +44,22 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from shared.schemas import ModelCard
+from worker.constraint import ConstraintError, Grammars, JobMatcher, allowed_ids
 from worker.engine import EngineJob, SamplingSupport, StepOutput
 from worker.text import first_stop, held_back
 
 SIM_NAME = "sim"
 EOS = "</s>"
 BOS = "<s>"
+TOOL_CALL = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+SPECIAL_TOKENS = (TOOL_CALL, TOOL_CALL_END)
+"""Added after training (ids after the trained vocabulary): the tool-call markers of the
+sim's chat template, one token each as in Hermes/Qwen tokenizers."""
+CONSTRAINED_BUDGET = 24
+"""Tokens into a constraint after which the sim closes what it can (a quote, a bracket, the
+end) rather than open more."""
+_CLOSERS = ('"', ")", "]", "}")
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -73,6 +93,7 @@ def build_tokenizer() -> Tokenizer:
     )
     lines = [" ".join(_CORPUS[i:] + _CORPUS[:i]) for i in range(0, len(_CORPUS), 7)] * 4
     tok.train_from_iterator(lines, trainer=trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
     return tok
 
 
@@ -85,6 +106,8 @@ class _SimJob:
     text: str = ""
     sent_chars: int = 0
     poisoned: bool = False
+    matcher: JobMatcher | None = None
+    """The job's constraint (`EngineJob.grammar`), advanced over every token emitted."""
 
 
 class SimEngine:
@@ -137,6 +160,15 @@ class SimEngine:
         assert eos_id is not None  # a special token of the trainer
         self._eos_id: int = eos_id
         self._jobs: dict[str, _SimJob] = {}
+        self._grammars: Grammars | None = None
+        """Built at the first constrained job (most sim workers never see one)."""
+        self._plain = self._plain_tokens()
+        self._closers = [t for c in _CLOSERS if (t := self._tokenizer.token_to_id(c)) is not None]
+        """In the order the sim prefers them: a string's end, a group's, an array's, an object's."""
+        self._marks = frozenset(
+            t for t in self._plain if not self._tokenizer.decode([t]).strip().isalnum()
+        )
+        self._specials = {self._tokenizer.token_to_id(t) for t in SPECIAL_TOKENS} - {None}
         self.card = ModelCard(
             name=model_name,
             engine="sim",
@@ -163,6 +195,16 @@ class SimEngine:
                 words.append((ids[0], " " + w))
         return words
 
+    def _plain_tokens(self) -> frozenset[int]:
+        """Tokens whose text is printable ASCII: what the sim picks under a constraint when
+        its own word is not allowed (never half of a UTF-8 character)."""
+        out = set()
+        for token_id in range(self._tokenizer.get_vocab_size()):
+            piece = self._tokenizer.decode([token_id])
+            if piece and piece.isascii() and piece.isprintable():
+                out.add(token_id)
+        return frozenset(out)
+
     def free_pages(self) -> int:
         return 0
 
@@ -181,15 +223,28 @@ class SimEngine:
             position=len(job.resume_ids),
             poisoned=self._is_poisoned(job),
         )
+        if job.grammar is not None:
+            try:
+                sim.matcher = self._grammar_set().matcher(job.grammar, job.resume_ids)
+            except ConstraintError as exc:
+                raise ValueError(str(exc)) from None
         if job.resume_ids and job.text:
             self._resume(sim)
         self._jobs[job.id] = sim
+
+    def _grammar_set(self) -> Grammars:
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer_json, [self._eos_id])
+        return self._grammars
 
     def _resume(self, s: _SimJob) -> None:
         """Rebuild the text of the first `position` tokens and how much of it an earlier
         attempt sent (all but what it held back as a possible stop-string start), so stop
         strings spanning the resume point are found and held-back text is not lost."""
-        s.text = "".join(self._token_at(s.base, p)[1] for p in range(s.position))
+        if s.matcher is not None:  # the tokens were the constraint's choice: their own text
+            s.text = self._tokenizer.decode(s.job.resume_ids, skip_special_tokens=False)
+        else:
+            s.text = "".join(self._token_at(s.base, p)[1] for p in range(s.position))
         stops = s.job.sampling.stop
         s.sent_chars = len(s.text) - (held_back(s.text, stops) if stops else 0)
 
@@ -230,7 +285,13 @@ class SimEngine:
 
     def _advance(self, s: _SimJob) -> StepOutput:
         job = s.job
-        token_id, piece = self._token_at(s.base, s.position)
+        if s.matcher is not None:
+            picked = self._constrained_pick(s, s.matcher)
+            if isinstance(picked, StepOutput):
+                return picked
+            token_id, piece = picked
+        else:
+            token_id, piece = self._token_at(s.base, s.position)
         s.position += 1
         out = StepOutput(job.id, token_ids=[token_id], prompt_tokens=len(job.input_ids))
         if job.sampling.logprobs is not None:
@@ -241,6 +302,8 @@ class SimEngine:
             out.finish_reason = "stop"
         elif token_id in job.sampling.stop_token_ids:
             out.finish_reason = "stop"
+        elif s.matcher is not None and s.matcher.stopped:
+            out.finish_reason = "stop"  # the grammar is complete: nothing more may follow
         elif s.position >= job.max_tokens:
             out.finish_reason = "length"
         if job.text:
@@ -258,15 +321,51 @@ class SimEngine:
             s.text = s.text[:cut]
         return cut >= 0
 
+    def _constrained_pick(self, s: _SimJob, m: JobMatcher) -> tuple[int, str] | StepOutput:
+        """The token the sim emits under its job's constraint (the rule in the module's
+        docstring), consumed by the matcher; or the job's last output: ended by the grammar
+        (its end chosen: nothing emitted) or failed (the grammar allows nothing)."""
+        job = s.job
+        allowed = allowed_ids(m.allowed_bits(), self._tokenizer.get_vocab_size() + 1)
+        if not allowed:
+            return StepOutput(job.id, error=f"sim engine: the constraint allows nothing: {m.error}")
+        x = _mix(s.base, s.position)
+        long = s.position >= CONSTRAINED_BUDGET
+        could_end = self._eos_id in allowed
+        if could_end and (len(allowed) == 1 or long or (s.position > 0 and x % 4 == 0)):
+            return StepOutput(job.id, finish_reason="stop", prompt_tokens=len(job.input_ids))
+        specials = [t for t in allowed if t in self._specials]
+        if specials and ((s.position == 0 and job.seed % 2 == 0) or len(specials) == len(allowed)):
+            token_id = specials[0]
+        else:
+            token_id = self._ordinary_pick(s, allowed, x, long)
+        if not m.consume(token_id):
+            return StepOutput(job.id, error=f"sim engine: token {token_id} left the constraint")
+        return token_id, self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _ordinary_pick(self, s: _SimJob, allowed: list[int], x: int, long: bool) -> int:
+        allowed_set = set(allowed)
+        closer = next((t for t in self._closers if t in allowed_set), None)
+        if closer is not None and (long or x % 2 == 0):
+            return closer
+        if long:  # punctuation moves a pattern on (`@`, `.`, `,`) where letters may loop
+            marks = [t for t in allowed if t in self._marks]
+            if marks:
+                return marks[x % len(marks)]
+        own, _ = self._token_at(s.base, s.position)
+        if own in allowed_set:
+            return own
+        plain = [t for t in allowed if t in self._plain]
+        choices = plain or [t for t in allowed if t != self._eos_id and t not in self._specials]
+        return (choices or allowed)[x % len(choices or allowed)]
+
     def _poison(self, s: _SimJob) -> StepOutput:
         return StepOutput(
             job_id=s.job.id, error="sim engine: poison marker in the prompt (test fault injection)"
         )
 
     def _token_at(self, base: int, position: int) -> tuple[int, str]:
-        x = (base ^ ((position + 1) * 0x9E3779B97F4A7C15)) & _MASK64
-        x = ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & _MASK64
-        return self._words[(x >> 17) % len(self._words)]
+        return self._words[(_mix(base, position) >> 17) % len(self._words)]
 
     def _logprob(
         self, base: int, position: int, token_id: int, piece: str, top: int
@@ -281,6 +380,12 @@ class SimEngine:
                 {"token": p, "token_id": t, "logprob": uniform} for t, p in alternatives
             ],
         }
+
+
+def _mix(base: int, position: int) -> int:
+    """A well-mixed 64-bit value for (job, position): the sim's only source of choice."""
+    x = (base ^ ((position + 1) * 0x9E3779B97F4A7C15)) & _MASK64
+    return ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & _MASK64
 
 
 def _job_base(job: EngineJob) -> int:

@@ -64,6 +64,7 @@ class Add(msgspec.Struct, tag=2, array_like=True, gc=False):
     resume_ids: list[int]
     text: bool
     sampling: SamplingWire
+    grammar: str | None = None
 
 
 class Cancel(msgspec.Struct, tag=3, array_like=True, gc=False):
@@ -175,6 +176,7 @@ def add_message(job: EngineJob, attempt: int) -> Add:
         job.resume_ids,
         job.text,
         sampling,
+        job.grammar,
     )
 
 
@@ -183,7 +185,14 @@ def engine_job(add: Add) -> EngineJob:
     worker that claimed it: built here without validating a third time."""
     sampling = Sampling.model_construct(**msgspec.structs.asdict(add.sampling))
     return EngineJob(
-        add.job_id, add.input_ids, add.max_tokens, sampling, add.seed, add.resume_ids, add.text
+        add.job_id,
+        add.input_ids,
+        add.max_tokens,
+        sampling,
+        add.seed,
+        add.resume_ids,
+        add.text,
+        add.grammar,
     )
 
 

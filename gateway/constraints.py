@@ -1,0 +1,158 @@
+"""The gateway's check of a job's constraint, before the job exists.
+
+A constraint (shared/constraints.py) is compiled into an llguidance grammar and that grammar
+built into a matcher over the model's tokenizer, exactly as a worker will build it: whatever
+fails here is a 400 naming the field and the problem, and nothing that passes can fail on the
+worker for a reason the client could have been told. What a hostile constraint may cost is
+bounded before any work and while it is done:
+
+- size: the constraint's JSON (`GENQ_MAX_CONSTRAINT_BYTES`) and a schema's nesting
+  (`GENQ_MAX_CONSTRAINT_DEPTH`) are checked before anything is compiled;
+- work: llguidance's own limits (`LIMITS`: lexer fuel, grammar size, lexer states) stop a
+  grammar whose lexer or parser would grow without end, with an error the 400 carries;
+- emptiness: a grammar must admit some output (its first step allows a token, or it accepts
+  the empty output), and a Lark grammar must be able to finish (shared/lark_check.py);
+- time: compiling runs off the event loop (`JobService.off_loop`), in threads that release the
+  GIL.
+
+Checked constraints are cached by their canonical text and the tokenizer
+(`GENQ_CONSTRAINT_CACHE_SIZE` entries): a schema sent again costs a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import llguidance
+
+from gateway.registry import LoadedCard
+from shared.constraints import (
+    LIMITS,
+    Constraint,
+    ConstraintKind,
+    canonical,
+    grammar_of,
+    llg_tokenizer,
+    ref_loop,
+)
+from shared.errors import BadRequest
+from shared.lark_check import unfinishable
+from shared.schemas import json_depth
+from shared.settings import GatewaySettings
+
+T = TypeVar("T")
+OffLoop = Callable[[Callable[[], T], int | None], Awaitable[T]]
+
+TOKENIZERS_KEPT = 8
+"""llguidance tokenizers kept per gateway process (one per model tokenizer in use)."""
+
+
+class ConstraintChecker:
+    """Checks constraints for one gateway process; caches what it checked."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self._tokenizers: OrderedDict[str, llguidance.LLTokenizer] = OrderedDict()
+        self._checked: OrderedDict[str, str] = OrderedDict()
+        """Hash of (tokenizer, canonical constraint) → its grammar, most recently used last."""
+        self.hits = 0
+        self.misses = 0
+
+    async def check(
+        self,
+        loaded: LoadedCard,
+        kind: ConstraintKind,
+        value: Any,
+        param: str,
+        off_loop: OffLoop[Any],
+        origin: str | None = None,
+    ) -> Constraint:
+        """The constraint the job record keeps, its grammar checked against `loaded`'s
+        tokenizer; BadRequest (400, naming `param`) for one that cannot run."""
+        text = canonical(kind, value)
+        self._check_size(kind, value, text, param)
+        key = hashlib.sha256(f"{loaded.card.tokenizer_sha}\0{text}".encode()).hexdigest()
+        grammar = self._checked.get(key)
+        if grammar is not None:
+            self._checked.move_to_end(key)
+            self.hits += 1
+            return Constraint(type=kind, value=value, grammar=grammar, origin=origin)
+        self.misses += 1
+        tokenizer = await self._tokenizer(loaded, off_loop)
+        grammar = await off_loop(lambda: _compile(tokenizer, kind, value, param), None)
+        self._checked[key] = grammar
+        while len(self._checked) > self.settings.constraint_cache_size:
+            self._checked.popitem(last=False)
+        return Constraint(type=kind, value=value, grammar=grammar, origin=origin)
+
+    def _check_size(self, kind: ConstraintKind, value: Any, text: str, param: str) -> None:
+        s = self.settings
+        size = len(text.encode())
+        if size > s.max_constraint_bytes:
+            raise BadRequest(
+                f"{param} is {size} bytes; the limit (GENQ_MAX_CONSTRAINT_BYTES) is "
+                f"{s.max_constraint_bytes}",
+                param=param,
+                code="constraint_too_large",
+            )
+        if kind == "json_schema":
+            depth = json_depth(value)
+            if depth > s.max_constraint_depth:
+                raise BadRequest(
+                    f"{param} nests {depth} levels deep; the limit (GENQ_MAX_CONSTRAINT_DEPTH) "
+                    f"is {s.max_constraint_depth}",
+                    param=param,
+                    code="constraint_too_deep",
+                )
+
+    async def _tokenizer(self, loaded: LoadedCard, off_loop: OffLoop[Any]) -> Any:
+        sha = loaded.card.tokenizer_sha
+        tok = self._tokenizers.get(sha)
+        if tok is None:
+            card = loaded.card
+            raw = loaded.tokenizer.to_str()
+            tok = await off_loop(lambda: llg_tokenizer(raw, card.eos_token_ids), None)
+            self._tokenizers[sha] = tok
+            while len(self._tokenizers) > TOKENIZERS_KEPT:
+                self._tokenizers.popitem(last=False)
+        self._tokenizers.move_to_end(sha)
+        return tok
+
+
+def _compile(tokenizer: Any, kind: ConstraintKind, value: Any, param: str) -> str:
+    """The constraint's grammar, built into a matcher as a worker will build it; BadRequest
+    for what cannot run."""
+    try:
+        grammar = grammar_of(kind, value)
+    except ValueError as exc:
+        raise _invalid(param, kind, str(exc)) from None
+    if kind == "grammar":
+        why = unfinishable(value)
+        if why is not None:
+            raise _invalid(param, kind, why)
+    if kind == "json_schema":
+        loop = ref_loop(value)
+        if loop is not None:
+            raise _invalid(param, kind, f"its $ref {loop!r} leads back to itself (no value ends)")
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
+    if matcher.is_error():
+        raise _invalid(param, kind, _first_line(matcher.get_error()))
+    if not matcher.is_accepting() and not any(matcher.compute_bitmask()):
+        raise _invalid(param, kind, "it admits no output at all (nothing can be generated)")
+    return grammar
+
+
+def _invalid(param: str, kind: ConstraintKind, why: str) -> BadRequest:
+    what = {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}[kind]
+    return BadRequest(
+        f"{param}: this {what} cannot be used: {why}", param=param, code="invalid_constraint"
+    )
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error, without the grammar excerpt it may append (bounded)."""
+    line = error.strip().splitlines()[0] if error.strip() else "invalid"
+    return line[:500]

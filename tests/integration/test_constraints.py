@@ -1,0 +1,92 @@
+"""Constraints on the native job API: checked by the gateway before the job exists, kept in
+the record, applied by the (sim) worker: every output fits."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from tests.conftest import Stack
+
+pytestmark = pytest.mark.parametrize("redis", ["redis"], indirect=True)
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "pet": {
+            "anyOf": [
+                {"type": "null"},
+                {
+                    "type": "object",
+                    "properties": {"kind": {"enum": ["cat", "dog"]}},
+                    "required": ["kind"],
+                    "additionalProperties": False,
+                },
+            ]
+        },
+    },
+    "required": ["name", "age", "tags", "pet"],
+    "additionalProperties": False,
+}
+
+
+async def test_json_schema_outputs_validate_and_the_record_keeps_the_schema(stack: Stack) -> None:
+    jobs = [
+        await stack.submit(prompt=f"person {i}", max_tokens=200, json_schema=PERSON, seed=i)
+        for i in range(8)
+    ]
+    for job in jobs:
+        done = await stack.wait_status(job["id"], "succeeded")
+        assert done["finish_reason"] == "stop", done
+        jsonschema.validate(json.loads(done["text"]), PERSON)
+        assert done["constraint"] == {"type": "json_schema", "json_schema": PERSON}
+
+
+async def test_regex_and_grammar_outputs_match(stack: Stack) -> None:
+    pattern = r"[a-z]{2,8}@[a-z]{2,8}\.(com|org)"
+    a = await stack.submit(prompt="an email", max_tokens=60, regex=pattern)
+    lark = 'start: "(" item ("," item)* ")"\nitem: /[0-9]{1,3}/ | "x"'
+    b = await stack.submit(prompt="a tuple", max_tokens=60, grammar=lark)
+    a_done = await stack.wait_status(a["id"], "succeeded")
+    assert re.fullmatch(pattern, a_done["text"]), a_done["text"]
+    b_done = await stack.wait_status(b["id"], "succeeded")
+    assert re.fullmatch(r"\((?:[0-9]{1,3}|x)(?:,(?:[0-9]{1,3}|x))*\)", b_done["text"])
+    assert b_done["constraint"] == {"type": "grammar", "grammar": lark}
+
+
+async def test_max_tokens_cuts_a_constrained_output_short(stack: Stack) -> None:
+    job = await stack.submit(prompt="cut", max_tokens=3, json_schema=PERSON)
+    done = await stack.wait_status(job["id"], "succeeded")
+    assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 3
+    assert done["text"].startswith('{"')
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [
+        ({"regex": "(ab"}, "regex", "regex"),
+        ({"grammar": 'start: a\na: "x" a'}, "grammar", "never end"),
+        ({"grammar": "start: nosuchrule"}, "grammar", "grammar"),
+        ({"json_schema": {"type": "object"}, "regex": "a"}, "body", "one constraint"),
+        (
+            {"json_schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}},
+            "json_schema",
+            "cannot be used",
+        ),
+    ],
+)
+async def test_a_constraint_that_cannot_run_is_a_400_naming_the_field(
+    stack: Stack, body: dict, param: str, needle: str
+) -> None:
+    r = await stack.client.post("/v1/jobs", json={"model": "sim", "prompt": "p", **body})
+    assert 400 <= r.status_code < 500, r.text
+    err = r.json()["error"]
+    assert needle in err["message"], err
+    if param != "body":
+        assert err["param"] == param

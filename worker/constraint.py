@@ -1,0 +1,110 @@
+"""A job's constraint on the worker: an llguidance matcher over the engine's tokenizer.
+
+The gateway compiled and checked the job's grammar (gateway/constraints.py) with the same
+library and limits; the engine builds one matcher per job from it (`Grammars.matcher`), feeds
+it the tokens an earlier attempt generated (`replay`: a job continued on another worker goes
+on inside its constraint), then at each step asks which tokens may come next (`allowed`, or
+a bitmask row for a batch: `fill_rows`) and tells it the token sampled (`consume`).
+
+Building a matcher compiles the grammar's lexer (milliseconds for a large schema); the first
+one per grammar is kept (`Grammars`, an LRU) and each job gets a cheap copy of it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+
+from shared.constraints import LIMITS, llg_tokenizer
+
+GRAMMARS_KEPT = 256
+"""Compiled grammars an engine keeps (each job of one gets a copy of its first matcher)."""
+
+
+class ConstraintError(ValueError):
+    """A job's grammar cannot run here, or its tokens left it (a replay that does not fit)."""
+
+
+class JobMatcher:
+    """One job's place in its grammar."""
+
+    __slots__ = ("m",)
+
+    def __init__(self, m: Any) -> None:
+        self.m = m
+
+    def replay(self, token_ids: Sequence[int]) -> None:
+        """Advance over tokens an earlier attempt generated (and sent); ConstraintError if
+        they do not fit the grammar (they always do, unless the grammar changed)."""
+        if token_ids and not self.m.consume_tokens(list(token_ids)):
+            raise ConstraintError(
+                f"the tokens already generated leave the constraint: {self.error}"
+            )
+
+    def consume(self, token_id: int) -> bool:
+        """Take the sampled token; False if the grammar does not allow it (the matcher is
+        then in error: the job cannot go on)."""
+        return bool(self.m.consume_token(token_id))
+
+    def allowed_bits(self) -> bytes:
+        """The next-token mask: bit i of the little-endian 32-bit words set when token i may
+        come next (EOS among them once the grammar may end)."""
+        return bytes(self.m.compute_bitmask())
+
+    def fill_row(self, pointer: int, nbytes: int) -> None:
+        """Write the next-token mask into memory at `pointer` (a bitmask row of `nbytes`)."""
+        self.m.unsafe_compute_mask_ptr(pointer, nbytes)
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and admits nothing more: the job ends here."""
+        return bool(self.m.is_stopped())
+
+    @property
+    def accepting(self) -> bool:
+        return bool(self.m.is_accepting())
+
+    @property
+    def error(self) -> str:
+        return str(self.m.get_error()) if self.m.is_error() else ""
+
+
+class Grammars:
+    """An engine's matchers: one tokenizer, and the compiled grammars it has seen."""
+
+    def __init__(
+        self, tokenizer_json: str, eos_ids: Sequence[int], vocab_size: int | None = None
+    ) -> None:
+        self.tokenizer = llg_tokenizer(tokenizer_json, list(eos_ids), vocab_size)
+        self.vocab_size = int(self.tokenizer.vocab_size)
+        self._kept: OrderedDict[str, Any] = OrderedDict()
+
+    def matcher(self, grammar: str, replay: Sequence[int] = ()) -> JobMatcher:
+        """A fresh matcher for `grammar`, advanced over `replay`; ConstraintError if the
+        grammar does not build here or the tokens do not fit it."""
+        first = self._kept.get(grammar)
+        if first is None:
+            first = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
+            if first.is_error():
+                raise ConstraintError(f"the job's constraint does not build: {first.get_error()}")
+            self._kept[grammar] = first
+            while len(self._kept) > GRAMMARS_KEPT:
+                self._kept.popitem(last=False)
+        self._kept.move_to_end(grammar)
+        job = JobMatcher(first.deep_copy())
+        job.replay(replay)
+        return job
+
+
+def allowed_ids(bits: bytes, limit: int) -> list[int]:
+    """Token ids whose bit is set in a mask from `JobMatcher.allowed_bits` (below `limit`)."""
+    out: list[int] = []
+    for byte_index, byte in enumerate(bits):
+        if not byte:
+            continue
+        base = byte_index * 8
+        out += [base + b for b in range(8) if byte >> b & 1 and base + b < limit]
+    return out
