@@ -168,6 +168,17 @@ class CompletionRequest(SamplingParams):
     suffix: str | None = Field(
         default=None, json_schema_extra={"maxLength": 0}, description=_NOT_SUPPORTED
     )
+    json_schema: dict[str, Any] | None = Field(
+        default=None, description="genq: constrain the output to JSON valid under this schema"
+    )
+    regex: str | None = Field(
+        default=None, min_length=1, description="genq: constrain the output to this regex"
+    )
+    grammar: str | None = Field(
+        default=None,
+        min_length=1,
+        description="genq: constrain the output to this Lark grammar (llguidance's dialect)",
+    )
 
 
 class ContentPart(OpenAIRequest):

@@ -70,6 +70,7 @@ from gateway.registry import LoadedCard
 from gateway.state import GatewayState
 from gateway.streaming import EventFollower, EventStreamResponse
 from shared import events
+from shared.constraints import CONSTRAINT_KINDS
 from shared.errors import (
     BadRequest,
     Conflict,
@@ -587,7 +588,8 @@ def _job_body(
         "logprobs": logprobs,
     }
     fields["prompt" if isinstance(prompt, str) else "input_ids"] = prompt
-    for name in _PASSED_ON:
+    names = (*_PASSED_ON, *CONSTRAINT_KINDS) if isinstance(req, CompletionRequest) else _PASSED_ON
+    for name in names:
         value = getattr(req, name)
         if value is not None:
             fields[name] = value
