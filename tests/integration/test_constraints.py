@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -58,6 +59,45 @@ async def test_regex_and_grammar_outputs_match(stack: Stack) -> None:
     b_done = await stack.wait_status(b["id"], "succeeded")
     assert re.fullmatch(r"\((?:[0-9]{1,3}|x)(?:,(?:[0-9]{1,3}|x))*\)", b_done["text"])
     assert b_done["constraint"] == {"type": "grammar", "grammar": lark}
+
+
+def _deep_schema(levels: int) -> str:
+    """A schema nested `levels` objects deep, as JSON text (json.dumps would recurse)."""
+    return '{"type":"object","properties":{"a":' * levels + "{}" + "}}" * levels
+
+
+async def test_hostile_constraints_are_4xx_and_leave_the_worker_as_fast(stack: Stack) -> None:
+    """A schema 10,000 levels deep, a 1 MB enum, a $ref loop, an invalid regex, a grammar with
+    no finite string: each a 4xx in genq's error shape; an ordinary job submitted after them
+    runs as fast as one before them."""
+    before = await stack.submit(prompt="before", max_tokens=20)
+    t0 = time.monotonic()
+    await stack.wait_status(before["id"], "succeeded")
+    ordinary_s = time.monotonic() - t0
+    deep = '{"model":"sim","prompt":"p","json_schema":' + _deep_schema(10_000) + "}"
+    enum = {"enum": [f"value-{i:08d}" for i in range(80_000)]}  # ~1.1 MB
+    hostile = [
+        ("content", deep, "body"),
+        ("json", {"json_schema": enum}, "json_schema"),
+        ("json", {"json_schema": {"$ref": "#"}}, "json_schema"),
+        ("json", {"regex": "[a-"}, "regex"),
+        ("json", {"grammar": 'start: "a" start'}, "grammar"),
+        ("json", {"json_schema": json.loads(_deep_schema(65))}, "json_schema"),
+    ]
+    for how, body, param in hostile:
+        if how == "content":
+            r = await stack.client.post(
+                "/v1/jobs", content=body, headers={"content-type": "application/json"}
+            )
+        else:
+            r = await stack.client.post("/v1/jobs", json={"model": "sim", "prompt": "p", **body})
+        assert 400 <= r.status_code < 500, (param, r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", err
+    after = await stack.submit(prompt="after", max_tokens=20)
+    t0 = time.monotonic()
+    await stack.wait_status(after["id"], "succeeded")
+    assert time.monotonic() - t0 < max(1.0, 5 * ordinary_s)
 
 
 async def test_max_tokens_cuts_a_constrained_output_short(stack: Stack) -> None:
