@@ -24,6 +24,7 @@ import ssl
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -283,12 +284,23 @@ def request_body(api: str, args: argparse.Namespace, prompt: str, seed: int) -> 
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
+    schema = getattr(args, "schema", None)
+    if schema is not None:
+        if api == "chat":
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "bench", "schema": schema},
+            }
+        else:
+            body["json_schema"] = schema
     return json.dumps(body).encode()
 
 
 async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     target = Target.from_url(args.url, api_key(args))
     api = getattr(args, "api", "native")
+    if getattr(args, "json_schema", None):
+        args.schema = json.loads(await asyncio.to_thread(Path(args.json_schema).read_text))
     rng = random.Random(0)
     bodies = [
         request_body(api, args, _prompt(args.prompt_tokens, rng), i) for i in range(args.requests)

@@ -214,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="native",
         help="route: native POST /v1/jobs, openai /v1/completions, chat /v1/chat/completions",
     )
+    p.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="every request constrained to this JSON schema (native and openai: `json_schema`; "
+        "chat: `response_format`)",
+    )
 
     batch_cli.add_parser(sub)
 

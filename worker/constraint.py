@@ -12,6 +12,7 @@ one per grammar is kept (`Grammars`, an LRU) and each job gets a cheap copy of i
 
 from __future__ import annotations
 
+import ctypes
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -99,7 +100,38 @@ class Grammars:
         return job
 
 
-def allowed_ids(bits: bytes, limit: int) -> list[int]:
+class MaskBatch:
+    """Next-token masks of many jobs at once: computed by llguidance's thread pool (which lets
+    go of the GIL) into one buffer, a row of `row_bytes` per job."""
+
+    def __init__(self, vocab_size: int, threads: int | None = None) -> None:
+        self.row_bytes = (vocab_size + 31) // 32 * 4
+        self._buf = bytearray()
+        self._executor = llguidance.LLExecutor(num_threads=threads)
+
+    def fill(self, matchers: Sequence[JobMatcher]) -> list[memoryview]:
+        """Each matcher's mask (a row, in order); valid until the next `fill`."""
+        need = len(matchers) * self.row_bytes
+        if len(self._buf) < need:
+            self._buf = bytearray(need)
+        if matchers:
+            rows = (ctypes.c_char * len(self._buf)).from_buffer(self._buf)
+            pairs = [(j.m, i) for i, j in enumerate(matchers)]
+            self._executor.unsafe_compute_mask_ptr(
+                pairs, ctypes.addressof(rows), self.row_bytes, len(matchers)
+            )
+            del rows  # the buffer may be resized later: no export may outlive this call
+        view = memoryview(self._buf)
+        return [view[i * self.row_bytes : (i + 1) * self.row_bytes] for i in range(len(matchers))]
+
+
+def allows(row: bytes | memoryview, token_id: int) -> bool:
+    """Whether `token_id`'s bit is set in a mask row."""
+    byte = token_id >> 3
+    return byte < len(row) and bool(row[byte] >> (token_id & 7) & 1)
+
+
+def allowed_ids(bits: bytes | memoryview, limit: int) -> list[int]:
     """Token ids whose bit is set in a mask from `JobMatcher.allowed_bits` (below `limit`)."""
     out: list[int] = []
     for byte_index, byte in enumerate(bits):

@@ -44,7 +44,14 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from shared.schemas import ModelCard
-from worker.constraint import ConstraintError, Grammars, JobMatcher, allowed_ids
+from worker.constraint import (
+    ConstraintError,
+    Grammars,
+    JobMatcher,
+    MaskBatch,
+    allowed_ids,
+    allows,
+)
 from worker.engine import EngineJob, SamplingSupport, StepOutput
 from worker.text import first_stop, held_back
 
@@ -108,6 +115,8 @@ class _SimJob:
     poisoned: bool = False
     matcher: JobMatcher | None = None
     """The job's constraint (`EngineJob.grammar`), advanced over every token emitted."""
+    mask: memoryview | None = None
+    """This step's next-token mask of `matcher` (a row of the engine's `MaskBatch`)."""
 
 
 class SimEngine:
@@ -162,6 +171,11 @@ class SimEngine:
         self._jobs: dict[str, _SimJob] = {}
         self._grammars: Grammars | None = None
         """Built at the first constrained job (most sim workers never see one)."""
+        self._masks: MaskBatch | None = None
+        self._pieces = [
+            self._tokenizer.decode([t], skip_special_tokens=False)
+            for t in range(self._tokenizer.get_vocab_size())
+        ]
         self._plain = self._plain_tokens()
         self._closers = [t for c in _CLOSERS if (t := self._tokenizer.token_to_id(c)) is not None]
         """In the order the sim prefers them: a string's end, a group's, an array's, an object's."""
@@ -237,6 +251,11 @@ class SimEngine:
             self._grammars = Grammars(self.tokenizer_json, [self._eos_id])
         return self._grammars
 
+    def _grammar_set_masks(self) -> MaskBatch:
+        if self._masks is None:
+            self._masks = MaskBatch(self._grammar_set().vocab_size)
+        return self._masks
+
     def _resume(self, s: _SimJob) -> None:
         """Rebuild the text of the first `position` tokens and how much of it an earlier
         attempt sent (all but what it held back as a possible stop-string start), so stop
@@ -277,6 +296,11 @@ class SimEngine:
             return []
         if self._step_s:  # one decode step for the whole batch (0: none, as fast as it can)
             time.sleep(self._step_s)
+        constrained = [s for s in ready if s.matcher is not None and not s.poisoned]
+        if constrained:  # every constrained job's mask at once, in llguidance's threads
+            rows = self._grammar_set_masks().fill([s.matcher for s in constrained if s.matcher])
+            for s, row in zip(constrained, rows, strict=True):
+                s.mask = row
         outputs = [self._poison(s) if s.poisoned else self._advance(s) for s in ready]
         for out in outputs:
             if out.finish_reason is not None or out.error is not None:
@@ -326,38 +350,47 @@ class SimEngine:
         docstring), consumed by the matcher; or the job's last output: ended by the grammar
         (its end chosen: nothing emitted) or failed (the grammar allows nothing)."""
         job = s.job
-        allowed = allowed_ids(m.allowed_bits(), self._tokenizer.get_vocab_size() + 1)
-        if not allowed:
-            return StepOutput(job.id, error=f"sim engine: the constraint allows nothing: {m.error}")
+        row = s.mask if s.mask is not None else memoryview(m.allowed_bits())
+        s.mask = None
         x = _mix(s.base, s.position)
         long = s.position >= CONSTRAINED_BUDGET
-        could_end = self._eos_id in allowed
-        if could_end and (len(allowed) == 1 or long or (s.position > 0 and x % 4 == 0)):
+        token_id = self._constrained_choice(s, row, x, long)
+        if token_id is None:
+            return StepOutput(job.id, error=f"sim engine: the constraint allows nothing: {m.error}")
+        if token_id == self._eos_id:
             return StepOutput(job.id, finish_reason="stop", prompt_tokens=len(job.input_ids))
-        specials = [t for t in allowed if t in self._specials]
-        if specials and ((s.position == 0 and job.seed % 2 == 0) or len(specials) == len(allowed)):
-            token_id = specials[0]
-        else:
-            token_id = self._ordinary_pick(s, allowed, x, long)
         if not m.consume(token_id):
             return StepOutput(job.id, error=f"sim engine: token {token_id} left the constraint")
-        return token_id, self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return token_id, self._pieces[token_id]
 
-    def _ordinary_pick(self, s: _SimJob, allowed: list[int], x: int, long: bool) -> int:
-        allowed_set = set(allowed)
-        closer = next((t for t in self._closers if t in allowed_set), None)
+    def _constrained_choice(self, s: _SimJob, row: memoryview, x: int, long: bool) -> int | None:
+        """The rule of the module's docstring, testing single bits first: the whole list of
+        allowed tokens is made only when none of the sim's preferred ones is allowed."""
+        if allows(row, self._eos_id) and (long or (s.position > 0 and x % 4 == 0)):
+            return self._eos_id
+        if s.position == 0 and s.job.seed % 2 == 0:
+            special = next((t for t in self._specials if allows(row, t)), None)
+            if special is not None:
+                return special
+        closer = next((t for t in self._closers if allows(row, t)), None)
         if closer is not None and (long or x % 2 == 0):
             return closer
+        own, _ = self._token_at(s.base, s.position)
+        if not long and allows(row, own):
+            return own
+        allowed = allowed_ids(row, len(self._pieces))
+        if not allowed:
+            return None
         if long:  # punctuation moves a pattern on (`@`, `.`, `,`) where letters may loop
             marks = [t for t in allowed if t in self._marks]
             if marks:
                 return marks[x % len(marks)]
-        own, _ = self._token_at(s.base, s.position)
-        if own in allowed_set:
+        if allows(row, own):
             return own
         plain = [t for t in allowed if t in self._plain]
-        choices = plain or [t for t in allowed if t != self._eos_id and t not in self._specials]
-        return (choices or allowed)[x % len(choices or allowed)]
+        others = [t for t in allowed if t != self._eos_id and t not in self._specials]
+        choices = plain or others or allowed
+        return choices[x % len(choices)]
 
     def _poison(self, s: _SimJob) -> StepOutput:
         return StepOutput(

@@ -3,6 +3,7 @@ loaded by `genq bench`. Prints the bench figures, the CPU seconds each process u
 worker-side timing breakdown (queue wait, time to first token) read back from the job records.
 
     python -m tests.bench.pipeline --concurrency 256 --requests 1024 --max-tokens 200 --step-ms 0
+    python -m tests.bench.pipeline --constrained ...   # the same, unconstrained then under a schema
 
 Starts a private redis-server (or uses --redis-url) and its own processes; stops them at the end.
 """
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | No
                 "--prompt-tokens",
                 str(args.prompt_tokens),
                 "--json",
+                *(["--json-schema", args.json_schema] if args.json_schema else []),
             ],
             capture_output=True,
             text=True,
@@ -163,15 +165,48 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--gateway-procs", type=int, default=1)
     ap.add_argument("--redis-url")
+    ap.add_argument(
+        "--constrained",
+        action="store_true",
+        help="run the workload twice, unconstrained and then every job under a JSON schema "
+        "whose output outlasts max_tokens (`LONG_SCHEMA`), and print both and their ratio",
+    )
     args = ap.parse_args()
+    args.json_schema = None
     with tempfile.TemporaryDirectory() as tmp:
-        if args.redis_url:
-            result = run(args, args.redis_url, Path(tmp))
+        if args.constrained:
+            schema = Path(tmp) / "schema.json"
+            schema.write_text(json.dumps(LONG_SCHEMA))
+            result = {"none": run_once(args, Path(tmp))}
+            args.json_schema = str(schema)
+            result["constrained"] = run_once(args, Path(tmp))
+            result["tokens_per_s_ratio"] = round(
+                result["constrained"]["tokens_per_s"] / result["none"]["tokens_per_s"], 3
+            )
         else:
-            with redis_server() as server:
-                assert server.proc is not None
-                result = run(args, server.url, Path(tmp), server.proc.pid)
+            result = run_once(args, Path(tmp))
     print(json.dumps(result, indent=1))
+
+
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "items": {"type": "array", "items": {"type": "string"}, "minItems": 1000},
+    },
+    "required": ["title", "items"],
+    "additionalProperties": False,
+}
+"""A JSON schema no job of the benchmark completes (1,000 items): each runs to max_tokens,
+as the unconstrained jobs do, so the two runs generate the same tokens."""
+
+
+def run_once(args: argparse.Namespace, tmp: Path) -> dict:
+    if args.redis_url:
+        return run(args, args.redis_url, tmp)
+    with redis_server() as server:
+        assert server.proc is not None
+        return run(args, server.url, tmp, server.proc.pid)
 
 
 if __name__ == "__main__":
