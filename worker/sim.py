@@ -294,13 +294,15 @@ class SimEngine:
         if not ready:
             time.sleep(min(s.ready_at for s in self._jobs.values()) - now)
             return []
-        if self._step_s:  # one decode step for the whole batch (0: none, as fast as it can)
-            time.sleep(self._step_s)
+        began = time.monotonic()
         constrained = [s for s in ready if s.matcher is not None and not s.poisoned]
-        if constrained:  # every constrained job's mask at once, in llguidance's threads
+        if constrained:  # every constrained job's mask at once, in llguidance's threads,
+            # during the step (as the GPU engines compute them during the forward pass)
             rows = self._grammar_set_masks().fill([s.matcher for s in constrained if s.matcher])
             for s, row in zip(constrained, rows, strict=True):
                 s.mask = row
+        if self._step_s:  # one decode step for the whole batch (0: none, as fast as it can)
+            time.sleep(max(0.0, self._step_s - (time.monotonic() - began)))
         outputs = [self._poison(s) if s.poisoned else self._advance(s) for s in ready]
         for out in outputs:
             if out.finish_reason is not None or out.error is not None:
