@@ -140,9 +140,19 @@ def _compile(tokenizer: Any, kind: ConstraintKind, value: Any, param: str) -> st
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
     if matcher.is_error():
         raise _invalid(param, kind, _first_line(matcher.get_error()))
-    if not matcher.is_accepting() and not any(matcher.compute_bitmask()):
+    if not matcher.is_accepting() and not _allows_more_than_eos(matcher, tokenizer):
         raise _invalid(param, kind, "it admits no output at all (nothing can be generated)")
     return grammar
+
+
+def _allows_more_than_eos(matcher: Any, tokenizer: Any) -> bool:
+    """Whether the first step allows a token other than EOS (llguidance allows EOS alone where
+    a grammar can go no further, as in one whose language is empty)."""
+    bits = bytearray(matcher.compute_bitmask())
+    for eos in tokenizer.eos_tokens:
+        if eos // 8 < len(bits):
+            bits[eos // 8] &= ~(1 << (eos % 8)) & 0xFF
+    return any(bits)
 
 
 def _invalid(param: str, kind: ConstraintKind, why: str) -> BadRequest:

@@ -113,6 +113,7 @@ async def test_max_tokens_cuts_a_constrained_output_short(stack: Stack) -> None:
         ({"regex": "(ab"}, "regex", "regex"),
         ({"grammar": 'start: a\na: "x" a'}, "grammar", "never end"),
         ({"grammar": "start: nosuchrule"}, "grammar", "grammar"),
+        ({"regex": "a[^\\x00-\\U0010FFFF]"}, "regex", "admits no output"),
         ({"json_schema": {"type": "object"}, "regex": "a"}, "body", "one constraint"),
         (
             {"json_schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}},
