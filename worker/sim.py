@@ -182,7 +182,9 @@ class SimEngine:
         self._marks = frozenset(
             t for t in self._plain if not self._tokenizer.decode([t]).strip().isalnum()
         )
-        self._specials = {self._tokenizer.token_to_id(t) for t in SPECIAL_TOKENS} - {None}
+        self._specials = [
+            t for name in SPECIAL_TOKENS if (t := self._tokenizer.token_to_id(name)) is not None
+        ]
         self.card = ModelCard(
             name=model_name,
             engine="sim",
