@@ -4,8 +4,10 @@ responses; cancel and expiry keep what finished and fail the rest, every line ex
 
 from __future__ import annotations
 
+import json
 import time
 
+import jsonschema
 import openai
 import pytest
 import redis
@@ -75,6 +77,36 @@ def test_a_completions_batch_keeps_logprobs(client: openai.OpenAI) -> None:
         assert body.choices[0].text == live.choices[0].text
         assert body.choices[0].logprobs == live.choices[0].logprobs
         assert body.choices[0].logprobs is not None and body.choices[0].logprobs.tokens
+
+
+def test_a_constrained_completions_batch_fits_its_schema_as_the_live_one(
+    client: openai.OpenAI,
+) -> None:
+    """Batch lines carry a constraint as the live endpoint's body does; the results fit it and
+    equal the live answers; a file with a line whose constraint cannot run is refused, the
+    line and the field named, as the live endpoint's 400 would name it."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
+        "required": ["n", "tag"],
+        "additionalProperties": False,
+    }
+    lines = [
+        completion_line(f"j{i}", "numbers", seed=i, max_tokens=40, json_schema=schema)
+        for i in range(4)
+    ]
+    bad = [*lines, completion_line("bad", "numbers", max_tokens=5, regex="(unclosed")]
+    with pytest.raises(openai.BadRequestError, match=r"line 5, body\.regex: regex: this regex"):
+        run_batch(client, bad, endpoint="/v1/completions")
+    batch = run_batch(client, lines, endpoint="/v1/completions")
+    assert batch.status == "completed"
+    out = by_custom_id(results(client, batch.output_file_id))
+    for line in lines:
+        body = Completion.model_validate(out[line["custom_id"]]["response"]["body"])
+        jsonschema.validate(json.loads(body.choices[0].text), schema)
+        args = {k: v for k, v in line["body"].items() if k != "json_schema"}
+        live = client.completions.create(**args, extra_body={"json_schema": schema})
+        assert body.choices[0].text == live.choices[0].text
 
 
 def test_failed_requests_go_to_the_error_file(client: openai.OpenAI) -> None:
