@@ -844,6 +844,13 @@ class EngineSettings(BaseSettings):
     sim_max_seq_len: int = Field(
         default=8192, ge=16, description="sim engine: its context length in tokens"
     )
+    sim_cache_tokens: int = Field(
+        default=262_144,
+        ge=0,
+        description="sim engine: its prefix cache, in tokens (pages of 256 named by their "
+        "hash chain, least recently used dropped first; a job's cached prompt pages cost no "
+        "prefill time and count as usage's cached tokens); 0: none",
+    )
     sim_poison_marker: str | None = Field(
         default=None,
         min_length=1,

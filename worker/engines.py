@@ -62,6 +62,7 @@ def build_engine(settings: EngineSettings) -> Engine:
             step_ms=settings.sim_step_ms,
             prefill_ms_per_1k=settings.sim_prefill_ms_per_1k,
             max_seq_len=settings.sim_max_seq_len,
+            cache_tokens=settings.sim_cache_tokens,
             poison_marker=settings.sim_poison_marker,
         )
     if settings.engine == "exllamav3":

@@ -5,6 +5,12 @@ request always gives the same text, and a job resumed at position k continues ex
 undisturbed run would. Each decode step takes `step_ms` whatever the batch size (like a GPU
 step); a new job first waits a prefill delay proportional to its prompt length.
 
+Prefix cache (`cache_tokens`, GENQ_SIM_CACHE_TOKENS; off when 0): like the GPU engines' it
+holds pages of 256 tokens, named by their hash chain (shared/pages.py), least recently used
+dropped first. A job's leading prompt pages found there cost no prefill time and are its
+usage's cached tokens; its prompt's pages are cached when it starts, and its reply's when it
+ends (a conversation's next turn finds its history).
+
 Fault injection (tests only, off by default): with `poison_marker` set, a job whose prompt
 contains that string fails in the engine at its first decode step, on every attempt, while the
 rest of the batch goes on: the worker's poison-job path (retry, then dead-letter) under test.
@@ -38,11 +44,13 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from shared.pages import PAGE_TOKENS, page_hashes, shared_pages
 from shared.schemas import ModelCard
 from worker.constraint import (
     ConstraintError,
@@ -117,6 +125,10 @@ class _SimJob:
     """The job's constraint (`EngineJob.grammar`), advanced over every token emitted."""
     mask: memoryview | None = None
     """This step's next-token mask of `matcher` (a row of the engine's `MaskBatch`)."""
+    cached: int = 0
+    """Prompt tokens found in the prefix cache (not prefilled again)."""
+    generated: list[int] = field(default_factory=list)
+    """Token ids emitted (kept only with a prefix cache: its pages are cached at the end)."""
 
 
 class SimEngine:
@@ -154,6 +166,7 @@ class SimEngine:
         max_batch: int = 256,
         step_ms: float = 20.0,
         prefill_ms_per_1k: float = 5.0,
+        cache_tokens: int = 0,
         max_seq_len: int = 8192,
         poison_marker: str | None = None,
         chat_template: str | None = CHAT_TEMPLATE,
@@ -162,6 +175,9 @@ class SimEngine:
         self._poison_marker = poison_marker
         self._step_s = step_ms / 1000.0
         self._prefill_s_per_token = prefill_ms_per_1k / 1000.0 / 1000.0
+        self._cache_pages = cache_tokens // PAGE_TOKENS
+        self._cache: OrderedDict[int, None] = OrderedDict()
+        """Page hashes (`shared.pages`) the prefix cache holds, least recently used first."""
         self._tokenizer = build_tokenizer()
         self.tokenizer_json = self._tokenizer.to_str()
         self._words = self._single_token_words()
@@ -231,13 +247,15 @@ class SimEngine:
                 f"the job needs {need} tokens (prompt + max_tokens), over this engine's "
                 f"max_seq_len of {self.card.max_seq_len}"
             )
-        prompt = len(job.input_ids) + len(job.resume_ids)
+        prompt = [*job.input_ids, *job.resume_ids]
+        cached = self._cached_prefix(prompt)
         sim = _SimJob(
             job=job,
             base=_job_base(job),
-            ready_at=time.monotonic() + prompt * self._prefill_s_per_token,
+            ready_at=time.monotonic() + (len(prompt) - cached) * self._prefill_s_per_token,
             position=len(job.resume_ids),
             poisoned=self._is_poisoned(job),
+            cached=min(cached, len(job.input_ids)),
         )
         if job.grammar is not None:
             try:
@@ -247,6 +265,28 @@ class SimEngine:
         if job.resume_ids and job.text:
             self._resume(sim)
         self._jobs[job.id] = sim
+
+    def _cached_prefix(self, ids: list[int]) -> int:
+        """Tokens of `ids` the prefix cache holds (whole leading pages), and every full page of
+        `ids` cached from now (prefilled now, or used again), most recently used last."""
+        if not self._cache_pages:
+            return 0
+        chain = page_hashes(ids)
+        hit = shared_pages(chain, self._cache.keys())
+        self._remember(chain)
+        return hit * PAGE_TOKENS
+
+    def _remember(self, chain: list[int]) -> None:
+        for h in chain:
+            self._cache[h] = None
+            self._cache.move_to_end(h)
+        while len(self._cache) > self._cache_pages:
+            self._cache.popitem(last=False)
+
+    @property
+    def cached_pages(self) -> list[int]:
+        """The page hashes the prefix cache holds, least recently used first."""
+        return list(self._cache)
 
     def _grammar_set(self) -> Grammars:
         if self._grammars is None:
@@ -308,7 +348,11 @@ class SimEngine:
         outputs = [self._poison(s) if s.poisoned else self._advance(s) for s in ready]
         for out in outputs:
             if out.finish_reason is not None or out.error is not None:
-                del self._jobs[out.job_id]
+                ended = self._jobs.pop(out.job_id)
+                if self._cache_pages and out.error is None:  # the reply's pages stay cached
+                    self._remember(
+                        page_hashes([*ended.job.input_ids, *ended.job.resume_ids, *ended.generated])
+                    )
         return outputs
 
     def _advance(self, s: _SimJob) -> StepOutput:
@@ -321,7 +365,11 @@ class SimEngine:
         else:
             token_id, piece = self._token_at(s.base, s.position)
         s.position += 1
-        out = StepOutput(job.id, token_ids=[token_id], prompt_tokens=len(job.input_ids))
+        if self._cache_pages:
+            s.generated.append(token_id)
+        out = StepOutput(
+            job.id, token_ids=[token_id], prompt_tokens=len(job.input_ids), cached_tokens=s.cached
+        )
         if job.sampling.logprobs is not None:
             out.logprobs = [
                 self._logprob(s.base, s.position, token_id, piece, job.sampling.logprobs)
@@ -362,7 +410,12 @@ class SimEngine:
         if token_id is None:
             return StepOutput(job.id, error=f"sim engine: the constraint allows nothing: {m.error}")
         if token_id == self._eos_id:
-            return StepOutput(job.id, finish_reason="stop", prompt_tokens=len(job.input_ids))
+            return StepOutput(
+                job.id,
+                finish_reason="stop",
+                prompt_tokens=len(job.input_ids),
+                cached_tokens=s.cached,
+            )
         if not m.consume(token_id):
             return StepOutput(job.id, error=f"sim engine: token {token_id} left the constraint")
         return token_id, self._pieces[token_id]

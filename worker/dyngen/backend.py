@@ -7,9 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-PAGE_TOKENS = 256
-"""The page of both libraries' paged caches (exllamav2's paged attention,
-`exllamav3.constants.PAGE_SIZE`); cache and chunk sizes are multiples of it."""
+from shared.pages import PAGE_TOKENS as PAGE_TOKENS
+
+# PAGE_TOKENS: the page of both libraries' paged caches (exllamav2's paged attention,
+# `exllamav3.constants.PAGE_SIZE`); cache and chunk sizes are multiples of it.
 DEFAULT_CACHE_TOKENS_PER_JOB = 1024
 """Default cache size per batch slot when `cache_tokens` is not set: room for a typical
 prompt + reply without paying for a cache sized for the worst case (which costs speed)."""
