@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 PAGE_TOKENS = 256
 """Tokens per cache page (exllamav2's paged attention, exllamav3's PAGE_SIZE)."""
@@ -35,7 +35,7 @@ def page_hashes(token_ids: Sequence[int], page: int = PAGE_TOKENS) -> list[int]:
     return out
 
 
-def shared_pages(chain: Sequence[int], held: set[int] | frozenset[int]) -> int:
+def shared_pages(chain: Sequence[int], held: Collection[int]) -> int:
     """How many leading pages of `chain` are in `held` (a prefix cache reuses no page after
     the first it lacks)."""
     n = 0
