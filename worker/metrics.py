@@ -107,6 +107,16 @@ class WorkerMetrics:
             "genq_request_generation_tokens", "Generated tokens per job.", tokens
         )
         self.prompt_tokens = counter("genq_prompt_tokens", "Prompt tokens of jobs ended here.")
+        self.prefix_queries = counter(
+            "genq_prefix_cache_queries",
+            "Prompt tokens looked up in the engine's prefix cache (jobs ended here; vLLM's name).",
+        )
+        self.prefix_hits = counter(
+            "genq_prefix_cache_hits",
+            "Prompt tokens the engine found in its prefix cache and did not prefill again.",
+        )
+        self.hit_ratio = (0, 0)
+        """(hits, queries) since start: `genq_prefix_cache_hit_ratio` at scrape."""
         self._success = Counter(
             "genq_request_success",
             "Jobs that ended here with a finish reason (abort: cancelled).",
@@ -160,6 +170,10 @@ class WorkerMetrics:
             self.decode.observe(max(0.0, end - first))
         prompt = run.prompt_tokens or len(run.spec.input_ids)
         self.prompt_tokens.inc(prompt)
+        cached = min(run.cached_tokens, prompt)
+        self.prefix_queries.inc(prompt)
+        self.prefix_hits.inc(cached)
+        self.hit_ratio = (self.hit_ratio[0] + cached, self.hit_ratio[1] + prompt)
         self.prompt_hist.observe(prompt)
         self.generation_hist.observe(len(run.resumed_ids) + len(run.token_ids))
         outcome = run.outcome or "failed"
@@ -226,6 +240,13 @@ class _Gauges:
 
         yield gauge("genq_num_requests_running", "Jobs running in the engine here.", running)
         yield gauge("genq_num_requests_waiting", "Claims here waiting to start.", waiting)
+        hits, queries = self.metrics.hit_ratio
+        yield gauge(
+            "genq_prefix_cache_hit_ratio",
+            "Share of prompt tokens served from the engine's prefix cache, jobs ended here "
+            "since the worker started (0 to 1; the counters give it over any window).",
+            hits / queries if queries else 0.0,
+        )
         yield gauge(
             "genq_kv_cache_usage_perc",
             "KV-cache in use, 1 = 100 % (the worker's admission count; 0 for an engine "

@@ -252,3 +252,24 @@ async def test_one_of_two_gateways_exports_the_fleet_and_a_closing_one_hands_ove
     finally:
         for s in stacks:
             await s.aclose()
+
+
+async def test_prefix_cache_hits_reach_usage_and_the_metrics(settings: Settings, redis) -> None:  # type: ignore[no-untyped-def]
+    """The same long prompt twice on a sim with a prefix cache: the second job's usage counts
+    its cached pages, and the worker's hit counters and ratio say so."""
+    prompt = " ".join(["the model queue worker gateway"] * 120)  # > 2 pages of 256 tokens
+    async with running_stack(settings, redis, cache_tokens=4096) as stack:
+        first = await stack.submit(prompt=prompt, max_tokens=3)
+        one = await stack.wait_status(first["id"], "succeeded")
+        second = await stack.submit(prompt=prompt, max_tokens=3)
+        two = await stack.wait_status(second["id"], "succeeded")
+        st = stack.worker.st
+        me = {"model": "sim", "worker": st.id}
+        found = await counted(st.metrics, "genq_prefix_cache_hits_total", **me)
+    assert one["usage"]["cached_tokens"] == 0
+    cached = two["usage"]["cached_tokens"]
+    assert cached >= 512 and cached % 256 == 0
+    prompts = one["usage"]["prompt_tokens"] + two["usage"]["prompt_tokens"]
+    assert value(found, "genq_prefix_cache_hits_total", **me) == cached
+    assert value(found, "genq_prefix_cache_queries_total", **me) == prompts
+    assert value(found, "genq_prefix_cache_hit_ratio", **me) == pytest.approx(cached / prompts)
