@@ -28,6 +28,7 @@ from gateway.keepalive import KeepaliveTicker
 from gateway.metrics import GatewayMetrics, ResponseMetrics
 from gateway.middleware import Authenticate, BodyLimit
 from gateway.openai import routes as openai_routes
+from gateway.placement import StealSweep
 from gateway.presence import Presence
 from gateway.pubsub import PubSubRouter
 from gateway.pubsub_wire import (
@@ -155,9 +156,12 @@ async def _start(
     app.state.dashboard = dashboard = DashboardHub(settings, client, keys)
     runtime.tune_gc()
     sweep = DeadlineSweep(settings, client, scripts, keys)
+    metrics: GatewayMetrics = app.state.metrics
+    jobs.placement.counted = metrics.placed
+    steal = StealSweep(settings, client, scripts, keys, metrics.placed)
     app.state.compactor = compactor = Compactor(settings, client, scripts, keys)
     app.state.keepalives = keepalives = KeepaliveTicker(settings.sse_keepalive_s)
-    _start_tasks(stack, router, state, fleet, sweep, compactor, keepalives)
+    _start_tasks(stack, router, state, fleet, sweep, compactor, keepalives, steal)
     groups = await queues.start(client, keys, settings.queue_models)
     stack.push_async_callback(queues.stop, groups)
     batches.start()
@@ -174,6 +178,7 @@ def _start_tasks(
     sweep: DeadlineSweep,
     compactor: Compactor,
     keepalives: KeepaliveTicker,
+    steal: StealSweep,
 ) -> None:
     """The background loops; at shutdown the router closes first (its receive loop ends),
     then every loop is cancelled and awaited."""
@@ -187,6 +192,8 @@ def _start_tasks(
         "sse-keepalives": keepalives.run,
         "admission-repair": state.admission.repair_loop,
         "gateway-presence": state.presence.run,
+        "placement": state.jobs.placement.run,
+        "steal-sweep": steal.run,
     }
     for name, loop in loops.items():
         background.append(asyncio.create_task(loop(), name=name))

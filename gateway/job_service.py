@@ -19,6 +19,7 @@ from gateway import access_log
 from gateway.admission import AdmissionControl
 from gateway.constraints import ConstraintChecker
 from gateway.identity import Identity
+from gateway.placement import Placement
 from gateway.registry import LoadedCard, ModelRegistry
 from shared import events
 from shared.compact import CompactLog
@@ -89,6 +90,7 @@ class JobService:
             self.keys, settings.recent_jobs, settings.event_compact_grace_s
         )
         self.admission = AdmissionControl(settings, redis, scripts, self.keys)
+        self.placement = Placement(settings, redis, self.keys, registry.live_workers)
         self.constraints = ConstraintChecker(settings)
         self._short_of_replicas = False
         """The last submit was answered with fewer replicas than GENQ_REDIS_WAIT_REPLICAS."""
@@ -279,6 +281,9 @@ class JobService:
             seq=1, id=spec.id, model=spec.model, priority=spec.priority, prompt_tokens=prompt_tokens
         )
         admission = self.admission.admission(caller, spec)
+        meta = body.metadata
+        conversation = meta.get("prompt_cache_key") or meta.get("user")
+        lane = self.placement.lane(spec, conversation if isinstance(conversation, str) else None)
         call = self.transitions.submit(
             record,
             queued_event=events.encode(queued),
@@ -287,6 +292,7 @@ class JobService:
             idempotency_claim=IdempotencyClaim(job=spec.id, fingerprint=fingerprint).encode(),
             idempotency_ttl_s=idempotency_ttl_s or self.settings.idempotency_ttl_s,
             admission=admission,
+            lane=lane,
         )
         return Submission(call, record)
 

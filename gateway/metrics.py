@@ -83,6 +83,16 @@ class GatewayMetrics:
             ["route"],
             registry=r,
         )
+        self._placements = Counter(
+            "genq_placements",
+            "Jobs by where placement put them: prefix (the worker caching their prompt), key "
+            "(their conversation's worker), shared (the shared queue); stolen: moved from a "
+            "worker's lane to the shared queue (steal deadline passed, or the worker died).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("prefix", "key", "shared", "stolen"):
+            self._placements.labels(outcome)
         self._process = ProcessCollector(registry=None if self.multiprocess else r)
         self._process_gauges = (
             {
@@ -97,6 +107,9 @@ class GatewayMetrics:
         """More exposition text to answer with: `genq serve`'s in-process worker's."""
         self.fleet: bytes = b""
         """The fleet's gauges as exposition text, while this process exports them."""
+
+    def placed(self, outcome: str, jobs: int = 1) -> None:
+        self._placements.labels(outcome).inc(jobs)
 
     def responded(self, route: str, method: str, status: int) -> None:
         """One response. Each label set's child is looked up once: `labels()` validates and

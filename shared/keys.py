@@ -32,6 +32,24 @@ class Keys:
         """The two streams of a model's priority: (queue, overflow)."""
         return self.queue(model, priority), self.overflow(model, priority)
 
+    def placed(self, model: str, priority: Priority, worker_id: str) -> str:
+        """Stream: one worker's own lane of a model's priority (placement: jobs whose prompt
+        its cache holds wait here for it, a bounded time, before any worker may take them)."""
+        return f"{self.prefix}queue:{model}:{priority}:w:{worker_id}"
+
+    def placed_prefix(self, model: str, priority: Priority) -> str:
+        """What every worker's lane of a model's priority starts with (then its worker id)."""
+        return f"{self.prefix}queue:{model}:{priority}:w:"
+
+    def placed_lanes(self) -> str:
+        """Set: every worker lane that was ever given a job (the steal sweep walks it)."""
+        return f"{self.prefix}placed-lanes"
+
+    def cache_summary(self, worker_id: str) -> str:
+        """String with TTL: the page hashes a worker's engine cache holds (shared/pages.py),
+        8 bytes each, most recently used last."""
+        return f"{self.prefix}cache:{worker_id}"
+
     def job(self, job_id: str) -> str:
         """Hash: the job record."""
         return f"{self.prefix}job:{{{job_id}}}"

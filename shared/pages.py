@@ -10,6 +10,7 @@ summarises its cache as the set of hashes it holds.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import struct
 from collections.abc import Collection, Sequence
@@ -44,3 +45,21 @@ def shared_pages(chain: Sequence[int], held: Collection[int]) -> int:
             break
         n += 1
     return n
+
+
+def pack_summary(hashes: Sequence[int]) -> str:
+    """Page hashes as a worker publishes them (`Keys.cache_summary`): little-endian 64-bit,
+    base64 (Redis clients here read text)."""
+    return base64.b64encode(struct.pack(f"<{len(hashes)}Q", *hashes)).decode()
+
+
+def unpack_summary(text: str | None) -> frozenset[int]:
+    """The page hashes of a published summary (none for a missing or damaged one)."""
+    if not text:
+        return frozenset()
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError:
+        return frozenset()
+    n = len(raw) // 8
+    return frozenset(struct.unpack(f"<{n}Q", raw[: n * 8]))

@@ -311,6 +311,10 @@ class Heartbeat(HashModel):
     engine_down: str | None = None
     """Why the engine cannot take jobs now (its process died or stalled and restarts)."""
     engine_restarts: int = 0
+    cache_version: int = 0
+    """Changes whenever the worker's cache summary (`Keys.cache_summary`) does."""
+    cache_pages: int = 0
+    """Pages its cache model holds (worker/cachemodel.py)."""
     engine_step_ms: float = 0.0
     """Mean time of the engine's own step since the last beat, in the engine process."""
     worker_step_ms: float = 0.0

@@ -111,6 +111,8 @@ SUBMIT = ScriptArgs(
         "admission_checks",
         "overflow",
         "recent",
+        "placed",
+        "placed_lanes",
     ),
     argv=(
         "job_id",
@@ -185,6 +187,9 @@ BATCH_UPDATE = ScriptArgs(
     rest="record (field, value) pairs",
 )
 LEASE = ScriptArgs("lease", keys=("lease",), argv=("token", "action", "ttl_ms"))
+STEAL = ScriptArgs(
+    "steal", keys=("lane", "queue", "placed_lanes"), argv=("group", "older_ms", "dead", "limit")
+)
 
 DECLARED: dict[str, ScriptArgs] = {
     s.name: s
@@ -206,6 +211,7 @@ DECLARED: dict[str, ScriptArgs] = {
         BATCH_RESULTS,
         BATCH_UPDATE,
         LEASE,
+        STEAL,
     )
 }
 """Every script's declaration, by name."""

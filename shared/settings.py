@@ -415,6 +415,40 @@ class GatewaySettings(JobSettings):
         description="how often one gateway compacts the event logs of jobs finished longer "
         "than GENQ_EVENT_COMPACT_GRACE_S ago",
     )
+    placement: bool = Field(
+        default=True,
+        description="cache-aware placement: a job whose prompt a worker's prefix cache holds "
+        "(or whose conversation key hashes to it) waits in that worker's own lane, a bounded "
+        "time, instead of the shared queue",
+    )
+    placement_wait_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="longest a placed job waits in its worker's lane before any worker may "
+        "take it (the steal deadline); a dead worker's lane is emptied at once",
+    )
+    placement_max_load: float = Field(
+        default=1.0,
+        gt=0,
+        description="a worker this loaded (jobs running, waiting and just placed, over its "
+        "batch size) gets no placed job: it goes to the shared queue",
+    )
+    placement_min_pages: int = Field(
+        default=1,
+        ge=1,
+        description="pages of 256 tokens a worker's cache must hold of a prompt to place it",
+    )
+    placement_refresh_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="how often a gateway process reads workers' beats and changed cache summaries",
+    )
+    placement_sweep_s: float = Field(
+        default=0.25,
+        gt=0,
+        description="how often one gateway moves jobs past the steal deadline (and a dead "
+        "worker's) from worker lanes to the shared queues",
+    )
     deadline_sweep_s: float = Field(
         default=1.0,
         gt=0,

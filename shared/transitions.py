@@ -291,7 +291,9 @@ class Transitions:
         idempotency_claim: str,
         idempotency_ttl_s: int,
         admission: Admission,
+        lane: str | None = None,
     ) -> Call[SubmitReply]:
+        """`lane`: the worker lane placement chose (`Keys.placed`), None for the shared queue."""
         spec = record.spec
         entry_fields = entry.to_hash()
         k = self.keys
@@ -305,6 +307,8 @@ class Transitions:
             "admission_checks": k.admission_checks(),
             "overflow": k.overflow(spec.model, spec.priority),
             "recent": k.recent_jobs(),
+            "placed": lane or "",
+            "placed_lanes": k.placed_lanes(),
         }
         scopes: list[Arg] = []
         for q in admission.quotas:
@@ -433,6 +437,20 @@ class Transitions:
 
     def release_idempotency(self, key: str, *, claim: str) -> Call[bool]:
         return call(lua.RELEASE_IDEMPOTENCY, _truthy, {"idempotency": key}, {"claim": claim})
+
+    def steal(
+        self, lane: str, queue: str, *, group: str, older_ms: int, dead: bool, limit: int
+    ) -> Call[tuple[int, int]]:
+        """Move a worker lane's waiting entries older than `older_ms` (all: `dead`) to
+        `queue`; (moved, still waiting)."""
+        keys = {"lane": lane, "queue": queue, "placed_lanes": self.keys.placed_lanes()}
+        args: dict[str, Arg] = {
+            "group": group,
+            "older_ms": older_ms,
+            "dead": "1" if dead else "0",
+            "limit": limit,
+        }
+        return call(lua.STEAL, lambda r: (int(r[0]), int(r[1])), keys, args)
 
     def delete_idle_consumer(self, queue: str, *, group: str, consumer: str) -> Call[bool]:
         args: dict[str, Arg] = {"group": group, "consumer": consumer}

@@ -122,18 +122,22 @@ class Claimer:
         return min(st.settings.interactive_reserve, st.engine.max_batch // RESERVE_SHARE)
 
     def _interactive_lanes(self) -> list[str]:
-        return [self.st.queues["interactive"], self.st.overflow["interactive"]]
+        st = self.st
+        return [st.placed["interactive"], st.queues["interactive"], st.overflow["interactive"]]
 
     def _lanes(self, priority: Priority) -> list[tuple[str, int | None]]:
-        """(stream, most to take from it) in the order to read them."""
-        queue, overflow = self.st.queues[priority], self.st.overflow[priority]
-        if self._since_overflow[priority] >= self.st.settings.overflow_share:
-            return [(overflow, 1), (queue, None), (overflow, None)]
-        return [(queue, None), (overflow, None)]
+        """(stream, most to take from it) in the order to read them: this worker's own lane
+        first (jobs placed here for its cache, which no other worker takes before their
+        steal deadline), then the queue and the overflow."""
+        st = self.st
+        queue, overflow, own = st.queues[priority], st.overflow[priority], st.placed[priority]
+        if self._since_overflow[priority] >= st.settings.overflow_share:
+            return [(own, None), (overflow, 1), (queue, None), (overflow, None)]
+        return [(own, None), (queue, None), (overflow, None)]
 
     def _count(self, claim: Claim) -> None:
         st = self.st
-        is_batch = claim.queue in (st.queues["batch"], st.overflow["batch"])
+        is_batch = claim.queue in (st.queues["batch"], st.overflow["batch"], st.placed["batch"])
         self._claims_since_batch = 0 if is_batch else self._claims_since_batch + 1
         priority: Priority = "batch" if is_batch else "interactive"
         from_overflow = claim.queue == st.overflow[priority]
@@ -314,6 +318,7 @@ class Claimer:
             text_parts=list(resumed[1]),
         )
         st.running[spec.id] = run
+        st.cache.touch([*spec.input_ids, *resumed[0]])  # prefilled now: cached from here on
         st.metrics.attempts.inc()
         st.dirty.add(spec.id)
         run.started(st.id)

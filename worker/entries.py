@@ -26,10 +26,11 @@ async def ensure_groups(st: WorkerState) -> None:
 
 
 async def requeue(st: WorkerState, claim: Claim) -> None:
-    """A fresh queue entry for the job, and ours acknowledged, in one transaction."""
+    """A fresh queue entry for the job, and ours acknowledged, in one transaction. One taken
+    from a worker lane goes to the shared queue: any worker may take it now."""
     pipe = st.redis.pipeline(transaction=True)
     entry = QueueEntry(job=claim.job_id, tokens=claim.need_tokens, owner=claim.owner)
-    pipe.xadd(claim.queue, entry.to_hash())
+    pipe.xadd(st.shared_queue(claim.queue), entry.to_hash())
     pipe.xack(claim.queue, CONSUMER_GROUP, claim.entry_id)
     pipe.xdel(claim.queue, claim.entry_id)
     await pipe.execute()

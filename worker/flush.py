@@ -193,6 +193,7 @@ class Flusher:
             elif run.end is not None:
                 run.remember(events, st.settings.log_repair_window_s)
                 st.metrics.ended(run)
+                st.cache.touch([*run.spec.input_ids, *run.resumed_ids, *run.token_ids])
                 st.finish(run)
                 joblog.ended(st, run)
                 ended.append(run.claim)

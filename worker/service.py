@@ -50,6 +50,7 @@ from shared.redis_health import failure_level
 from shared.redisconn import connect
 from shared.settings import WorkerSettings
 from shared.transitions import ScriptRunner, Transitions
+from worker.cachemodel import CacheModel, modelled_pages
 from worker.claims import Claimer
 from worker.control import Control
 from worker.engine import Engine
@@ -121,6 +122,14 @@ class Worker:
             transitions=Transitions(keys, settings.recent_jobs, settings.event_compact_grace_s),
             queues={p: keys.queue(model, p) for p in PRIORITIES},
             overflow={p: keys.overflow(model, p) for p in PRIORITIES},
+            placed={p: keys.placed(model, p, worker_id) for p in PRIORITIES},
+            cache=CacheModel(
+                modelled_pages(
+                    engine.admission.page_size,
+                    engine.admission.total_pages,
+                    settings.sim_cache_tokens,
+                )
+            ),
             lease=LeaseClock(settings.lease_s),
             metrics=WorkerMetrics(
                 model,

@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from shared.keys import Keys, Priority
 from shared.settings import WorkerSettings
 from shared.transitions import ScriptRunner, Transitions
+from worker.cachemodel import CacheModel
 from worker.engine import Stop
 from worker.jobstate import Claim, FinishedJob, RunningJob
 from worker.lease import LeaseClock
@@ -57,6 +58,10 @@ class WorkerState:
     queues: dict[Priority, str]
     overflow: dict[Priority, str]
     """Per priority, beside its queue: jobs of owners past their fair share in flight."""
+    placed: dict[Priority, str]
+    """Per priority: this worker's own lane (placement: jobs its cache suits wait here)."""
+    cache: CacheModel
+    """What its engine's prefix cache holds (worker/cachemodel.py), published for placement."""
     lease: LeaseClock
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     running: dict[str, RunningJob] = field(default_factory=dict)
@@ -143,8 +148,16 @@ class WorkerState:
         self.stop(run, Stop("cancelled", reason))
 
     def streams(self) -> list[str]:
-        """Every stream this worker claims from (queues and overflows)."""
-        return [*self.queues.values(), *self.overflow.values()]
+        """Every stream this worker claims from (its lanes, queues and overflows)."""
+        return [*self.placed.values(), *self.queues.values(), *self.overflow.values()]
+
+    def shared_queue(self, stream: str) -> str:
+        """Where an entry taken from `stream` goes back to: a worker lane's (this worker's or
+        a dead one's) to the model's shared queue of its priority, any other to itself."""
+        for priority in self.queues:
+            if stream.startswith(self.keys.placed_prefix(self.model, priority)):
+                return self.queues[priority]
+        return stream
 
     def free_slots(self) -> int:
         if self.engine.down is not None:  # nothing can start until it is back

@@ -45,6 +45,8 @@ class Upkeep:
         self._redis_run_id: str | None = None
         self._trimmed = True
         """Freed memory was handed back since the worker last held a job."""
+        self._published_cache = -1
+        """The cache model's version the last beat wrote (-1: none yet)."""
 
     async def heartbeat_loop(self) -> None:
         st = self.st
@@ -91,9 +93,15 @@ class Upkeep:
         if unset:
             pipe.hdel(key, *unset)
         pipe.pexpire(key, lease_ms)
+        summary = st.keys.cache_summary(st.id)
+        if hb.cache_version != self._published_cache:  # what placement reads of this cache
+            pipe.set(summary, st.cache.summary(), px=lease_ms)
+        else:
+            pipe.pexpire(summary, lease_ms)
         pipe.zadd(st.keys.workers(), {st.id: time.time() + st.settings.lease_s})
         pipe.sadd(st.keys.models(), st.model)
         card_exists, *_ = await pipe.execute()
+        self._published_cache = hb.cache_version
         # Not after a lapsed lease: the entries may have moved to another worker meanwhile.
         if st.lease.held():
             await self._touch_held()
@@ -188,6 +196,8 @@ class Upkeep:
             kv_pages_used=kv_used,
             kv_pages_total=kv_total,
             waiting=len(st.waiting),
+            cache_version=st.cache.version,
+            cache_pages=len(st.cache),
         )
 
     async def _expire_queued(self) -> None:
@@ -216,6 +226,13 @@ class Upkeep:
             for queue in st.streams():
                 await self._reclaim(queue)
                 await self._forget_dead(queue)
+            for lane in await self._other_lanes():
+                try:
+                    await self._reclaim(lane)
+                    await self._forget_dead(lane)
+                except ResponseError as exc:  # a lane its worker never read: no group
+                    if "NOGROUP" not in str(exc):
+                        raise
 
         await keep_running(
             step,
@@ -225,6 +242,16 @@ class Upkeep:
             redis=st.redis,
             running=lambda: not st.closing,
         )
+
+    async def _other_lanes(self) -> list[str]:
+        """Other workers' lanes of this worker's model: what a dead one had started is
+        pending there and is reclaimed like any entry (what it had not, the steal sweep
+        moves to the shared queue)."""
+        st = self.st
+        lanes: set[str] = await st.redis.smembers(st.keys.placed_lanes())
+        mine = set(st.placed.values())
+        prefixes = tuple(st.keys.placed_prefix(st.model, p) for p in st.queues)
+        return sorted(lane for lane in lanes if lane.startswith(prefixes) and lane not in mine)
 
     async def _forget_dead(self, queue: str) -> None:
         """A crashed worker's consumer, once it holds no entry (all reclaimed) and its lease

@@ -101,6 +101,12 @@ class _OpenAIParams(OpenAIRequest):
     n: Annotated[int, Field(ge=1), JSON_INTEGER] = 1
     stop: Stop = None
     user: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    prompt_cache_key: str | None = Field(
+        default=None,
+        max_length=MAX_NAME_CHARS,
+        description="keeps a conversation's jobs on one worker (its prefix cache) when the "
+        "prompt alone does not tell",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = Field(

@@ -192,7 +192,7 @@ async def prepare_jobs(
             index = len(jobs)
             job_id = request_id if index == 0 else uuid.uuid4().hex
             seed = None if body.seed is None else (body.seed + j) % (MAX_SEED + 1)
-            meta = _metadata(p.kind, run.id, index, req.user)
+            meta = _metadata(p.kind, run.id, index, req.user, req.prompt_cache_key)
             jobs.append(
                 (
                     body.model_copy(update={"seed": seed, "metadata": meta}),
@@ -610,8 +610,12 @@ def _fingerprint(kind: str, req: SamplingParams) -> str:
     return hashlib.sha256(f"{kind}:{canonical}".encode()).hexdigest()
 
 
-def _metadata(kind: str, request_id: str, index: int, user: str | None) -> dict[str, Any]:
+def _metadata(
+    kind: str, request_id: str, index: int, user: str | None, cache_key: str | None = None
+) -> dict[str, Any]:
     meta: dict[str, Any] = {"api": f"openai.{kind}", "request": request_id, "choice": index}
     if user is not None:
         meta["user"] = user
+    if cache_key is not None:
+        meta["prompt_cache_key"] = cache_key
     return meta

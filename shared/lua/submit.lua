@@ -4,6 +4,9 @@
 -- Fairness between owners: an owner with `fair share` jobs in flight already (its counter
 -- field) has this one wait in the overflow stream, so its backlog cannot stand between
 -- another owner's job and the workers.
+-- Placement: K.placed, when not '', is the lane of the worker whose cache holds the job's
+-- prompt: the job waits there (unless its owner is past its fair share) and the lane joins
+-- K.placed_lanes, which the steal sweep walks.
 -- KEYS and ARGV: SUBMIT in shared/scripts.py. K.idempotency is '' for none, A.claim what the
 -- key holds, A.deadline '' for none, A.fair_share 0 for off; the admission keys and scopes:
 -- see admit in prelude.lua (a scope's max 0 = no limit).
@@ -30,6 +33,9 @@ local queue = K.queue
 local share = tonumber(A.fair_share)
 if share > 0 and tonumber(redis.call('HGET', K.admission_counts, A.fair_field) or '0') >= share then
   queue = K.overflow
+elseif K.placed ~= '' then
+  queue = K.placed
+  redis.call('SADD', K.placed_lanes, K.placed)
 end
 redis.call('XADD', queue, '*', unpack(ARGV, entry_from, entry_to))
 if A.deadline ~= '' then redis.call('ZADD', K.deadlines, A.deadline, A.job_id) end

@@ -1,0 +1,157 @@
+"""Cache-aware placement through the gateway app and two in-process sim workers with prefix
+caches: a conversation's next turn goes to the worker that holds its history; a job placed on
+a worker that does not take it is stolen after the deadline; a dead worker's lane is emptied at
+once; placement off is the shared queue."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import fakeredis
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.app import create_app
+from shared.keys import Keys
+from shared.pages import pack_summary, page_hashes
+from shared.settings import Settings
+from tests.conftest import _drop_keys
+from worker.service import Worker
+from worker.sim import SimEngine, build_tokenizer
+
+pytestmark = pytest.mark.parametrize("redis", ["redis"], indirect=True)
+
+HISTORY = " ".join(["the model queue worker gateway stream batch cache"] * 70)  # ~560 tokens
+
+
+@contextlib.asynccontextmanager
+async def fleet(
+    settings: Settings, redis: aioredis.Redis, workers: int = 2
+) -> AsyncIterator[tuple[httpx.AsyncClient, list[Worker]]]:
+    ws = [
+        Worker(
+            settings,
+            SimEngine(step_ms=2, cache_tokens=64 * 256, prefill_ms_per_1k=20),
+            redis=redis,
+        )
+        for _ in range(workers)
+    ]
+    tasks = [asyncio.create_task(w.run()) for w in ws]
+    app = create_app(
+        settings, redis=redis, raw_pubsub=not isinstance(redis, fakeredis.FakeAsyncRedis)
+    )
+    try:
+        async with app.router.lifespan_context(app):
+            while len(await redis.zrange(Keys(settings.key_prefix).workers(), 0, -1)) < workers:
+                await asyncio.sleep(0.02)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://genq") as client:
+                yield client, ws
+    finally:
+        for w in ws:
+            w.stop()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        await _drop_keys(redis, settings.key_prefix)
+
+
+async def run_job(client: httpx.AsyncClient, **body: object) -> dict:
+    r = await client.post("/v1/jobs", json={"model": "sim", "max_tokens": 8, **body})
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    async with asyncio.timeout(15):
+        while True:
+            job = (await client.get(f"/v1/jobs/{job_id}")).json()
+            if job["status"] in ("succeeded", "failed", "cancelled", "expired"):
+                return job
+            await asyncio.sleep(0.02)
+
+
+def placed_settings(settings: Settings, **more: object) -> Settings:
+    return settings.model_copy(
+        update={"placement_refresh_s": 0.05, "placement_sweep_s": 0.05, **more}
+    )
+
+
+async def wait_summaries(ws: list[Worker], settle_s: float = 0.5) -> None:
+    """A beat (0.2 s) publishes each worker's cache; a refresh (0.05 s) reads it."""
+    await asyncio.sleep(settle_s)
+
+
+async def test_each_turn_goes_to_the_worker_holding_the_history(settings: Settings, redis) -> None:  # type: ignore[no-untyped-def]
+    async with fleet(placed_settings(settings), redis) as (client, ws):
+        prompts = [f"conversation {c} " + HISTORY for c in range(6)]
+        firsts = [await run_job(client, prompt=p, seed=1) for p in prompts]
+        await wait_summaries(ws)
+        for p, first in zip(prompts, firsts, strict=True):
+            turn = p + first["text"] + " and then"
+            second = await run_job(client, prompt=turn, seed=1)
+            assert second["worker"] == first["worker"]
+            assert second["usage"]["cached_tokens"] >= 512
+        found = (await client.get("/metrics")).text
+        assert 'genq_placements_total{outcome="prefix"} 6.0' in found
+
+
+async def fake_worker(redis: aioredis.Redis, s: Settings, real: Worker, prompt: str) -> str:
+    """A worker that beats and claims to cache `prompt`, but takes no job (placement sends
+    the job to its lane)."""
+    keys = Keys(s.key_prefix)
+    beat = await redis.hgetall(keys.worker(real.st.id))
+    fake = "fake-worker"
+    ids = build_tokenizer().encode(prompt, add_special_tokens=False).ids
+    await redis.hset(keys.worker(fake), mapping={**beat, "worker_id": fake, "cache_version": "7"})
+    await redis.expire(keys.worker(fake), 30)
+    await redis.zadd(keys.workers(), {fake: time.time() + 30})
+    await redis.set(keys.cache_summary(fake), pack_summary(page_hashes(ids)), ex=30)
+    await asyncio.sleep(0.2)  # a placement refresh reads it
+    return fake
+
+
+async def test_a_job_placed_on_a_worker_that_does_not_take_it_is_stolen_after_the_deadline(
+    settings: Settings, redis
+) -> None:  # type: ignore[no-untyped-def]
+    s = placed_settings(settings, placement_wait_s=0.6)
+    async with fleet(s, redis, workers=1) as (client, ws):
+        fake = await fake_worker(redis, s, ws[0], HISTORY)
+        t0 = time.monotonic()
+        job = await run_job(client, prompt=HISTORY + " a question")
+        waited = time.monotonic() - t0
+        assert job["status"] == "succeeded" and job["worker"] == ws[0].st.id != fake
+        assert 0.6 <= waited < 5
+        found = (await client.get("/metrics")).text
+        assert 'genq_placements_total{outcome="prefix"} 1.0' in found
+        assert 'genq_placements_total{outcome="stolen"} 1.0' in found
+
+
+async def test_a_dead_workers_lane_is_emptied_at_once(settings: Settings, redis) -> None:  # type: ignore[no-untyped-def]
+    s = placed_settings(settings, placement_wait_s=60)
+    async with fleet(s, redis, workers=1) as (client, ws):
+        keys = Keys(s.key_prefix)
+        fake = await fake_worker(redis, s, ws[0], HISTORY)
+        r = await client.post(
+            "/v1/jobs", json={"model": "sim", "prompt": HISTORY + " orphan", "max_tokens": 4}
+        )
+        job_id = r.json()["id"]
+        lane = keys.placed("sim", "interactive", fake)
+        assert await redis.xlen(lane) == 1
+        await redis.delete(keys.worker(fake))  # it dies: its heartbeat lapses
+        t0 = time.monotonic()
+        async with asyncio.timeout(5):  # far below the 60 s deadline
+            while (await client.get(f"/v1/jobs/{job_id}")).json()["status"] != "succeeded":
+                await asyncio.sleep(0.02)
+        assert time.monotonic() - t0 < 5
+        assert not await redis.exists(lane)
+        assert not await redis.sismember(keys.placed_lanes(), lane)
+
+
+async def test_placement_off_is_the_shared_queue(settings: Settings, redis) -> None:  # type: ignore[no-untyped-def]
+    async with fleet(placed_settings(settings, placement=False), redis) as (client, ws):
+        first = await run_job(client, prompt=HISTORY, seed=1)
+        await wait_summaries(ws)
+        await run_job(client, prompt=HISTORY + first["text"] + " more", seed=1)
+        found = (await client.get("/metrics")).text
+        assert 'genq_placements_total{outcome="prefix"} 0.0' in found
+        assert 'genq_placements_total{outcome="shared"} 2.0' in found
