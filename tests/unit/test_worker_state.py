@@ -12,6 +12,7 @@ import pytest
 from shared.keys import Keys
 from shared.schemas import JobSpec, Sampling
 from shared.settings import Settings
+from worker.cachemodel import CacheModel
 from worker.engine import EngineJob, StepOutput, Stop
 from worker.engine_client import EngineProcess
 from worker.jobstate import Claim, RunningJob
@@ -61,6 +62,8 @@ def _state(link: EngineLink) -> WorkerState:
         transitions=None,  # type: ignore[arg-type]
         queues={},
         overflow={},
+        placed={},
+        cache=CacheModel(16),
         lease=LeaseClock(settings.lease_s),
     )
 
