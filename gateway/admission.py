@@ -81,9 +81,10 @@ class AdmissionControl:
 
     # ---- queue limits and quotas ----------------------------------------------------------
 
-    def admission(self, caller: Identity, spec: JobSpec) -> Admission:
+    def admission(self, caller: Identity, spec: JobSpec, cached_tokens: int = 0) -> Admission:
         """What SUBMIT counts `spec` as, and against which limits; a 400 for a job no limit
-        could ever admit."""
+        could ever admit. `cached_tokens`: of its prompt, what a worker's cache holds (a
+        placement estimate), not charged as prefill by token-fair scheduling."""
         tokens = len(spec.input_ids) + spec.max_tokens
         scopes = self._scopes(caller, spec.priority, spec.model)
         for sc in scopes:
@@ -95,14 +96,27 @@ class AdmissionControl:
                 )
         quotas = tuple(Quota(*sc.fields, sc.jobs.value, sc.tokens.value) for sc in scopes)
         own = next(sc for sc in scopes if sc.own)
+        s = self.settings
+        by_tokens = s.fair_scheduling == "tokens" and caller.keyed
         return Admission(
             tokens,
-            time.time() + self.settings.quota_recheck_s,
+            time.time() + s.quota_recheck_s,
             quotas,
             fair_field=own.fields[0],
             # with the API open everyone is one owner: no one to be fair to
-            fair_share=self.settings.fair_share_jobs if caller.keyed else 0,
+            fair_share=s.fair_share_jobs if caller.keyed and not by_tokens else 0,
+            fair_cost=self.fair_cost(caller, spec, cached_tokens) if by_tokens else None,
+            fair_owner=caller.owner,
+            fair_window=s.fair_window,
         )
+
+    def fair_cost(self, caller: Identity, spec: JobSpec, cached_tokens: int = 0) -> float:
+        """What a job costs its owner under token-fair scheduling: the tokens it may generate,
+        plus its uncached prompt tokens at GENQ_FAIR_PREFILL_WEIGHT each, over the owner's
+        weight (its key's, 1 by default)."""
+        uncached = max(0, len(spec.input_ids) - cached_tokens)
+        cost = spec.max_tokens + uncached * self.settings.fair_prefill_weight
+        return cost / caller.weight
 
     def _scopes(self, caller: Identity, priority: Priority, model: str) -> list[_Scope]:
         """The model's queue of this priority for everyone, then for the caller (counted

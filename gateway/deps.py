@@ -59,7 +59,8 @@ def identify(settings: GatewaySettings, token: str | None) -> Identity:
             "missing or invalid API key (Authorization: Bearer <key>, or X-API-Key: <key>)"
         )
     admin = _matching(raw, settings.admin_api_keys) is not None
-    return Identity(owner_of(raw), admin=admin, keyed=True)
+    weight = settings.key_weights.get(raw.decode("latin-1"), 1.0)
+    return Identity(owner_of(raw), admin=admin, keyed=True, weight=weight)
 
 
 def check_key(settings: GatewaySettings, token: str | None) -> None:

@@ -89,7 +89,21 @@ async def _queues(redis: aioredis.Redis, keys: Keys, models: list[str]) -> Queue
         lag = int(lag) if lag is not None else max(0, length - pending)
         before = stats.get((model, priority), (0, 0, 0))
         stats[(model, priority)] = (before[0] + length, before[1] + lag, before[2] + pending)
+    # token-fair scheduling's waiting jobs are queued too, not yet let into the stream
+    fair = [(m, p) for m in models for p in PRIORITIES]
+    for (model, priority), n in zip(
+        fair, await _pipelined(redis, [keys.fair_queue(m, p) for m, p in fair]), strict=True
+    ):
+        length, lag, pending = stats.get((model, priority), (0, 0, 0))
+        stats[(model, priority)] = (length + n, lag + n, pending)
     return stats
+
+
+async def _pipelined(redis: aioredis.Redis, sets: list[str]) -> list[int]:
+    pipe = redis.pipeline(transaction=False)
+    for key in sets:
+        pipe.zcard(key)
+    return [int(n) if isinstance(n, int) else 0 for n in await pipe.execute(raise_on_error=False)]
 
 
 async def _workers(redis: aioredis.Redis, keys: Keys, now: float) -> list[WorkerBeat]:

@@ -26,6 +26,9 @@ class Identity:
     """An admin key (GENQ_ADMIN_KEYS): sees and cancels every owner's records."""
     keyed: bool = False
     """API keys are configured: per-key quotas and rate limits apply."""
+    weight: float = 1.0
+    """Its share of the workers against other keys' under token-fair scheduling
+    (GENQ_KEY_WEIGHTS)."""
 
     def may_see(self, record: Owned) -> bool:
         """A record is its owner's (and the admins'); another key gets 404 for it, as for one

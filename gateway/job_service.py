@@ -280,10 +280,10 @@ class JobService:
         queued = QueuedEvent(
             seq=1, id=spec.id, model=spec.model, priority=spec.priority, prompt_tokens=prompt_tokens
         )
-        admission = self.admission.admission(caller, spec)
         meta = body.metadata
         conversation = meta.get("prompt_cache_key") or meta.get("user")
         lane = self.placement.lane(spec, conversation if isinstance(conversation, str) else None)
+        admission = self.admission.admission(caller, spec, self.placement.cached_tokens(spec))
         call = self.transitions.submit(
             record,
             queued_event=events.encode(queued),

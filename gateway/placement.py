@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys, Priority
 from shared.loops import keep_running, one_process_each_round
-from shared.pages import page_hashes, shared_pages, unpack_summary
+from shared.pages import PAGE_TOKENS, page_hashes, shared_pages, unpack_summary
 from shared.records import Heartbeat
 from shared.schemas import JobSpec
 from shared.settings import GatewaySettings
@@ -71,6 +71,7 @@ class Placement:
     counted: Callable[[str], None] = lambda outcome: None
     """Told each decision's outcome (the gateway's metrics)."""
     workers: dict[str, _Worker] = field(default_factory=dict)
+    _cached: dict[str, int] = field(default_factory=dict)
 
     async def run(self) -> None:
         await keep_running(
@@ -82,9 +83,8 @@ class Placement:
         )
 
     async def refresh(self) -> None:
-        """Read the live workers' beats, and the cache summaries that changed."""
-        if not self.settings.placement:
-            return
+        """Read the live workers' beats, and the cache summaries that changed (also with
+        placement off: token-fair scheduling estimates cached prompts from them)."""
         beats: list[Heartbeat] = await self.live_workers()
         known, self.workers = self.workers, {}
         stale: list[_Worker] = []
@@ -115,19 +115,23 @@ class Placement:
         worker.placed += 1
         return self.keys.placed(spec.model, spec.priority, worker.beat.worker_id)
 
+    def cached_tokens(self, spec: JobSpec) -> int:
+        """Of `spec`'s prompt, the most some live worker's cache holds (tokens; an estimate:
+        what token-fair scheduling does not charge as prefill). Set by `lane`."""
+        return self._cached.get(spec.id, 0)
+
     def _choose(self, spec: JobSpec, conversation: str | None) -> tuple[str, _Worker | None]:
         s = self.settings
-        if not s.placement:
-            return "shared", None
         candidates = [w for w in self.workers.values() if w.beat.model == spec.model]
-        if not candidates:
-            return "shared", None
-        chain = page_hashes(spec.input_ids)
+        chain = page_hashes(spec.input_ids) if candidates else []
         best, most = None, 0
         for w in candidates:
             n = shared_pages(chain, w.pages) if chain else 0
             if n > most:
                 best, most = w, n
+        self._cached = {spec.id: most * PAGE_TOKENS}
+        if not s.placement or not candidates:
+            return "shared", None
         if best is not None and most >= s.placement_min_pages:
             if best.load() < s.placement_max_load:
                 return "prefix", best

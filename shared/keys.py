@@ -28,6 +28,16 @@ class Keys:
         (workers take from it when the queue is empty, and every `overflow_share`-th claim)."""
         return f"{self.prefix}queue:{model}:{priority}:overflow"
 
+    def fair_queue(self, model: str, priority: Priority) -> str:
+        """Sorted set: keyed owners' jobs of a model's priority not yet in its queue, scored by
+        their virtual finish time (token-fair scheduling: shared/lua/refill.lua)."""
+        return f"{self.prefix}fairq:{model}:{priority}"
+
+    def fair_clock(self, model: str, priority: Priority) -> str:
+        """Hash beside `fair_queue`: the virtual time (`V`) and each owner's last finish time
+        (`o:<owner>`)."""
+        return f"{self.prefix}fairvt:{model}:{priority}"
+
     def lanes(self, model: str, priority: Priority) -> tuple[str, str]:
         """The two streams of a model's priority: (queue, overflow)."""
         return self.queue(model, priority), self.overflow(model, priority)

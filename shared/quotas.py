@@ -47,6 +47,11 @@ class Admission:
     """The owner's jobs counter: past `fair_share` jobs in flight, the job waits in the
     overflow stream (0: every job in the queue)."""
     fair_share: int = 0
+    fair_cost: float | None = None
+    """Token-fair scheduling: what the job costs its owner in virtual time (tokens / the
+    owner's weight); None: the job goes straight to the queue."""
+    fair_owner: str = ""
+    fair_window: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,6 +113,8 @@ SUBMIT = ScriptArgs(
         "recent",
         "placed",
         "placed_lanes",
+        "fair_queue",
+        "fair_clock",
     ),
     argv=(
         "job_id",
@@ -129,6 +131,10 @@ SUBMIT = ScriptArgs(
         "recent_cap",
         "model",
         "priority",
+        "fair_cost",
+        "fair_owner",
+        "fair_window",
+        "group",
     ),
     rest="n_scopes scopes (jobs field, tokens field, max jobs, max tokens), then n_entry "
     "queue entry (field, value) pairs, then record (field, value) pairs",
@@ -187,6 +193,7 @@ BATCH_UPDATE = ScriptArgs(
     rest="record (field, value) pairs",
 )
 LEASE = ScriptArgs("lease", keys=("lease",), argv=("token", "action", "ttl_ms"))
+RELEASE = ScriptArgs("release", keys=("queue", "fair_queue", "fair_clock"), argv=("group", "want"))
 STEAL = ScriptArgs(
     "steal", keys=("lane", "queue", "placed_lanes"), argv=("group", "older_ms", "dead", "limit")
 )
@@ -212,6 +219,7 @@ DECLARED: dict[str, ScriptArgs] = {
         BATCH_UPDATE,
         LEASE,
         STEAL,
+        RELEASE,
     )
 }
 """Every script's declaration, by name."""

@@ -403,6 +403,32 @@ class GatewaySettings(JobSettings):
     card_cache_s: float = Field(
         default=2.0, ge=0, description="a gateway reuses a model card read from Redis this long"
     )
+    fair_scheduling: Literal["tokens", "jobs"] = Field(
+        default="tokens",
+        description="how keyed owners share a model's workers: `tokens`, by the tokens their "
+        "jobs cost (max_tokens + uncached prompt tokens x GENQ_FAIR_PREFILL_WEIGHT), weighted "
+        "per key, start-time fair queueing; `jobs`, by jobs in flight (GENQ_FAIR_SHARE_JOBS, "
+        "then an overflow stream)",
+    )
+    fair_window: int = Field(
+        default=4,
+        ge=1,
+        description="token-fair scheduling: jobs released into a model's queue ahead of "
+        "workers' claims (what a blocked worker wakes on); the order between owners holds "
+        "beyond it",
+    )
+    fair_prefill_weight: float = Field(
+        default=0.02,
+        ge=0,
+        description="token-fair scheduling: what an uncached prompt token costs against a "
+        "generated one (prefill is that much cheaper per token than decoding)",
+    )
+    key_weights: dict[str, Annotated[float, Field(gt=0, le=1000)]] = Field(
+        default_factory=dict,
+        description="token-fair scheduling: API key → its weight (JSON object; a key not "
+        "named weighs 1): with weights 3 and 1, two backlogged keys get 3/4 and 1/4 of the "
+        "tokens",
+    )
     fair_share_jobs: int = Field(
         default=16,
         ge=0,

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from redis.exceptions import NoScriptError
 
 from shared import scripts as lua
-from shared.keys import Keys
+from shared.keys import CONSUMER_GROUP, Keys, Priority
 from shared.records import JobRecord, QueueEntry
 from shared.scripts import DECLARED, Arg, ScriptArgs
 from shared.settings import JobSettings
@@ -309,6 +309,8 @@ class Transitions:
             "recent": k.recent_jobs(),
             "placed": lane or "",
             "placed_lanes": k.placed_lanes(),
+            "fair_queue": k.fair_queue(spec.model, spec.priority),
+            "fair_clock": k.fair_clock(spec.model, spec.priority),
         }
         scopes: list[Arg] = []
         for q in admission.quotas:
@@ -325,6 +327,10 @@ class Transitions:
             "n_scopes": len(admission.quotas),
             "fair_field": admission.fair_field,
             "fair_share": admission.fair_share,
+            "fair_cost": "" if admission.fair_cost is None else repr(admission.fair_cost),
+            "fair_owner": admission.fair_owner,
+            "fair_window": admission.fair_window,
+            "group": CONSUMER_GROUP,
             "recent_cap": self.recent_jobs,
             "model": spec.model,
             "priority": spec.priority,
@@ -451,6 +457,17 @@ class Transitions:
             "limit": limit,
         }
         return call(lua.STEAL, lambda r: (int(r[0]), int(r[1])), keys, args)
+
+    def release(self, model: str, priority: Priority, want: int) -> Call[int]:
+        """Let token-fair scheduling's next jobs into the queue of `model`'s `priority`
+        until it holds `want` not yet delivered; how many it let in."""
+        k = self.keys
+        keys = {
+            "queue": k.queue(model, priority),
+            "fair_queue": k.fair_queue(model, priority),
+            "fair_clock": k.fair_clock(model, priority),
+        }
+        return call(lua.RELEASE, int, keys, {"group": CONSUMER_GROUP, "want": want})
 
     def delete_idle_consumer(self, queue: str, *, group: str, consumer: str) -> Call[bool]:
         args: dict[str, Arg] = {"group": group, "consumer": consumer}

@@ -96,6 +96,7 @@ class Claimer:
         batch_turn = self._claims_since_batch >= st.settings.batch_share
         order: tuple[Priority, ...] = ("batch", "interactive") if batch_turn else PRIORITIES
         batch_room = free - self._reserve()
+        await self._release({"interactive": free, "batch": max(0, batch_room)})
         claims: list[Claim] = []
         for priority in order:
             budget = 1 if priority == "batch" and batch_turn else free - len(claims)
@@ -114,6 +115,15 @@ class Claimer:
         for c in claims:
             self._count(c)
         return claims
+
+    async def _release(self, want: dict[Priority, int]) -> None:
+        """Let the next jobs of token-fair scheduling into the queues this worker is about to
+        read (gateway/admission.py, `fair_release` in shared/lua/prelude.lua): as many as it
+        may claim of each priority. Nothing to do, and one round trip, when no owner waits."""
+        st = self.st
+        calls = [st.transitions.release(st.model, p, n) for p, n in want.items() if n > 0]
+        if calls:
+            await st.scripts.run_all(calls)
 
     def _reserve(self) -> int:
         """Slots kept from batch work: the setting, at most a quarter of the batch (a worker

@@ -134,3 +134,35 @@ local function note_recent(recent, cap, ...)
     redis.call('XADD', recent, 'MAXLEN', '~', cap, '*', ...)
   end
 end
+
+-- Token-fair scheduling (start-time fair queueing over owners): keyed owners' jobs wait in the
+-- sorted set `fairq` scored by their virtual finish time, max(V, the owner's last) + the
+-- job's cost / the owner's weight (SUBMIT); `fair_release` moves the lowest-scored into the
+-- model's queue, as workers are about to claim, until the queue holds `want` entries not yet
+-- delivered (its group's lag), and sets V to the last one's score: an owner idle a while
+-- comes back at V, with no credit saved up, and a backlogged owner's jobs interleave with
+-- another's in proportion to their weights whatever either's backlog.
+-- -> entries released
+local function fair_release(queue, fairq, clock, group, want)
+  local lag = 0
+  local groups = redis.pcall('XINFO', 'GROUPS', queue)
+  if type(groups) == 'table' and not groups.err then
+    for _, g in ipairs(groups) do
+      local info = {}
+      for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+      if info['name'] == group then
+        lag = tonumber(info['lag'])
+        if not lag then lag = redis.call('XLEN', queue) - tonumber(info['pending']) end
+      end
+    end
+  end
+  local moved = 0
+  while moved < want - lag do
+    local top = redis.call('ZPOPMIN', fairq)
+    if #top == 0 then break end
+    redis.call('XADD', queue, '*', unpack(cjson.decode(top[1])))
+    redis.call('HSET', clock, 'V', top[2])
+    moved = moved + 1
+  end
+  return moved
+end

@@ -4,6 +4,9 @@
 -- Fairness between owners: an owner with `fair share` jobs in flight already (its counter
 -- field) has this one wait in the overflow stream, so its backlog cannot stand between
 -- another owner's job and the workers.
+-- Token-fair scheduling: with A.fair_cost (not ''), a job bound for the queue waits in
+-- K.fair_queue for its turn among owners (fair_release in prelude.lua); GENQ_FAIR_WINDOW of
+-- them are released at once, so an idle worker takes it without waiting.
 -- Placement: K.placed, when not '', is the lane of the worker whose cache holds the job's
 -- prompt: the job waits there (unless its owner is past its fair share) and the lane joins
 -- K.placed_lanes, which the steal sweep walks.
@@ -37,7 +40,19 @@ elseif K.placed ~= '' then
   queue = K.placed
   redis.call('SADD', K.placed_lanes, K.placed)
 end
-redis.call('XADD', queue, '*', unpack(ARGV, entry_from, entry_to))
+if A.fair_cost ~= '' and queue == K.queue then  -- token-fair: wait for its turn (prelude)
+  local owner = 'o:' .. A.fair_owner
+  local v = tonumber(redis.call('HGET', K.fair_clock, 'V') or '0')
+  local last = tonumber(redis.call('HGET', K.fair_clock, owner) or '0')
+  local finish = math.max(v, last) + tonumber(A.fair_cost)
+  redis.call('HSET', K.fair_clock, owner, string.format('%.6f', finish))
+  local entry = {}
+  for i = entry_from, entry_to do entry[#entry + 1] = ARGV[i] end
+  redis.call('ZADD', K.fair_queue, finish, cjson.encode(entry))
+  fair_release(K.queue, K.fair_queue, K.fair_clock, A.group, tonumber(A.fair_window))
+else
+  redis.call('XADD', queue, '*', unpack(ARGV, entry_from, entry_to))
+end
 if A.deadline ~= '' then redis.call('ZADD', K.deadlines, A.deadline, A.job_id) end
 admit(K.admission_counts, K.admission_jobs, K.admission_checks, K.job, A.tokens, A.check_at,
   scopes_from, entry_from - 1)

@@ -1,0 +1,94 @@
+"""Token-fair scheduling between API keys (GENQ_FAIR_SCHEDULING=tokens): two keys both
+backlogged share the workers by the tokens their jobs cost, whatever their prompts' length
+and whichever queued first (a long prompt costs its uncached part, at
+GENQ_FAIR_PREFILL_WEIGHT a token: here its shared prefix is cached); weights
+(GENQ_KEY_WEIGHTS) split them in proportion."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+import redis.asyncio as aioredis
+
+from shared.settings import Settings
+from tests.conftest import Stack, running_stack
+
+pytestmark = pytest.mark.parametrize("redis", ["redis"], indirect=True)
+
+A, B = "key-a", "key-b"
+JOBS = 90
+TOKENS = 10
+SLOTS = 4
+LONG_PROMPT = " ".join(["the model queue worker gateway stream"] * 100)  # ~600 tokens
+
+
+def _h(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def backlog_shares(
+    stack: Stack, prompts: dict[str, str], window: int, tokens: dict[str, int] | None = None
+) -> dict[str, float]:
+    """Each key queues JOBS jobs (A first, then B); the share of the generated tokens each
+    got among the first `window` jobs the worker started once both were queued (both
+    backlogged: neither can run out within the window)."""
+    for key, prompt in prompts.items():  # each key's prompt cached first, as a live one is
+        r = await stack.client.post(
+            "/v1/jobs", json={"model": "sim", "prompt": prompt, "max_tokens": 1}, headers=_h(key)
+        )
+        await done(stack, r.json()["id"], key)
+    await asyncio.sleep(0.5)  # a heartbeat publishes the worker's cache; placement reads it
+    ids: dict[str, str] = {}
+    for key, prompt in prompts.items():
+        for i in range(JOBS):
+            n = (tokens or {}).get(key, TOKENS)
+            body = {"model": "sim", "prompt": f"{prompt} {i}", "max_tokens": n, "seed": i}
+            r = await stack.client.post("/v1/jobs", json=body, headers=_h(key))
+            assert r.status_code == 202, r.text
+            ids[r.json()["id"]] = key
+    both_queued = time.time()
+    started: list[tuple[float, str, int]] = []
+    for job_id, key in ids.items():
+        view = await done(stack, job_id, key)
+        started.append((view["started_at"], key, view["usage"]["completion_tokens"]))
+    first = sorted(s for s in started if s[0] >= both_queued)[:window]
+    tokens = Counter[str]()
+    for _, key, n in first:
+        tokens[key] += n
+    total = sum(tokens.values())
+    return {key: tokens[key] / total for key in prompts}
+
+
+async def done(stack: Stack, job_id: str, key: str) -> dict:
+    async with asyncio.timeout(60):
+        while True:
+            view = (await stack.client.get(f"/v1/jobs/{job_id}", headers=_h(key))).json()
+            if view["status"] == "succeeded":
+                return view
+            await asyncio.sleep(0.02)
+
+
+def keyed(settings: Settings, **more: object) -> Settings:
+    return Settings(**{**settings.model_dump(), "api_keys": [A, B], "max_batch": SLOTS, **more})
+
+
+async def test_backlogged_keys_share_by_tokens_whatever_their_jobs_sizes(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    async with running_stack(keyed(settings), redis, step_ms=10) as stack:
+        shares = await backlog_shares(
+            stack, {A: LONG_PROMPT, B: "short"}, window=40, tokens={A: 3 * TOKENS, B: TOKENS}
+        )
+    assert 0.4 <= shares[A] <= 0.6, shares  # by jobs in flight, A's long jobs took 3/4
+
+
+async def test_weights_three_to_one_give_three_quarters(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    weighted = keyed(settings, key_weights={A: 1.0, B: 3.0})
+    async with running_stack(weighted, redis, step_ms=10) as stack:
+        shares = await backlog_shares(stack, {A: "the model", B: "the model"}, window=40)
+    assert 0.65 <= shares[B] <= 0.85, shares
