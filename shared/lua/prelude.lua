@@ -142,6 +142,7 @@ end
 -- delivered (its group's lag), and sets V to the last one's score: an owner idle a while
 -- comes back at V, with no credit saved up, and a backlogged owner's jobs interleave with
 -- another's in proportion to their weights whatever either's backlog.
+-- A member is its queue entry's (field, value) list joined by the unit separator (\31).
 -- -> entries released
 local function fair_release(queue, fairq, clock, group, want)
   local lag = 0
@@ -160,7 +161,9 @@ local function fair_release(queue, fairq, clock, group, want)
   while moved < want - lag do
     local top = redis.call('ZPOPMIN', fairq)
     if #top == 0 then break end
-    redis.call('XADD', queue, '*', unpack(cjson.decode(top[1])))
+    local entry = {}
+    for part in (top[1] .. '\31'):gmatch('(.-)\31') do entry[#entry + 1] = part end
+    redis.call('XADD', queue, '*', unpack(entry))
     redis.call('HSET', clock, 'V', top[2])
     moved = moved + 1
   end

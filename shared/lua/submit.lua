@@ -48,7 +48,7 @@ if A.fair_cost ~= '' and queue == K.queue then  -- token-fair: wait for its turn
   redis.call('HSET', K.fair_clock, owner, string.format('%.6f', finish))
   local entry = {}
   for i = entry_from, entry_to do entry[#entry + 1] = ARGV[i] end
-  redis.call('ZADD', K.fair_queue, finish, cjson.encode(entry))
+  redis.call('ZADD', K.fair_queue, finish, table.concat(entry, '\31'))
   fair_release(K.queue, K.fair_queue, K.fair_clock, A.group, tonumber(A.fair_window))
 else
   redis.call('XADD', queue, '*', unpack(ARGV, entry_from, entry_to))
