@@ -114,7 +114,9 @@ class JobService:
             ids = body.input_ids
             _check_vocab(loaded, ids, "input_ids")
         _check_vocab(loaded, body.stop_token_ids, "stop_token_ids")
+        _check_vocab(loaded, [int(k) for k in body.logit_bias], "logit_bias")
         max_tokens = self._max_tokens(body.max_tokens, len(ids), card.max_seq_len)
+        _check_min_tokens(body.min_tokens, max_tokens, defaulted=body.max_tokens is None)
         constraint = None
         given = body.constraint()
         if given is not None:
@@ -500,6 +502,17 @@ def _check_vocab(loaded: LoadedCard, ids: list[int], param: str) -> None:
     if bad is not None:
         raise BadRequest(
             f"{param} holds {bad}, outside the model's vocabulary of {vocab}", param=param
+        )
+
+
+def _check_min_tokens(min_tokens: int, max_tokens: int, *, defaulted: bool) -> None:
+    """400 for a job that must generate more tokens than it may."""
+    if min_tokens > max_tokens:
+        why = " (max_tokens not given: what the context leaves, at most GENQ_DEFAULT_MAX_TOKENS)"
+        raise BadRequest(
+            f"min_tokens is {min_tokens}, over the job's max_tokens of {max_tokens}"
+            + (why if defaulted else ""),
+            param="min_tokens",
         )
 
 

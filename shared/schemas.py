@@ -6,9 +6,11 @@ models; nothing is pickled. Events are in `shared.events`, Redis values in `shar
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -33,6 +35,10 @@ MAX_TOKENS_CAP = 1_000_000
 MAX_STOP_CHARS = 512
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024
+"""Most entries of a job's `logit_bias`: room for any ban list a client writes, while what a
+job carries through the queue stays small."""
+MAX_BIAS = 100.0
 MAX_LOGPROBS = 20
 MAX_TOP_K = 100_000
 MAX_REPETITION_PENALTY = 10.0
@@ -67,6 +73,51 @@ StopTokenIds = Annotated[
         max_length=MAX_STOP_TOKEN_IDS,
         description="token ids that end the job (each within the model's vocabulary)",
     ),
+]
+TOKEN_ID_KEY = "^(0|[1-9][0-9]{0,9})$"
+"""A key of `logit_bias`: OpenAI's shape, a token id written in decimal (`"50256"`): no sign,
+no leading zero, so each token has one key."""
+
+
+_TOKEN_ID_KEY = re.compile(TOKEN_ID_KEY)
+
+
+def _token_id_key(key: str) -> str:
+    if not _TOKEN_ID_KEY.fullmatch(key):
+        raise PydanticCustomError(
+            "token_id_key", 'not a token id: its keys are token ids in decimal, as "50256"'
+        )
+    return key
+
+
+TokenIdKey = Annotated[
+    str, AfterValidator(_token_id_key), Field(json_schema_extra={"pattern": TOKEN_ID_KEY})
+]
+LogitBias = Annotated[
+    dict[TokenIdKey, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]],
+    Field(
+        max_length=MAX_LOGIT_BIAS,
+        json_schema_extra={"additionalProperties": False},
+        description="token id (decimal string) → bias added to its logit before sampling: "
+        "-100 bans it, 100 all but forces it (each id within the model's vocabulary)",
+    ),
+]
+BannedStrings = Annotated[
+    list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+    Field(
+        max_length=MAX_STOP_STRINGS,
+        description="strings the output never contains (matched without regard to case)",
+    ),
+]
+MinTokens = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=MAX_TOKENS_CAP,
+        description="no stop token (EOS included) ends the job before this many tokens "
+        "(stop strings still do); at most max_tokens",
+    ),
+    JSON_INTEGER,
 ]
 TimeoutS = Annotated[
     float, Field(gt=0, le=MAX_TIMEOUT_S, description="deadline from submission; then `expired`")
@@ -152,6 +203,9 @@ class Sampling(BaseModel):
     )
     stop_token_ids: StopTokenIds = Field(default_factory=list)
     logprobs: Logprobs | None = Field(default=None, description="top-N logprobs per token")
+    logit_bias: LogitBias = Field(default_factory=dict)
+    min_tokens: MinTokens = 0
+    banned_strings: BannedStrings = Field(default_factory=list)
 
     @classmethod
     def of(cls, body: BaseModel) -> Sampling:

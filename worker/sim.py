@@ -11,6 +11,16 @@ dropped first. A job's leading prompt pages found there cost no prefill time and
 usage's cached tokens; its prompt's pages are cached when it starts, and its reply's when it
 ends (a conversation's next turn finds its history).
 
+The settings a real sampler applies per token act on the sim's draw, so tests can see them:
+its logits are 0 for each of its words (the only tokens it emits) and -inf for every other
+token. `logit_bias` is added to them: the draw at each position is then softmax-weighted (a
+word at -100 is, in effect, never drawn; one at 100 always is; a bias on any other token
+changes nothing). A word that may not come next is left out of that position's draw, which
+then picks among the rest: a stop token id before `min_tokens` tokens, and a word that would
+complete one of `banned_strings` (matched without regard to case, in the text generated, as
+exllamav2 and exllamav3 match them). A job none of whose words may come next ends there, as at
+EOS (`finish_reason` "stop").
+
 Fault injection (tests only, off by default): with `poison_marker` set, a job whose prompt
 contains that string fails in the engine at its first decode step, on every attempt, while the
 rest of the batch goes on: the worker's poison-job path (retry, then dead-letter) under test.
@@ -41,10 +51,13 @@ seed is odd.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import time
+from bisect import bisect_right
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +142,13 @@ class _SimJob:
     """Prompt tokens found in the prefix cache (not prefilled again)."""
     generated: list[int] = field(default_factory=list)
     """Token ids emitted (kept only with a prefix cache: its pages are cached at the end)."""
+    weights: list[float] | None = None
+    """Each word's weight in the draw, as `logit_bias` makes it; None: all alike."""
+    banned: tuple[str, ...] = ()
+    """`banned_strings`, lower-cased."""
+    tail: str = ""
+    """The end of the text generated, lower-cased: as much as a banned string can reach back
+    from a new word."""
 
 
 class SimEngine:
@@ -155,6 +175,9 @@ class SimEngine:
             "stop": "`_text` cuts the text at the first (the worker does, when `job.text` is off)",
             "stop_token_ids": "`_advance` ends the job on one",
             "logprobs": "`_advance` reports that many alternatives per token",
+            "logit_bias": "`_next` weighs its draw by it (the sim's logits: 0 for each word)",
+            "min_tokens": "`_next` draws no stop token id before that many tokens",
+            "banned_strings": "`_next` draws no word that would complete one",
         },
     )
     """Sampler settings change the text (`_job_base` hashes them with the prompt and seed)."""
@@ -181,6 +204,7 @@ class SimEngine:
         self._tokenizer = build_tokenizer()
         self.tokenizer_json = self._tokenizer.to_str()
         self._words = self._single_token_words()
+        self._pieces = dict(self._words)
         eos_id = self._tokenizer.token_to_id(EOS)
         assert eos_id is not None  # a special token of the trainer
         self._eos_id: int = eos_id
@@ -188,7 +212,7 @@ class SimEngine:
         self._grammars: Grammars | None = None
         """Built at the first constrained job (most sim workers never see one)."""
         self._masks: MaskBatch | None = None
-        self._pieces = [
+        self._token_texts = [
             self._tokenizer.decode([t], skip_special_tokens=False)
             for t in range(self._tokenizer.get_vocab_size())
         ]
@@ -256,13 +280,15 @@ class SimEngine:
             position=len(job.resume_ids),
             poisoned=self._is_poisoned(job),
             cached=min(cached, len(job.input_ids)),
+            weights=self._weights(job.sampling.logit_bias),
+            banned=tuple(b.lower() for b in job.sampling.banned_strings),
         )
         if job.grammar is not None:
             try:
                 sim.matcher = self._grammar_set().matcher(job.grammar, job.resume_ids)
             except ConstraintError as exc:
                 raise ValueError(str(exc)) from None
-        if job.resume_ids and job.text:
+        if job.resume_ids:
             self._resume(sim)
         self._jobs[job.id] = sim
 
@@ -298,16 +324,30 @@ class SimEngine:
             self._masks = MaskBatch(self._grammar_set().vocab_size)
         return self._masks
 
+    def _weights(self, logit_bias: dict[str, float]) -> list[float] | None:
+        """Each word's weight, exp(its bias), scaled so the largest is 1; None when no word
+        is biased (the draw stays uniform)."""
+        bias = {int(k): v for k, v in logit_bias.items()}
+        if not any(t in bias for t, _ in self._words):
+            return None
+        top = max(bias.get(t, 0.0) for t, _ in self._words)
+        return [math.exp(bias.get(t, 0.0) - top) for t, _ in self._words]
+
     def _resume(self, s: _SimJob) -> None:
-        """Rebuild the text of the first `position` tokens and how much of it an earlier
+        """Rebuild the text of the tokens an earlier attempt sent and how much of it that
         attempt sent (all but what it held back as a possible stop-string start), so stop
-        strings spanning the resume point are found and held-back text is not lost."""
-        if s.matcher is not None:  # the tokens were the constraint's choice: their own text
-            s.text = self._tokenizer.decode(s.job.resume_ids, skip_special_tokens=False)
-        else:
-            s.text = "".join(self._token_at(s.base, p)[1] for p in range(s.position))
-        stops = s.job.sampling.stop
-        s.sent_chars = len(s.text) - (held_back(s.text, stops) if stops else 0)
+        strings spanning the resume point are found and held-back text is not lost; and the
+        text a banned string could reach back into."""
+        text = "".join(self._piece(t) for t in s.job.resume_ids)
+        s.tail = _tail(text.lower(), s.banned)
+        if s.job.text:
+            s.text = text
+            stops = s.job.sampling.stop
+            s.sent_chars = len(s.text) - (held_back(s.text, stops) if stops else 0)
+
+    def _piece(self, token_id: int) -> str:
+        piece = self._pieces.get(token_id)
+        return piece if piece is not None else self._token_texts[token_id]
 
     def _is_poisoned(self, job: EngineJob) -> bool:
         if self._poison_marker is None:
@@ -357,14 +397,18 @@ class SimEngine:
 
     def _advance(self, s: _SimJob) -> StepOutput:
         job = s.job
-        if s.matcher is not None:
-            picked = self._constrained_pick(s, s.matcher)
-            if isinstance(picked, StepOutput):
-                return picked
-            token_id, piece = picked
-        else:
-            token_id, piece = self._token_at(s.base, s.position)
+        picked: tuple[int, str] | StepOutput | None
+        picked = self._constrained_pick(s, s.matcher) if s.matcher is not None else self._next(s)
+        if isinstance(picked, StepOutput):
+            return picked
+        if picked is None:  # no word may come next: the job ends, as at EOS
+            out = StepOutput(job.id, finish_reason="stop", prompt_tokens=len(job.input_ids))
+            out.text = s.text[s.sent_chars :] if job.text else ""
+            return out
+        token_id, piece = picked
         s.position += 1
+        if s.banned:
+            s.tail = _tail(s.tail + piece.lower(), s.banned)
         if self._cache_pages:
             s.generated.append(token_id)
         out = StepOutput(
@@ -418,7 +462,7 @@ class SimEngine:
             )
         if not m.consume(token_id):
             return StepOutput(job.id, error=f"sim engine: token {token_id} left the constraint")
-        return token_id, self._pieces[token_id]
+        return token_id, self._token_texts[token_id]
 
     def _constrained_choice(self, s: _SimJob, row: memoryview, x: int, long: bool) -> int | None:
         """The rule of the module's docstring, testing single bits first: the whole list of
@@ -435,7 +479,7 @@ class SimEngine:
         own, _ = self._token_at(s.base, s.position)
         if not long and allows(row, own):
             return own
-        allowed = allowed_ids(row, len(self._pieces))
+        allowed = allowed_ids(row, len(self._token_texts))
         if not allowed:
             return None
         if long:  # punctuation moves a pattern on (`@`, `.`, `,`) where letters may loop
@@ -454,8 +498,26 @@ class SimEngine:
             job_id=s.job.id, error="sim engine: poison marker in the prompt (test fault injection)"
         )
 
+    def _next(self, s: _SimJob) -> tuple[int, str] | None:
+        """The job's token at its position: the position's draw among the words, or where
+        that word may not come next, the same draw among those that may; None if none may."""
+        x = _mix(s.base, s.position)
+        every = range(len(self._words))
+        first = self._words[_pick(x, every, s.weights)]
+        if self._may_come_next(s, *first):
+            return first
+        allowed = [i for i in every if self._may_come_next(s, *self._words[i])]
+        return self._words[_pick(x, allowed, s.weights)] if allowed else None
+
+    def _may_come_next(self, s: _SimJob, token_id: int, piece: str) -> bool:
+        sampling = s.job.sampling
+        if s.position < sampling.min_tokens and token_id in sampling.stop_token_ids:
+            return False
+        return not s.banned or not any(b in s.tail + piece.lower() for b in s.banned)
+
     def _token_at(self, base: int, position: int) -> tuple[int, str]:
-        return self._words[(_mix(base, position) >> 17) % len(self._words)]
+        """The word a plain draw (uniform, nothing left out) gives at `position`."""
+        return self._words[_pick(_mix(base, position), range(len(self._words)), None)]
 
     def _logprob(
         self, base: int, position: int, token_id: int, piece: str, top: int
@@ -473,9 +535,24 @@ class SimEngine:
 
 
 def _mix(base: int, position: int) -> int:
-    """A well-mixed 64-bit value for (job, position): the sim's only source of choice."""
+    """The job's 64 random bits for `position` (splitmix64's mixing)."""
     x = (base ^ ((position + 1) * 0x9E3779B97F4A7C15)) & _MASK64
     return ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & _MASK64
+
+
+def _pick(x: int, indices: Sequence[int], weights: list[float] | None) -> int:
+    """One of `indices` for the random bits `x`: uniformly, or by `weights` (by index)."""
+    if weights is None:
+        return indices[(x >> 17) % len(indices)]
+    cumulative = list(itertools.accumulate(weights[i] for i in indices))
+    at = bisect_right(cumulative, (x >> 11) / 2**53 * cumulative[-1])
+    return indices[min(at, len(indices) - 1)]
+
+
+def _tail(text: str, banned: tuple[str, ...]) -> str:
+    """What of `text`'s end a banned string added to it could start in."""
+    keep = max((len(b) for b in banned), default=1) - 1
+    return text[-keep:] if keep else ""
 
 
 def _job_base(job: EngineJob) -> int:

@@ -3,7 +3,7 @@ stream chunks, errors.
 
 Request bodies accept fields they do not know (newer SDKs send more than we implement) and
 ignore them with a debug log, as vLLM does. Known OpenAI fields that genq cannot honour
-(`tools`, `logit_bias`, `echo`, …) are declared so that setting them gets a clear 400 rather
+(`tools`, `echo`, …) are declared so that setting them gets a clear 400 rather
 than being silently dropped.
 """
 
@@ -61,7 +61,6 @@ PromptField = (
 
 
 _NOT_SUPPORTED = "not supported by genq: absent, or its neutral value (anything else is a 400)"
-_UNSUPPORTED_OBJECT: dict[str, Any] = {"maxProperties": 0}
 _TOP_LOGPROBS_NEED_LOGPROBS: dict[str, Any] = {
     "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
@@ -109,9 +108,6 @@ class _OpenAIParams(OpenAIRequest):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = Field(
-        default=None, json_schema_extra=_UNSUPPORTED_OBJECT, description=_NOT_SUPPORTED
-    )
     priority: Priority = "interactive"
     timeout_s: TimeoutS | None = None
 
@@ -136,10 +132,12 @@ OpenAI's range, where narrower): the job takes them as they are, when given."""
 
 
 def _optional(name: str) -> tuple[Any, Any]:
-    """Sampling's field `name` as an OpenAI body field: its type and limits, absent (None)
-    by default, so the job keeps the native default."""
+    """Sampling's field `name` as an OpenAI body field: its type, limits and schema, absent
+    (None) by default, so the job keeps the native default."""
     info = Sampling.model_fields[name]
-    described = [Field(description=info.description)] if info.description else []
+    described: list[Any] = []
+    if info.description or info.json_schema_extra:
+        described = [Field(description=info.description, json_schema_extra=info.json_schema_extra)]
     extras = [*info.metadata, *described]
     constrained: Any = Annotated[info.annotation, *extras] if extras else info.annotation
     return (constrained | None, None)

@@ -495,7 +495,7 @@ def _frame(chunk: BaseModel) -> bytes:
 
 def _refuse_unsupported(req: SamplingParams) -> None:
     """A clear 400 for OpenAI parameters genq knows but cannot honour (not a silent drop)."""
-    unsupported: dict[str, bool] = {"logit_bias": bool(req.logit_bias)}
+    unsupported: dict[str, bool] = {}
     if isinstance(req, CompletionRequest):
         unsupported |= {
             "echo": req.echo,

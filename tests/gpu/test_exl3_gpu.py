@@ -16,7 +16,7 @@ from shared.model_format import folder_format
 from shared.schemas import Sampling
 from shared.settings import Settings
 from tests.gpu.conftest import EXL3_TEST_BITS, TEST_CACHE_TOKENS, drive
-from tests.gpu.test_exl2_gpu import MAX_TOKENS, ejob, prompt
+from tests.gpu.test_exl2_gpu import MAX_TOKENS, check_sampler_extensions, ejob, prompt
 from tests.prefixes import test_prefix
 from tests.procs import Cluster, wait_for
 from worker.admission import Admission
@@ -104,6 +104,10 @@ def test_stop_token_id_ends_the_job(exl3_engine: Any) -> None:
     first = full.token_ids.index(stop_id)
     res = drive(exl3_engine, [ejob("t1", ids, temperature=0.0, stop_token_ids=[stop_id])])["t1"]
     assert res.finish == "stop" and res.token_ids == full.token_ids[:first]
+
+
+def test_logit_bias_min_tokens_and_banned_strings_reach_exllamav3(exl3_engine: Any) -> None:
+    check_sampler_extensions(exl3_engine)
 
 
 def test_cancel_returns_the_free_pages_to_the_baseline(exl3_engine: Any) -> None:

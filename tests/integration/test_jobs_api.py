@@ -106,6 +106,27 @@ async def test_idempotency_key_returns_the_same_job(stack: Stack) -> None:
         ({"model": "sim", "prompt": "x", "bogus": 1}, 422, "bogus", ["not permitted"]),
         ({"model": "sim"}, 422, "body", ["exactly one"]),
         ({"model": "sim", "input_ids": [1, 10**9]}, 400, "input_ids", ["vocabulary"]),
+        ({"model": "sim", "prompt": "x", "logit_bias": {"4096": 1}}, 400, "logit_bias", ["4096"]),
+        ({"model": "sim", "prompt": "x", "logit_bias": {"1e3": 1}}, 422, "logit_bias.1e3", ["id"]),
+        ({"model": "sim", "prompt": "x", "logit_bias": {"9": -101}}, 422, "logit_bias.9", ["100"]),
+        (
+            {"model": "sim", "prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}},
+            422,
+            "logit_bias",
+            ["1024"],
+        ),
+        (
+            {"model": "sim", "prompt": "x", "max_tokens": 3, "min_tokens": 4},
+            400,
+            "min_tokens",
+            ["3"],
+        ),
+        (
+            {"model": "sim", "prompt": "x", "banned_strings": ["x"] * 17},
+            422,
+            "banned_strings",
+            ["16"],
+        ),
         (
             {"model": "sim", "prompt": "x", "metadata": {"k": "v" * 20000}},
             400,

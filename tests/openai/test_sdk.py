@@ -210,6 +210,51 @@ def test_max_completion_tokens_wins_and_extras_are_ignored(client: openai.OpenAI
     assert r.usage is not None and r.usage.completion_tokens == 3
 
 
+def test_logit_bias_bans_a_token_and_genqs_sampler_extensions_pass_in_extra_body(
+    client: openai.OpenAI,
+) -> None:
+    tokenizer = build_tokenizer()  # each sim word is one token: its text gives its ids back
+
+    def completion(**kw: object) -> list[int]:
+        r = client.completions.create(model=CHAT, prompt="the model", max_tokens=30, seed=3, **kw)
+        return tokenizer.encode(r.choices[0].text).ids
+
+    plain = completion()
+    common = max(set(plain), key=plain.count)
+    banned = completion(logit_bias={str(common): -100})
+    assert common not in banned and len(banned) == 30
+
+    def chat(**extra: object) -> tuple[list[int], str | None]:
+        r = client.chat.completions.create(
+            model=CHAT, messages=USER, max_tokens=30, seed=3, extra_body=extra
+        )
+        return tokenizer.encode(r.choices[0].message.content or "").ids, r.choices[0].finish_reason
+
+    plain, _ = chat()
+    first, word = plain[0], tokenizer.decode([plain[1]]).strip()
+    assert chat(stop_token_ids=[first]) == ([first], "stop")  # it ends the job at once
+    held, reason = chat(stop_token_ids=[first], min_tokens=30, banned_strings=[word.upper()])
+    assert reason == "length" and len(held) == 30 and first not in held
+    assert word not in tokenizer.decode(held).lower()
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [
+        ({"logit_bias": {"99999": -100}}, "logit_bias", ["99999", "vocabulary"]),
+        ({"logit_bias": {"x": -100}}, "logit_bias.x", ["token id"]),
+        ({"min_tokens": 9, "max_tokens": 8}, "min_tokens", ["9", "8"]),
+    ],
+)
+def test_bad_sampler_extensions_are_4xx_naming_the_field(
+    client: openai.OpenAI, extra: dict[str, object], param: str, words: list[str]
+) -> None:
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=CHAT, prompt="the model", extra_body=extra)
+    assert err.value.status_code in (400, 422) and getattr(err.value, "param", None) == param
+    assert all(w in err.value.message for w in words)
+
+
 # ---- errors -------------------------------------------------------------------------------
 
 

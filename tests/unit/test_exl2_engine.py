@@ -388,6 +388,15 @@ def test_resumed_job_prefills_sent_tokens_and_generates_the_rest() -> None:
     assert out[-1].prompt_tokens == 10
 
 
+def test_a_resumed_job_counts_min_tokens_from_its_first_token() -> None:
+    h = make()
+    for name, sent in (("a", [500, 501]), ("b", [500, 501, 502, 503])):
+        j = job(name, prompt=10, max_tokens=8, min_tokens=3)
+        j.resume_ids = sent
+        h.engine.add(j)
+    assert [fake.sampling.min_tokens for fake in h.jobs] == [1, 0]
+
+
 def test_resumed_job_with_nothing_left_just_finishes() -> None:
     h = make()
     j = job("a", prompt=10, max_tokens=2)

@@ -635,6 +635,8 @@ class FakeExl3Job:
     ) -> None:
         self.input_ids = input_ids
         self.max_new_tokens = max_new_tokens
+        self.min_new_tokens = min_new_tokens
+        self.banned_strings = banned_strings
         self.sampler = sampler if sampler is not None else FakeDefaultSampler()
         self.seed = seed
         self.stop_conditions = stop_conditions
@@ -657,6 +659,7 @@ SAMPLINGS = [
         frequency_penalty=0.25,
         logprobs=3,
     ),
+    Sampling(logit_bias={"5": -100.0, "9": 2.5}, min_tokens=3, banned_strings=["No"]),
 ]
 
 
@@ -673,10 +676,15 @@ def test_each_job_gets_exactly_the_sampler_genq_asked_for(sampling: Sampling) ->
         sampling.logprobs or 0,
     )
     assert j.max_rq_tokens is None  # no token budget: the generator never requeues a job
+    assert (j.min_new_tokens, j.banned_strings) == (
+        sampling.min_tokens,
+        sampling.banned_strings or None,
+    )
+    assert j.sampler.args["logit_bias"] == ({5: -100.0, 9: 2.5} if sampling.logit_bias else None)
 
 
 def test_an_argument_exllamav3_would_ignore_is_refused() -> None:
-    args = loader.job_args("ids", 4, FakeComboSampler(), 1, [], "j", None)
+    args = loader.job_args("ids", 4, FakeComboSampler(), 1, [], "j", Sampling())
     assert checked_kwargs(FakeExl3Job, args) is args
     with pytest.raises(TypeError, match="gen_settings"):
         checked_kwargs(FakeExl3Job, {**args, "gen_settings": object()})

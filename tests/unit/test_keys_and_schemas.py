@@ -64,9 +64,27 @@ def test_job_needs_exactly_one_input() -> None:
         ("stop", ["x"] * 17),
         ("seed", -1),
         ("unknown_field", 1),
+        ("logit_bias", {"x": 1.0}),
+        ("logit_bias", {"-1": 1.0}),
+        ("logit_bias", {"05": 1.0}),  # one key per token
+        ("logit_bias", {"5": 100.5}),
+        ("logit_bias", {"5": True}),
+        ("logit_bias", {str(i): 1.0 for i in range(1025)}),
+        ("min_tokens", -1),
+        ("min_tokens", 1.5),
+        ("banned_strings", [""]),
+        ("banned_strings", ["x"] * 17),
+        ("banned_strings", ["x" * 513]),
     ],
 )
 def test_bad_fields_are_refused(field: str, value: object) -> None:
     with pytest.raises(ValidationError) as err:
         JobCreate.model_validate({"model": "m", "prompt": "x", field: value})
     assert field in str(err.value)
+
+
+def test_logit_bias_takes_openais_shape() -> None:
+    job = JobCreate.model_validate(
+        {"model": "m", "prompt": "x", "logit_bias": {"50256": -100, "0": 2.5}}
+    )
+    assert job.logit_bias == {"50256": -100.0, "0": 2.5}

@@ -19,7 +19,7 @@ from worker.dyngen.batch_pass import RowParams
 from worker.engine import EngineJob, SamplingSupport
 from worker.exl2 import gpu_sampling
 from worker.exl2.engine import ExLlamaV2Engine
-from worker.exl2.loader import sampler_fields
+from worker.exl2.loader import job_fields, sampler_fields
 from worker.exl3 import batch_sampling
 from worker.exl3.engine import ExLlamaV3Engine
 from worker.exl3.sampling import combo_args
@@ -38,6 +38,9 @@ PROBES: dict[str, Any] = {
     "stop": ["END"],
     "stop_token_ids": [5],
     "logprobs": 2,
+    "logit_bias": {"5": -100.0},
+    "min_tokens": 2,
+    "banned_strings": ["no"],
 }
 """A value off its default for every sampler setting (a new setting needs one here)."""
 
@@ -117,21 +120,23 @@ def test_the_batched_passes_leave_every_other_setting_to_the_librarys_sampler() 
             assert row == RowParams(s.temperature, s.top_k, s.top_p, s.min_p)
         else:
             assert row is None, name
-    for name in set(SAMPLING_FIELDS) - applied - set(ExLlamaV2Engine.sampling_support.elsewhere):
-        settings = SimpleNamespace(**sampler_fields(probe(name)), post_sampling_hooks=[])
-        assert gpu_sampling.job_params(_exl2_job(settings)) is None, name
+    for name in set(SAMPLING_FIELDS) - applied - beside - {"logprobs"}:
+        assert gpu_sampling.job_params(_exl2_job(probe(name))) is None, name
 
 
-def _exl2_job(settings: SimpleNamespace) -> SimpleNamespace:
+def _exl2_job(s: Sampling) -> SimpleNamespace:
+    """An exllamav2 job as `make_job` makes one for `s` (`token_bias`: a stand-in tensor)."""
+    settings = SimpleNamespace(**sampler_fields(s), post_sampling_hooks=[])
+    if s.logit_bias:
+        settings.token_bias = object()
     return SimpleNamespace(
         sequences=[object()],
         filters=[],
         prefix_token=None,
         return_top_tokens=0,
         return_logits=False,
-        banned_strings=[],
-        min_new_tokens=0,
         gen_settings=settings,
+        **job_fields(s),
     )
 
 

@@ -83,6 +83,49 @@ def test_stop_token_id() -> None:
     assert outs[-1].token_ids == [third] and len(outs) <= 3
 
 
+def _ids(outs: list[StepOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def test_logit_bias_bans_and_forces_words() -> None:
+    plain = _ids(_run(_engine(), _job(max_tokens=40))["j"])
+    common = max(set(plain), key=plain.count)
+    banned = _ids(_run(_engine(), _job(max_tokens=40, logit_bias={str(common): -100.0}))["j"])
+    assert common not in banned and len(banned) == 40 and banned != plain
+    forced = _ids(_run(_engine(), _job(max_tokens=8, logit_bias={str(plain[1]): 100.0}))["j"])
+    assert forced == [plain[1]] * 8
+    eos = _engine().card.eos_token_ids[0]  # no word: a bias on it changes nothing
+    assert _ids(_run(_engine(), _job(max_tokens=40, logit_bias={str(eos): 100.0}))["j"]) == plain
+
+
+def test_min_tokens_holds_back_stop_tokens_until_then() -> None:
+    seed, plain = next(
+        (seed, ids)
+        for seed in range(1, 100)
+        if (ids := _ids(_run(_engine(), _job(max_tokens=60, seed=seed))["j"])).count(ids[0]) > 1
+    )
+    stop, again = plain[0], plain.index(plain[0], 1)  # the first token comes back at `again`
+    early = _run(_engine(), _job(max_tokens=60, seed=seed, stop_token_ids=[stop]))["j"]
+    assert _ids(early) == [stop] and early[-1].finish_reason == "stop"
+    held = _run(_engine(), _job(max_tokens=60, seed=seed, stop_token_ids=[stop], min_tokens=again))[
+        "j"
+    ]
+    ids = _ids(held)
+    assert len(ids) == again + 1 and stop not in ids[:again] and ids[again] == stop
+    assert held[-1].finish_reason == "stop" and ids[1:] == plain[1 : again + 1]
+
+
+def test_banned_strings_never_appear_whatever_their_case() -> None:
+    plain = _text(_run(_engine(), _job(max_tokens=40))["j"])
+    words = plain.split()
+    banned = f"{words[3][-2:]} {words[4][:2]}".upper()  # spans a token boundary
+    text = _text(_run(_engine(), _job(max_tokens=40, banned_strings=[banned]))["j"])
+    assert banned.lower() in plain.lower() and banned.lower() not in text.lower()
+    assert len(text.split()) == 40
+    [end] = _run(_engine(), _job(max_tokens=40, banned_strings=[" "]))["j"]
+    assert end.finish_reason == "stop" and not end.token_ids  # every word starts with a space
+
+
 def test_resumed_job_continues_exactly() -> None:
     whole = _run(_engine(), _job(max_tokens=12))["j"]
     ids = [o.token_ids[0] for o in whole]

@@ -3,6 +3,8 @@ strings included (the continuation guarantee the chaos tests rely on)."""
 
 from __future__ import annotations
 
+import pytest
+
 from shared.schemas import Sampling
 from worker.engine import EngineJob, StepOutput
 from worker.sim import SimEngine, build_tokenizer
@@ -29,8 +31,21 @@ def _text(outputs: list[StepOutput]) -> str:
     return "".join(o.text for o in outputs)
 
 
-def test_resumed_run_continues_the_text_at_every_position() -> None:
-    sampling = Sampling(seed=7)
+MODEL, WILL = (build_tokenizer().token_to_id(w) for w in ("Ġmodel", "Ġwill"))
+SAMPLINGS = [
+    Sampling(seed=7),
+    Sampling(
+        seed=7,
+        logit_bias={str(MODEL): 2.0},
+        banned_strings=["ER", "s w"],
+        stop_token_ids=[WILL],
+        min_tokens=30,
+    ),
+]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_resumed_run_continues_the_text_at_every_position(sampling: Sampling) -> None:
     full = _run(_job(sampling))
     for k in range(1, MAX_TOKENS):
         sent_ids = [t for o in full[:k] for t in o.token_ids]

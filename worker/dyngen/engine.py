@@ -103,7 +103,11 @@ class DynamicEngine(ABC):
         stops: list[int | str] = [*self.card.eos_token_ids, *job.sampling.stop_token_ids]
         if job.text:  # else the worker matches stop strings in the text it makes
             stops += job.sampling.stop
-        handle = self._backend.make_job(ids, remaining, job.sampling, job.seed, stops, job.id)
+        sampling = job.sampling
+        if sampling.min_tokens and job.resume_ids:  # counted from the job's first token
+            left = max(sampling.min_tokens - len(job.resume_ids), 0)
+            sampling = sampling.model_copy(update={"min_tokens": left})
+        handle = self._backend.make_job(ids, remaining, sampling, job.seed, stops, job.id)
         key = self._enqueue(handle, job.id)
         self._jobs[key] = Tracked(job, handle, len(job.input_ids))
         self._keys[job.id] = key

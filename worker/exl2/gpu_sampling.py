@@ -23,7 +23,8 @@ hands each job its token:
 
 What stays on exllamav2's CPU sampler (per job, `job_params()` is None): repetition,
 presence and frequency penalties, top logprobs (`return_top_tokens`), filters, CFG, token
-healing, banned strings, and any sampler setting besides temperature, top_k, top_p and min_p.
+healing, logit bias (`token_bias`), banned strings, a minimum of new tokens, and any sampler
+setting besides temperature, top_k, top_p and min_p.
 
 Semantics, both paths: one uniform draw from the job's own seeded RNG per token; temperature
 below 0.01 or top_k = 1 is greedy (argmax); otherwise softmax(logits / temperature), then
@@ -61,7 +62,6 @@ UNUSED = {
     "mirostat": False,
     "dry_multiplier": 0.0,
     "xtc_probability": 0.0,
-    "token_bias": None,
     "cfg_scale": None,
 }
 """exllamav2 sampler settings genq does not offer, at their neutral values; the engine sets
@@ -90,6 +90,8 @@ def job_params(job: Any) -> RowParams | None:
     ):
         return None
     s = job.gen_settings
+    if getattr(s, "token_bias", None) is not None:  # a tensor: not compared as the rest
+        return None
     if any(getattr(s, name, value) != value for name, value in NEUTRAL.items()):
         return None
     if getattr(s, "post_sampling_hooks", None):

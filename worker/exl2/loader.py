@@ -45,6 +45,9 @@ MAX_SEQ_LEN_KEYS = (
 """config.json keys `ExLlamaV2Config` takes the model's sequence length from, the first present
 one winning; `EXL2_DEFAULT_MAX_SEQ_LEN` when none is."""
 EXL2_DEFAULT_MAX_SEQ_LEN = 2048
+LOGITS_ALIGN = 32
+"""exllamav2's generator pads each row of logits to a multiple of this many tokens
+(`padded_vocab_size`); a job's `token_bias` is added to such a row, so it is as long."""
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,14 @@ def sampler_fields(s: Sampling) -> dict[str, Any]:
         "token_presence_penalty": s.presence_penalty,
         "token_frequency_penalty": s.frequency_penalty,
         "temp_exponent": 1.0,
+        "token_bias": None,
         **gpu_sampling.UNUSED,
     }
+
+
+def job_fields(s: Sampling) -> dict[str, Any]:
+    """The sampler settings exllamav2 takes as arguments of the job, not of its sampler."""
+    return {"min_new_tokens": s.min_tokens, "banned_strings": s.banned_strings or None}
 
 
 SAMPLING_SUPPORT = SamplingSupport(
@@ -118,6 +127,9 @@ SAMPLING_SUPPORT = SamplingSupport(
         "stop": "the engine's `add`: stop conditions (the worker matches them without `job.text`)",
         "stop_token_ids": "the engine's `add`: stop conditions",
         "logprobs": "`make_job`: return_probs and return_top_tokens",
+        "logit_bias": "`make_job`: the sampler's token_bias, a vector over the logits' row",
+        "min_tokens": "`job_fields`: min_new_tokens (less what an earlier attempt sent)",
+        "banned_strings": "`job_fields`: banned_strings",
     },
 )
 """Where the exllamav2 engine honours each sampler setting: `sampler_fields` maps the rest."""
@@ -173,7 +185,7 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
         max_seq_len=min(config.max_seq_len, cache_size),
         chunk=sizes.chunk,
     )
-    make_job = _job_factory(settings.gpu_sampling)
+    make_job = _job_factory(settings.gpu_sampling, round_up(config.vocab_size, LOGITS_ALIGN))
     piece = piece_lookup(tokenizer)
     make_generator = _warm_generator_factory(settings, model, cache, tokenizer, shape)
     eos = eos_ids(model_dir, config.eos_token_id)
@@ -275,7 +287,7 @@ def _warm_generator_factory(
     return first_warmed(warmed, build_generator)
 
 
-def _job_factory(on_gpu: bool) -> Callable[..., Any]:
+def _job_factory(on_gpu: bool, logits_width: int) -> Callable[..., Any]:
     """`Backend.make_job`: exllamav2 jobs, of the class that takes GPU-sampled tokens when
     GPU sampling is on."""
     import torch
@@ -292,16 +304,33 @@ def _job_factory(on_gpu: bool) -> Callable[..., Any]:
         identifier: str,
     ) -> Any:
         n = sampling.logprobs
+        fields = sampler_fields(sampling)
+        if sampling.logit_bias:
+            fields["token_bias"] = token_bias(sampling.logit_bias, logits_width)
         return job_cls(
             input_ids=torch.tensor([ids], dtype=torch.long),
             max_new_tokens=max_new,
-            gen_settings=ExLlamaV2Sampler.Settings(**sampler_fields(sampling)),
+            gen_settings=ExLlamaV2Sampler.Settings(**fields),
             seed=seed,
             stop_conditions=stops or None,
             decode_special_tokens=False,
             return_probs=n is not None,
             return_top_tokens=n or 0,
             identifier=identifier,
+            **job_fields(sampling),
         )
 
     return make_job
+
+
+def token_bias(logit_bias: dict[str, float], width: int) -> Any:
+    """`logit_bias` as exllamav2's sampler adds it to a row of logits: a float32 vector on the
+    host, `width` long (an id past the row's end is no token the model can give)."""
+    import torch
+
+    bias = torch.zeros((width,), dtype=torch.float)
+    entries = [(int(k), v) for k, v in logit_bias.items() if int(k) < width]
+    if entries:
+        ids, values = zip(*entries, strict=True)
+        bias[list(ids)] = torch.tensor(values, dtype=torch.float)
+    return bias

@@ -129,15 +129,16 @@ def job_args(
     seed: int,
     stops: list[int | str],
     identifier: str,
-    logprobs: int | None,
+    sampling: Sampling,
 ) -> dict[str, Any]:
     """Every `Job` argument genq relies on, explicit: `max_new_tokens` above all (left out,
     exllamav3 lets a job run to the end of the cache), and no token budget, so the generator
     never requeues a job on its own."""
+    logprobs = sampling.logprobs
     return {
         "input_ids": input_ids,
         "max_new_tokens": max_new,
-        "min_new_tokens": 0,
+        "min_new_tokens": sampling.min_tokens,
         "sampler": sampler,
         "seed": seed,
         "stop_conditions": stops,
@@ -146,7 +147,7 @@ def job_args(
         "return_probs": logprobs is not None,
         "identifier": identifier,
         "token_healing": False,
-        "banned_strings": None,
+        "banned_strings": sampling.banned_strings or None,
         "max_rq_tokens": None,
         "stop_on_loop": None,
     }
@@ -171,7 +172,7 @@ def job_factory(
         identifier: str,
     ) -> Any:
         sampler = make_sampler(sampler_cls, sampling)
-        args = job_args(as_ids(ids), max_new, sampler, seed, stops, identifier, sampling.logprobs)
+        args = job_args(as_ids(ids), max_new, sampler, seed, stops, identifier, sampling)
         job = job_cls(**checked_kwargs(job_cls, args))
         if batched:
             job.genq_params = batch_sampling.row_params(sampling)

@@ -7,10 +7,10 @@ or renamed argument (exllamav2's `gen_settings=`) leaves a job with exllamav3's
 refuses any keyword its callee does not name.
 
 What exllamav3 does with them (its `ComboSampler`, on the GPU, one fused kernel per job):
-penalties first (repetition, then presence and frequency, over the whole context, prompt
-included), then greedy (argmax) when temperature is 0 or top_k is 1, else temperature, min_p,
-top_k, top_p and a draw from the job's own seeded RNG. Top logprobs are of the model's own
-distribution (softmax of the logits, before temperature and truncation).
+the logit bias first, then penalties (repetition, then presence and frequency, over the whole
+context, prompt included), then greedy (argmax) when temperature is 0 or top_k is 1, else
+temperature, min_p, top_k, top_p and a draw from the job's own seeded RNG. Top logprobs are of
+the model's own distribution (softmax of the logits, before temperature and truncation).
 
 Plain Python: imports nothing of exllamav3, so it is tested on a CPU install.
 """
@@ -39,6 +39,7 @@ SAMPLING_SUPPORT = SamplingSupport(
             "repetition_penalty",
             "presence_penalty",
             "frequency_penalty",
+            "logit_bias",
         }
     ),
     elsewhere={
@@ -46,6 +47,8 @@ SAMPLING_SUPPORT = SamplingSupport(
         "stop": "the engine's `add`: stop conditions (the worker matches them without `job.text`)",
         "stop_token_ids": "the engine's `add`: stop conditions",
         "logprobs": "`job_args`: return_top_tokens and return_probs",
+        "min_tokens": "`job_args`: min_new_tokens (less what an earlier attempt sent)",
+        "banned_strings": "`job_args`: banned_strings",
     },
 )
 """Where the exllamav3 engine honours each sampler setting: `combo_args` maps the rest."""
@@ -53,7 +56,7 @@ SAMPLING_SUPPORT = SamplingSupport(
 
 def combo_args(s: Sampling) -> dict[str, Any]:
     """Every `ComboSampler` argument for `s`; the ones genq does not offer at their neutral
-    values (DRY off, no logit bias, no adaptive-P, temperature first)."""
+    values (DRY off, no adaptive-P, temperature first)."""
     greedy = s.temperature == 0.0
     return {
         "rep_p": s.repetition_penalty,
@@ -73,7 +76,7 @@ def combo_args(s: Sampling) -> dict[str, Any]:
         "temp_last": False,
         "adaptive_target": 1.0,
         "adaptive_decay": 0.9,
-        "logit_bias": None,
+        "logit_bias": {int(k): v for k, v in s.logit_bias.items()} or None,
     }
 
 
