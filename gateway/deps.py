@@ -54,12 +54,13 @@ def identify(settings: GatewaySettings, token: str | None) -> Identity:
     if not keys:
         return OPEN
     raw = _raw(token)
-    if raw is None or _matching(raw, keys) is None:
+    key = None if raw is None else _matching(raw, keys)
+    if raw is None or key is None:
         raise Unauthorized(
             "missing or invalid API key (Authorization: Bearer <key>, or X-API-Key: <key>)"
         )
     admin = _matching(raw, settings.admin_api_keys) is not None
-    return Identity(owner_of(raw), admin=admin, keyed=True)
+    return Identity(owner_of(raw), admin=admin, keyed=True, options=settings.key_options(key))
 
 
 def check_key(settings: GatewaySettings, token: str | None) -> None:

@@ -111,6 +111,7 @@ SUBMIT = ScriptArgs(
         "admission_checks",
         "overflow",
         "recent",
+        "tokens_bucket",
     ),
     argv=(
         "job_id",
@@ -127,6 +128,8 @@ SUBMIT = ScriptArgs(
         "recent_cap",
         "model",
         "priority",
+        "charge",
+        "tpm",
     ),
     rest="n_scopes scopes (jobs field, tokens field, max jobs, max tokens), then n_entry "
     "queue entry (field, value) pairs, then record (field, value) pairs",
@@ -167,7 +170,7 @@ RELEASE_IDEMPOTENCY = ScriptArgs("release_idempotency", keys=("idempotency",), a
 DELETE_IDLE_CONSUMER = ScriptArgs(
     "delete_idle_consumer", keys=("queue",), argv=("group", "consumer")
 )
-RATE_LIMIT = ScriptArgs("rate_limit", keys=("bucket",), argv=("rate", "burst"))
+RATE_LIMIT = ScriptArgs("rate_limit", keys=("requests", "tokens"), argv=("rate", "burst", "tpm"))
 ADMISSION_DUE = ScriptArgs("admission_due", keys=("checks",), argv=("now", "next_at", "limit"))
 ADMISSION_RELEASE = ScriptArgs(
     "admission_release", keys=("counts", "jobs", "checks"), argv=("job_key",)
