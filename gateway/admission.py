@@ -1,9 +1,12 @@
 """Admission control: whether a request may add work now. Queue limits and per-key quotas
-(429), the per-key request rate (429), and Redis memory (503), each with `Retry-After`.
+(429), the per-key request rate and tokens per minute (429), and Redis memory (503), each
+with `Retry-After`.
 
 The limits themselves are checked where they cannot be overshot: in SUBMIT, atomically with
-the job's counting (shared/quotas.py). `precheck` reads the same counters first, so a request
-the limits will refuse is refused before it is tokenized.
+the job's counting and its tokens' charge (shared/quotas.py). `precheck` reads the same
+counters first, and the tokens bucket as the request rate's check read it, so a request the
+limits will refuse is refused before it is tokenized. What the rate checks read of the key's
+buckets is told to the client in OpenAI's headers (gateway/rate_headers.py).
 """
 
 from __future__ import annotations
@@ -17,14 +20,15 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from gateway import rate_headers
 from gateway.identity import Identity
 from shared.errors import BadRequest, TooManyRequests, Unavailable
 from shared.keys import Keys, Priority, scope_fields
 from shared.loops import keep_running
-from shared.quotas import Admission, Quota, QuotaCalls
+from shared.quotas import Admission, Quota, QuotaCalls, TokenCharge
 from shared.schemas import JobSpec
 from shared.settings import GatewaySettings
-from shared.transitions import Limited, ScriptRunner
+from shared.transitions import Limited, ScriptRunner, Throttled
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,14 @@ REPAIR_ROUNDS = 10
 """Most rounds per repair tick: a backlog of due checks is worked off over several ticks."""
 _LIVE = frozenset({"queued", "running"})
 _MS_PER_S = 1000
+_S_PER_MINUTE = 60
+_FROM_KEYS_FILE = "its {}= in the keys file"
+
+
+def job_cost(spec: JobSpec) -> int:
+    """What a job counts as against the token limits: its prompt and max_tokens (as OpenAI
+    counts max_tokens against tokens per minute when a request is admitted)."""
+    return len(spec.input_ids) + spec.max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +66,20 @@ class _Limit:
     setting: str
     value: int
     """0: none."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Rates:
+    """A key's request rate and tokens per minute (0: no limit), each with where it is set."""
+
+    per_s: float
+    burst: int
+    per_s_setting: str
+    tpm: int
+    tpm_setting: str
+
+
+_NO_RATES = _Rates(0.0, 0, "", 0, "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +107,14 @@ class AdmissionControl:
 
     # ---- queue limits and quotas ----------------------------------------------------------
 
-    def admission(self, caller: Identity, spec: JobSpec, cached_tokens: int = 0) -> Admission:
-        """What SUBMIT counts `spec` as, and against which limits; a 400 for a job no limit
-        could ever admit. `cached_tokens`: of its prompt, what a worker's cache holds (a
-        placement estimate), not charged as prefill by token-fair scheduling."""
-        tokens = len(spec.input_ids) + spec.max_tokens
+    def admission(
+        self, caller: Identity, spec: JobSpec, charge: int = 0, cached_tokens: int = 0
+    ) -> Admission:
+        """What SUBMIT counts `spec` as, and against which limits, charging `charge` tokens to
+        the caller's tokens per minute; a 400 for a job no limit could ever admit.
+        `cached_tokens`: of its prompt, what a worker's cache holds (a placement estimate),
+        not charged as prefill by token-fair scheduling."""
+        tokens = job_cost(spec)
         scopes = self._scopes(caller, spec.priority, spec.model)
         for sc in scopes:
             if sc.tokens.value and tokens > sc.tokens.value:
@@ -108,15 +137,31 @@ class AdmissionControl:
             fair_cost=self.fair_cost(caller, spec, cached_tokens) if by_tokens else None,
             fair_owner=caller.owner,
             fair_window=s.fair_window,
+            charge=self._charge(caller, charge),
         )
 
     def fair_cost(self, caller: Identity, spec: JobSpec, cached_tokens: int = 0) -> float:
         """What a job costs its owner under token-fair scheduling: the tokens it may generate,
         plus its uncached prompt tokens at GENQ_FAIR_PREFILL_WEIGHT each, over the owner's
-        weight (its key's, 1 by default)."""
+        weight (its key's: the keys file's `weight=`, else GENQ_KEY_WEIGHTS, else 1)."""
         uncached = max(0, len(spec.input_ids) - cached_tokens)
         cost = spec.max_tokens + uncached * self.settings.fair_prefill_weight
         return cost / caller.weight
+
+    def _charge(self, caller: Identity, tokens: int) -> TokenCharge | None:
+        """`tokens` to take from the caller's tokens per minute; a 400 past the most its
+        bucket holds (a minute's worth: waiting would never let them in)."""
+        rates = self._rates(caller)
+        if not tokens or not rates.tpm:
+            return None
+        if tokens > rates.tpm:
+            raise BadRequest(
+                f"this request needs {tokens} tokens (prompt + max_tokens), more than this API "
+                f"key's limit of {rates.tpm} tokens per minute ({rates.tpm_setting}) allows at "
+                "once; lower max_tokens or shorten the prompt",
+                param="max_tokens",
+            )
+        return TokenCharge(self.keys.tokens_rate(caller.owner), tokens, rates.tpm)
 
     def _scopes(self, caller: Identity, priority: Priority, model: str) -> list[_Scope]:
         """The model's queue of this priority for everyone, then for the caller (counted
@@ -143,14 +188,34 @@ class AdmissionControl:
     def refusal(self, caller: Identity, spec: JobSpec, limited: Limited) -> TooManyRequests:
         """The 429 for a SUBMIT that found a scope full."""
         sc = self._scopes(caller, spec.priority, spec.model)[limited.scope]
-        tokens = len(spec.input_ids) + spec.max_tokens
-        return self._full(sc, spec.priority, spec.model, limited.what, limited.count, tokens)
+        need = job_cost(spec)
+        return self._full(sc, spec.priority, spec.model, limited.what, limited.count, need)
+
+    def throttled(self, caller: Identity, charge: int, reply: Throttled) -> TooManyRequests:
+        """The 429 for a SUBMIT that found the caller's tokens per minute short of `charge`."""
+        left = reply.tokens.remaining
+        why = f"this request needs {charge} tokens (prompt + max_tokens) and {left} are left"
+        return self._over_tokens(self._rates(caller), why, reply.retry_after_ms)
+
+    def _over_tokens(self, rates: _Rates, why: str, retry_after_ms: int) -> TooManyRequests:
+        return TooManyRequests(
+            f"this API key is over its limit of {rates.tpm} tokens per minute "
+            f"({rates.tpm_setting}): {why}; retry later",
+            code="rate_limited",
+            retry_after_s=max(1, math.ceil(retry_after_ms / _MS_PER_S)),
+        )
 
     async def precheck(self, caller: Identity, model: str, priority: Priority, jobs: int) -> None:
-        """Refuse early what the limits would refuse anyway: Redis nearly full (503), a scope
-        without room for `jobs` more jobs (429; 400 if it never could have). Tokens are
-        SUBMIT's to check."""
+        """Refuse early what the limits would refuse anyway: Redis nearly full (503), a key
+        without a token left of its tokens per minute (429: as the request rate's check read
+        its bucket), a scope without room for `jobs` more jobs (429; 400 if it never could
+        have). How many tokens the request needs is SUBMIT's to check."""
         await self.check_memory()
+        tokens = rate_headers.seen().tokens
+        if tokens is not None and tokens.remaining < 1:
+            rates = self._rates(caller)
+            wait_ms = math.ceil(_S_PER_MINUTE * _MS_PER_S / max(1, rates.tpm))
+            raise self._over_tokens(rates, "none are left", wait_ms)
         limited = [sc for sc in self._scopes(caller, priority, model) if sc.jobs.value]
         if not limited:
             return
@@ -193,18 +258,40 @@ class AdmissionControl:
 
     # ---- request rate ---------------------------------------------------------------------
 
+    def _rates(self, caller: Identity) -> _Rates:
+        """The caller's limits: its key's own (keys file), else the settings'; none while the
+        API is open."""
+        if not caller.keyed:
+            return _NO_RATES
+        s, own = self.settings, caller.options
+        if own.rpm is None:
+            per_s, per_s_setting = s.rate_limit_per_key, "GENQ_RATE_LIMIT_PER_KEY"
+        else:
+            per_s, per_s_setting = own.rpm / _S_PER_MINUTE, _FROM_KEYS_FILE.format("rpm")
+        if own.tpm is None:
+            tpm, tpm_setting = s.tokens_per_minute_per_key, "GENQ_TOKENS_PER_MINUTE_PER_KEY"
+        else:
+            tpm, tpm_setting = own.tpm, _FROM_KEYS_FILE.format("tpm")
+        burst = s.rate_limit_burst or max(1, math.ceil(per_s))
+        return _Rates(per_s, burst, per_s_setting, tpm, tpm_setting)
+
     async def check_rate(self, caller: Identity) -> None:
-        """429 past the key's request rate (GENQ_RATE_LIMIT_PER_KEY); only while keys are set."""
-        s = self.settings
-        if not s.rate_limit_per_key or not caller.keyed:
+        """One request of the caller against its request rate (429 past it), its tokens per
+        minute read for `precheck` and the headers; only while keys are set. Both buckets,
+        shared by all gateways, in one script call."""
+        rates = self._rates(caller)
+        if not rates.per_s and not rates.tpm:
             return
-        burst = s.rate_limit_burst or max(1, math.ceil(s.rate_limit_per_key))
-        call = self.calls.rate_limit(caller.owner, rate=s.rate_limit_per_key, burst=burst)
+        call = self.calls.rate_limit(
+            caller.owner, rate=rates.per_s, burst=rates.burst, tpm=rates.tpm
+        )
         reply = await self.scripts.run(call)
+        rate_headers.note(reply.requests, reply.tokens)
         if not reply.allowed:
             raise TooManyRequests(
-                f"this API key is over its request rate of {s.rate_limit_per_key:g}/s "
-                f"(GENQ_RATE_LIMIT_PER_KEY, bursts of {burst}); retry later",
+                f"this API key is over its request rate of {rates.per_s * _S_PER_MINUTE:g} "
+                f"requests per minute ({rates.per_s:g}/s, in bursts of {rates.burst}; "
+                f"{rates.per_s_setting}); retry later",
                 code="rate_limited",
                 retry_after_s=max(1, math.ceil(reply.retry_after_ms / _MS_PER_S)),
             )

@@ -39,6 +39,7 @@ from gateway.pubsub_wire import (
     SentinelMaster,
     Target,
 )
+from gateway.rate_headers import HEADERS, RateHeaders
 from gateway.registry import ModelRegistry
 from gateway.routes import docs, health, jobs, metrics, models
 from gateway.state import GatewayState
@@ -48,7 +49,7 @@ from shared.redisconn import check_url, connect, sentinels
 from shared.settings import GatewaySettings
 from shared.transitions import ScriptRunner
 
-EXPOSED_HEADERS = ["X-Job-Id", "X-Job-Ids", "Retry-After", "Idempotent-Replayed"]
+EXPOSED_HEADERS = ["X-Job-Id", "X-Job-Ids", "Retry-After", "Idempotent-Replayed", *HEADERS]
 """Response headers a browser's script may read (CORS hides all but a few by default)."""
 CORS_MAX_AGE_S = 600
 """How long a browser may cache a preflight's answer."""
@@ -226,7 +227,10 @@ def _sentinel_master(settings: GatewaySettings) -> SentinelMaster:
 
 def install_middleware(app: FastAPI, settings: GatewaySettings) -> None:
     """Outermost first: the access log and the response counter (they see every answer, a
-    401 or a preflight's too), CORS (a preflight needs no key), the API key, the body limit."""
+    401 or a preflight's too), CORS (a preflight needs no key), the API key, the body limit,
+    and, while some key has a rate limit, its headers on the answers."""
+    if settings.per_key_rates:
+        app.add_middleware(RateHeaders)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, uploads=settings.file_max_bytes)
     app.state.auth_throttle = throttle = AuthThrottle(settings)  # the dashboard's login too
     app.add_middleware(Authenticate, settings=settings, throttle=throttle)

@@ -54,13 +54,15 @@ def identify(settings: GatewaySettings, token: str | None) -> Identity:
     if not keys:
         return OPEN
     raw = _raw(token)
-    if raw is None or _matching(raw, keys) is None:
+    key = None if raw is None else _matching(raw, keys)
+    if raw is None or key is None:
         raise Unauthorized(
             "missing or invalid API key (Authorization: Bearer <key>, or X-API-Key: <key>)"
         )
     admin = _matching(raw, settings.admin_api_keys) is not None
-    weight = settings.key_weights.get(raw.decode("latin-1"), 1.0)
-    return Identity(owner_of(raw), admin=admin, keyed=True, weight=weight)
+    options = settings.key_options(key)
+    weight = options.weight or settings.key_weights.get(raw.decode("latin-1"), 1.0)
+    return Identity(owner_of(raw), admin=admin, keyed=True, options=options, weight=weight)
 
 
 def check_key(settings: GatewaySettings, token: str | None) -> None:

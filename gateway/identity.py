@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from shared.records import ANONYMOUS, OWNERS_SINCE
+from shared.settings import NO_KEY_OPTIONS, KeyOptions
 
 
 class Owned(Protocol):
@@ -29,6 +30,9 @@ class Identity:
     weight: float = 1.0
     """Its share of the workers against other keys' under token-fair scheduling
     (GENQ_KEY_WEIGHTS)."""
+    options: KeyOptions = NO_KEY_OPTIONS
+    """What the keys file set for the caller's key: its own requests and tokens per minute
+    (None: the settings'), and its `weight` for the scheduler (None: unset)."""
 
     def may_see(self, record: Owned) -> bool:
         """A record is its owner's (and the admins'); another key gets 404 for it, as for one

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 import anyio
 import redis.asyncio as aioredis
 
-from gateway import access_log
-from gateway.admission import AdmissionControl
+from gateway import access_log, rate_headers
+from gateway.admission import AdmissionControl, job_cost
 from gateway.constraints import ConstraintChecker
 from gateway.identity import Identity
 from gateway.placement import Placement
@@ -39,6 +39,7 @@ from shared.transitions import (
     Queued,
     ScriptRunner,
     SubmitReply,
+    Throttled,
     Transitions,
 )
 
@@ -209,23 +210,33 @@ class JobService:
         caller: Identity,
         part: int = 0,
         fingerprint: str | None = None,
+        charge: int | None = None,
     ) -> Submitted:
         """Queue a job for `caller` in one atomic step (idempotency key, admission, record,
-        first event, queue entry); with an Idempotency-Key the caller already used, the
-        earlier job (or a 422 for another body). `part` and `fingerprint`: for a request
-        that makes several jobs under one key (the fingerprint then is the request's)."""
+        first event, queue entry, its tokens charged to the caller's tokens per minute); with
+        an Idempotency-Key the caller already used, the earlier job (or a 422 for another
+        body), charged nothing. `part` and `fingerprint`: for a request that makes several
+        jobs under one key (the fingerprint then is the request's). `charge`: the tokens to
+        charge (a request of several jobs charges them all with its first); None: the job's."""
         spec = spec or await self.prepare(body)
         idem = None
         if idempotency_key is not None:
             idem = self.keys.idempotency(caller.owner, check_idempotency_key(idempotency_key), part)
-        submission = self.submission(body, spec, idem, caller=caller, fingerprint=fingerprint)
+        charge = job_cost(spec) if charge is None else charge
+        submission = self.submission(
+            body, spec, idem, caller=caller, fingerprint=fingerprint, charge=charge
+        )
         for _ in range(_SUBMIT_TRIES):
             reply = await self._run_replicated(submission.call)
             if isinstance(reply, Queued):
+                rate_headers.note(tokens=reply.tokens)
                 _log_queued(submission.record, caller)
                 return Submitted(submission.record.view(), replayed=False)
             if isinstance(reply, Limited):
                 raise self.admission.refusal(caller, spec, reply)
+            if isinstance(reply, Throttled):
+                rate_headers.note(tokens=reply.tokens)
+                raise self.admission.throttled(caller, charge, reply)
             assert idem is not None
             earlier = await self._earlier(idem, reply.claim, submission.record.fingerprint or "")
             if earlier is not None:
@@ -265,10 +276,12 @@ class JobService:
         fingerprint: str | None = None,
         idempotency_ttl_s: int | None = None,
         done_stream: str | None = None,
+        charge: int = 0,
     ) -> Submission:
         """The SUBMIT call of a prepared job for `caller`, claiming the Redis key
-        `idempotency` (if any); nothing is written until it runs. Callers that queue many
-        jobs pipeline these."""
+        `idempotency` (if any), charging `charge` tokens to the caller's tokens per minute
+        (none for a batch's jobs: as OpenAI's, outside the live limits); nothing is written
+        until it runs. Callers that queue many jobs pipeline these."""
         fingerprint = fingerprint or _fingerprint(body)
         record = JobRecord(
             spec=spec,
@@ -285,7 +298,9 @@ class JobService:
         meta = body.metadata
         conversation = meta.get("prompt_cache_key") or meta.get("user")
         lane = self.placement.lane(spec, conversation if isinstance(conversation, str) else None)
-        admission = self.admission.admission(caller, spec, self.placement.cached_tokens(spec))
+        admission = self.admission.admission(
+            caller, spec, charge, self.placement.cached_tokens(spec)
+        )
         call = self.transitions.submit(
             record,
             queued_event=events.encode(queued),

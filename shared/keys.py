@@ -141,6 +141,10 @@ class Keys:
         """Hash with TTL: an owner's request token bucket."""
         return f"{self.prefix}rate:{owner}"
 
+    def tokens_rate(self, owner: str) -> str:
+        """Hash with TTL: an owner's tokens-per-minute bucket (prompt + max_tokens of its jobs)."""
+        return f"{self.prefix}tpm:{owner}"
+
     def write_probe(self) -> str:
         """String with TTL: what readiness writes to learn whether Redis takes writes."""
         return f"{self.prefix}probe"

@@ -12,18 +12,29 @@ that dies mid-way leaves none. What remains is a job that ends unseen (by a work
 than the counters, or a record deleted by hand): each admitted job is checked again every
 `quota_recheck_s` (`due` then `release`), and one that ended, or is gone, stops counting.
 
+Rates (token buckets on Redis's clock, one per owner and limit: prelude.lua): RATE_LIMIT
+takes a request from the owner's request bucket and reads its tokens-per-minute bucket;
+SUBMIT takes the job's tokens from the latter in the step that queues it, so a refused or
+re-sent submit costs nothing. A bucket rather than a sliding window: O(1) state per owner
+(a window keeps an entry per request, or, counted per minute, lets twice the limit through
+across a minute's edge), and its level tells a client exactly when the next request fits.
+
 Cluster seam: the admission keys share the hash tag `{admission}`, not the job's; SUBMIT,
 EMIT and SETTLE touch both. Under Cluster the uncount becomes a second call after the end
-(safe: `release` is idempotent, and the repair catches a call lost in between).
+(safe: `release` is idempotent, and the repair catches a call lost in between). The buckets
+are an owner's own keys: RATE_LIMIT's two would share a tag of the owner's, and SUBMIT's
+charge would join the admission step.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared import scripts as lua
 from shared.keys import Keys
-from shared.transitions import Call, call
+from shared.transitions import Bucket, Call, call
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +63,36 @@ class Admission:
     owner's weight); None: the job goes straight to the queue."""
     fair_owner: str = ""
     fair_window: int = 1
+    charge: TokenCharge | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCharge:
+    """What admitting a job takes from its owner's tokens-per-minute bucket (SUBMIT takes it
+    in the step that queues the job, or refuses the job with nothing taken)."""
+
+    bucket: str
+    """The bucket's key (`Keys.tokens_rate`)."""
+    tokens: int
+    tpm: int
+    """The bucket's size: the owner's tokens per minute, refilled over a minute."""
 
 
 @dataclass(frozen=True, slots=True)
 class RateReply:
+    """A request counted against its owner's request rate, and its buckets as they are now
+    (None: no such limit)."""
+
     allowed: bool
     retry_after_ms: int
+    requests: Bucket | None
+    tokens: Bucket | None
+
+
+def _rate_reply(burst: int, tpm: int, r: list[Any]) -> RateReply:
+    requests = Bucket(burst, int(r[2]), int(r[3])) if int(r[2]) >= 0 else None
+    tokens = Bucket(tpm, int(r[4]), int(r[5])) if int(r[4]) >= 0 else None
+    return RateReply(bool(int(r[0])), int(r[1]), requests, tokens)
 
 
 class QuotaCalls:
@@ -70,12 +105,15 @@ class QuotaCalls:
         k = self.keys
         return [k.admission_counts(), k.admission_jobs(), k.admission_checks()]
 
-    def rate_limit(self, owner: str, *, rate: float, burst: int) -> Call[RateReply]:
+    def rate_limit(self, owner: str, *, rate: float, burst: int, tpm: int) -> Call[RateReply]:
+        """One request of `owner` against `rate` a second (0: none) in bursts of `burst`, and
+        its tokens bucket of `tpm` (0: none) read."""
+        k = self.keys
         return call(
             lua.RATE_LIMIT,
-            lambda r: RateReply(bool(int(r[0])), int(r[1])),
-            {"bucket": self.keys.rate_limit(owner)},
-            {"rate": repr(rate), "burst": burst},
+            functools.partial(_rate_reply, burst, tpm),
+            {"requests": k.rate_limit(owner), "tokens": k.tokens_rate(owner)},
+            {"rate": repr(rate), "burst": burst, "tpm": tpm},
         )
 
     def due(self, *, now: float, next_check: float, limit: int) -> Call[list[str]]:

@@ -115,6 +115,7 @@ SUBMIT = ScriptArgs(
         "placed_lanes",
         "fair_queue",
         "fair_clock",
+        "tokens_bucket",
     ),
     argv=(
         "job_id",
@@ -135,6 +136,8 @@ SUBMIT = ScriptArgs(
         "fair_owner",
         "fair_window",
         "group",
+        "charge",
+        "tpm",
     ),
     rest="n_scopes scopes (jobs field, tokens field, max jobs, max tokens), then n_entry "
     "queue entry (field, value) pairs, then record (field, value) pairs",
@@ -175,7 +178,7 @@ RELEASE_IDEMPOTENCY = ScriptArgs("release_idempotency", keys=("idempotency",), a
 DELETE_IDLE_CONSUMER = ScriptArgs(
     "delete_idle_consumer", keys=("queue",), argv=("group", "consumer")
 )
-RATE_LIMIT = ScriptArgs("rate_limit", keys=("bucket",), argv=("rate", "burst"))
+RATE_LIMIT = ScriptArgs("rate_limit", keys=("requests", "tokens"), argv=("rate", "burst", "tpm"))
 ADMISSION_DUE = ScriptArgs("admission_due", keys=("checks",), argv=("now", "next_at", "limit"))
 ADMISSION_RELEASE = ScriptArgs(
     "admission_release", keys=("counts", "jobs", "checks"), argv=("job_key",)

@@ -24,6 +24,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     SecretStr,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -58,17 +59,70 @@ def _key_list(v: Any) -> Any:
     return [k.strip() for k in v.split(",") if k.strip()]
 
 
-def _keys_file(path: Path, setting: str = "GENQ_API_KEYS_FILE") -> list[str]:
-    """One key per line; blank lines and `#` comment lines skipped."""
+class KeyOptions(BaseModel):
+    """What a keys file's line sets for its key beside the global settings (None: the
+    setting's value; 0: no limit for this key): `<key> tpm=100000 rpm=600 weight=3`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tpm: int | None = Field(default=None, ge=0)
+    """Tokens per minute (GENQ_TOKENS_PER_MINUTE_PER_KEY for this key)."""
+    rpm: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """Requests per minute (GENQ_RATE_LIMIT_PER_KEY × 60 for this key)."""
+    weight: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """The key's share when owners are scheduled by the tokens they cost (relative)."""
+
+
+NO_KEY_OPTIONS = KeyOptions()
+KeysFile = dict[str, KeyOptions]
+"""A keys file's keys, in file order, each with the options its line set."""
+
+
+def _keys_file(path: Path, setting: str = "GENQ_API_KEYS_FILE") -> KeysFile:
+    """One key per line, optionally followed by options (`name=value` words, KeyOptions) and a
+    `#` comment; blank lines and `#` comment lines skipped. A key is the line's first word, so
+    a file of bare keys reads as it always did. Errors name the line, never the key."""
     try:
         text = path.expanduser().read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"{setting}: cannot read {str(path)!r}: {exc.strerror}") from None
-    keys = [line.strip() for line in text.splitlines()]
-    keys = [k for k in keys if k and not k.startswith("#")]
+    keys: KeysFile = {}
+    first_line: dict[str, int] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        key, options = words[0], _key_options(words[1:], f"{setting} line {n}")
+        if key in keys and keys[key] != options:
+            raise ValueError(
+                f"{setting} line {n}: the key of line {first_line[key]} again, with other options"
+            )
+        keys.setdefault(key, options)
+        first_line.setdefault(key, n)
     if not keys:  # an empty file would leave the gateway open: refuse instead
         raise ValueError(f"{setting}: {str(path)!r} holds no key")
     return keys
+
+
+def _key_options(words: list[str], where: str) -> KeyOptions:
+    given: dict[str, str] = {}
+    for word in words:
+        if word.startswith("#"):
+            break
+        name, eq, value = word.partition("=")
+        if not eq or name not in KeyOptions.model_fields:
+            options = ", ".join(f"{o}=" for o in KeyOptions.model_fields)
+            raise ValueError(f"{where}: {word!r} is no option (after the key: {options})")
+        if name in given:
+            raise ValueError(f"{where}: {name}= given twice")
+        given[name] = value
+    try:
+        return KeyOptions.model_validate(given)
+    except ValidationError as exc:
+        wrong = "; ".join(
+            f"{e['loc'][0]}={given[str(e['loc'][0])]!r}: {e['msg']}" for e in exc.errors()
+        )
+        raise ValueError(f"{where}: {wrong}") from None
 
 
 class PriorityLimits(BaseModel):
@@ -359,8 +413,10 @@ class GatewaySettings(JobSettings):
     )
     api_keys_file: Path | None = Field(
         default=None,
-        description="file of accepted API keys (one a line; blank lines and # comments "
-        "skipped), read at start, added to api_keys",
+        description="file of accepted API keys, read at start, added to api_keys: one a "
+        "line, optionally followed by its own limits and weight (`<key> tpm=100000 rpm=600 "
+        "weight=3`: tokens per minute, requests per minute, its share in scheduling; 0 = no "
+        "limit for this key; docs/limits.md); blank lines and # comments skipped",
     )
     auth_fail_limit: int = Field(
         default=20,
@@ -594,7 +650,9 @@ class GatewaySettings(JobSettings):
         "comma-separated (or a JSON list); accepted like api_keys",
     )
     admin_keys_file: Path | None = Field(
-        default=None, description="file of admin keys (one a line), read at start"
+        default=None,
+        description="file of admin keys (one a line, with options as in api_keys_file), "
+        "read at start",
     )
     max_queued_jobs: Annotated[PriorityLimits, NoDecode] = Field(
         default=PriorityLimits(interactive=10_000, batch=1_000_000),
@@ -626,6 +684,13 @@ class GatewaySettings(JobSettings):
         default=0,
         ge=0,
         description="requests a key may make at once above its rate; 0 = one second's worth",
+    )
+    tokens_per_minute_per_key: int = Field(
+        default=0,
+        ge=0,
+        description="tokens (prompt + max_tokens, charged when a job is admitted) each API key's "
+        "jobs may cost per minute, shared by all gateways (only while API keys are set; batch "
+        "jobs not counted); a key's `tpm=` in the keys file overrides it; 0 = no limit",
     )
     redis_memory_limit: float = Field(
         default=0.9,
@@ -738,10 +803,10 @@ class GatewaySettings(JobSettings):
         "max_queued_tokens_per_key",
         mode="before",
     )(_priority_limits)
-    _file_keys: list[str] = PrivateAttr(default_factory=list)
+    _file_keys: KeysFile = PrivateAttr(default_factory=dict)
     """Kept apart from api_keys: settings passed on to child processes as GENQ_* never carry
     them (each child reads the file itself)."""
-    _admin_file_keys: list[str] = PrivateAttr(default_factory=list)
+    _admin_file_keys: KeysFile = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _read_keys_file(self) -> GatewaySettings:
@@ -749,6 +814,12 @@ class GatewaySettings(JobSettings):
             self._file_keys = _keys_file(self.api_keys_file)
         if self.admin_keys_file is not None:
             self._admin_file_keys = _keys_file(self.admin_keys_file, "GENQ_ADMIN_KEYS_FILE")
+        both = self._file_keys.keys() & self._admin_file_keys.keys()
+        if any(self._file_keys[k] != self._admin_file_keys[k] for k in both):
+            raise ValueError(
+                "a key in both GENQ_API_KEYS_FILE and GENQ_ADMIN_KEYS_FILE has other options "
+                "in each"
+            )
         return self
 
     @model_validator(mode="after")
@@ -777,6 +848,18 @@ class GatewaySettings(JobSettings):
         """Every key the API accepts: GENQ_API_KEYS, GENQ_API_KEYS_FILE and the admin keys;
         none = open."""
         return [*self.api_keys, *self._file_keys, *self.admin_api_keys]
+
+    def key_options(self, key: str) -> KeyOptions:
+        """What the keys files set for `key` (nothing for a key from GENQ_API_KEYS)."""
+        return self._file_keys.get(key) or self._admin_file_keys.get(key) or NO_KEY_OPTIONS
+
+    @property
+    def per_key_rates(self) -> bool:
+        """Some key has a request rate or tokens-per-minute limit (while keys are set)."""
+        if self.rate_limit_per_key or self.tokens_per_minute_per_key:
+            return True
+        files = (*self._file_keys.values(), *self._admin_file_keys.values())
+        return any(o.rpm or o.tpm for o in files)
 
 
 CPU_LIST = r"^[0-9][0-9,\- ]*$"

@@ -21,6 +21,7 @@ runner loads the scripts again and re-sends exactly those calls.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -153,9 +154,22 @@ class CancelEnded:
     """The job's status (an ended one), or 'missing'."""
 
 
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """A token bucket as a client is told of it: its size, what it holds, and the time until
+    it is full again."""
+
+    limit: int
+    remaining: int
+    reset_ms: int
+
+
 @dataclass(frozen=True)
 class Queued:
     """SUBMIT wrote the job."""
+
+    tokens: Bucket | None = None
+    """The owner's tokens-per-minute bucket after the job's charge (None: nothing charged)."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +192,16 @@ class Limited:
 
 
 @dataclass(frozen=True)
+class Throttled:
+    """The owner's tokens-per-minute bucket holds less than the job's charge: nothing was
+    written."""
+
+    retry_after_ms: int
+    """Until it holds the charge."""
+    tokens: Bucket
+
+
+@dataclass(frozen=True)
 class JobState:
     status: str
     """The job's status, or 'missing'."""
@@ -189,7 +213,7 @@ class JobState:
 StartReply = Started | Exhausted | NotStartable
 EmitReply = Written | Fenced | LostTail
 CancelReply = CancelRunning | CancelQueued | CancelEnded
-SubmitReply = Queued | ClaimedBefore | Limited
+SubmitReply = Queued | ClaimedBefore | Limited | Throttled
 
 
 def _start_reply(r: list[Any]) -> StartReply:
@@ -223,11 +247,14 @@ def _state_reply(r: list[Any]) -> JobState:
     return JobState(str(r[0]), int(r[1]), int(r[2]), r[3] or None)
 
 
-def _submit_reply(r: list[Any]) -> SubmitReply:
+def _submit_reply(tpm: int, r: list[Any]) -> SubmitReply:
+    """`tpm`: the size of the tokens bucket the submit charged (if it did)."""
     if r[0] == "queued":
-        return Queued()
+        return Queued(Bucket(tpm, int(r[1]), int(r[2])) if len(r) > 1 else None)
     if r[0] == "limited":
         return Limited(int(r[1]) - 1, str(r[2]), int(r[3]))
+    if r[0] == "throttled":
+        return Throttled(int(r[1]), Bucket(tpm, int(r[2]), int(r[3])))
     return ClaimedBefore(str(r[1]))
 
 
@@ -296,6 +323,7 @@ class Transitions:
         """`lane`: the worker lane placement chose (`Keys.placed`), None for the shared queue."""
         spec = record.spec
         entry_fields = entry.to_hash()
+        charge = admission.charge
         k = self.keys
         keys = {
             **self._job(spec.id),
@@ -311,6 +339,7 @@ class Transitions:
             "placed_lanes": k.placed_lanes(),
             "fair_queue": k.fair_queue(spec.model, spec.priority),
             "fair_clock": k.fair_clock(spec.model, spec.priority),
+            "tokens_bucket": charge.bucket if charge else "",
         }
         scopes: list[Arg] = []
         for q in admission.quotas:
@@ -334,9 +363,12 @@ class Transitions:
             "recent_cap": self.recent_jobs,
             "model": spec.model,
             "priority": spec.priority,
+            "charge": charge.tokens if charge else 0,
+            "tpm": charge.tpm if charge else 0,
         }
         rest = [*scopes, *_flat(entry_fields), *_flat(record.to_hash())]
-        return call(lua.SUBMIT, _submit_reply, keys, args, rest)
+        reply = functools.partial(_submit_reply, charge.tpm if charge else 0)
+        return call(lua.SUBMIT, reply, keys, args, rest)
 
     def start(self, job_id: str, *, worker: str, now: float, max_attempts: int) -> Call[StartReply]:
         args: dict[str, Arg] = {"worker": worker, "now": repr(now), "max_attempts": max_attempts}

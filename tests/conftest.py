@@ -143,6 +143,26 @@ async def gateway_only(
         await _drop_keys(redis, settings.key_prefix)
 
 
+@contextlib.asynccontextmanager
+async def gateways(
+    settings: Settings, redis: aioredis.Redis, n: int
+) -> AsyncIterator[list[httpx.AsyncClient]]:
+    """`n` gateway apps (each its own process state) on one Redis, no worker."""
+    async with contextlib.AsyncExitStack() as stack:
+        first = await stack.enter_async_context(gateway_only(settings, redis))
+        clients = [first]
+        for _ in range(n - 1):
+            app = create_app(settings, redis=redis, raw_pubsub=False)
+            await stack.enter_async_context(app.router.lifespan_context(app))
+            transport = httpx.ASGITransport(app=app)
+            clients.append(
+                await stack.enter_async_context(
+                    httpx.AsyncClient(transport=transport, base_url="http://genq")
+                )
+            )
+        yield clients
+
+
 @pytest.fixture
 async def stack(settings: Settings, redis: aioredis.Redis) -> AsyncIterator[Stack]:
     async with running_stack(settings, redis) as s:

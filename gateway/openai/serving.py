@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
+from gateway.admission import job_cost
 from gateway.http_errors import ErrorDetail
 from gateway.identity import Identity
 from gateway.job_service import check_idempotency_key
@@ -347,13 +348,19 @@ class OpenAIServing:
     async def _start(self, sender: Sender, run: RequestState, jobs: Jobs) -> list[EventFollower]:
         """Subscribe each job's channel, then queue the job; undo it all if one fails (but
         a request with an Idempotency-Key keeps its jobs: a retry with the key takes them).
-        Jobs a disconnect cancels die with this gateway too (registered before they exist)."""
+        Jobs a disconnect cancels die with this gateway too (registered before they exist).
+        The first job charges the whole request's tokens to the key's tokens per minute, so
+        a request is admitted or refused by it whole (one refused later by a queue limit, in
+        a race past the precheck, keeps its charge: at most its own tokens, refilled within
+        a minute)."""
         followers: list[EventFollower] = []
         mortal = self._mortal(sender, (spec.id for _, spec in jobs))
+        cost = sum(job_cost(spec) for _, spec in jobs)
         try:
             await self.state.presence.register(mortal)
             for index, (body, spec) in enumerate(jobs):
-                followers.append(await self._submit(sender, run, index, body, spec))
+                charge = cost if index == 0 else 0
+                followers.append(await self._submit(sender, run, index, body, spec, charge))
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for f in followers:
@@ -377,7 +384,13 @@ class OpenAIServing:
         return list(job_ids)
 
     async def _submit(
-        self, sender: Sender, run: RequestState, index: int, body: JobCreate, spec: JobSpec
+        self,
+        sender: Sender,
+        run: RequestState,
+        index: int,
+        body: JobCreate,
+        spec: JobSpec,
+        charge: int,
     ) -> EventFollower:
         """Queue job `index` of the request, subscribed first; the job an earlier request
         with the same Idempotency-Key made instead, if any (then the request is that one's:
@@ -394,6 +407,7 @@ class OpenAIServing:
                 caller=sender.identity,
                 part=index,
                 fingerprint=sender.fingerprint,
+                charge=charge,
             )
             job = submitted.job
             if submitted.replayed:  # its events from the start: the log replays them

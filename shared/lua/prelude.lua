@@ -117,6 +117,36 @@ local function release(counts, jobs, checks, job)
   return 1
 end
 
+-- Token buckets, per owner (gateway/admission.py): its requests (one a request) and its
+-- tokens per minute (a job's prompt + max_tokens, taken by SUBMIT). A bucket is a hash of its
+-- level ('tokens') and when it was written ('at'), on Redis's clock, so every gateway shares
+-- one bucket whatever its own clock says; it refills at `rate` a second up to `size`, and one
+-- not written for as long as it takes to fill expires: full, as a new one.
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+local function level_of(bucket, rate, size, now)
+  local h = redis.call('HMGET', bucket, 'tokens', 'at')
+  local level = tonumber(h[1] or size)
+  local at = tonumber(h[2] or now)
+  return math.min(size, level + math.max(0, now - at) * rate)
+end
+
+-- Take `n` from a bucket at `level` (which holds them); its level after.
+local function take(bucket, level, n, rate, size, now)
+  level = level - n
+  redis.call('HSET', bucket, 'tokens', tostring(level), 'at', tostring(now))
+  redis.call('PEXPIRE', bucket, math.ceil((size - level) / rate * 1000) + 1000)
+  return level
+end
+
+-- Milliseconds until a bucket at `level` holds `n` (its size: until it is full again).
+local function wait_ms(level, n, rate)
+  return math.max(0, math.ceil((n - level) / rate * 1000))
+end
+
 -- A job that ended tells the stream its record names in `done_stream` (a batch's), in the
 -- step that ends it, so a tracker of the batch cannot miss it. That stream lives in its
 -- batch's slot, not the job's: with SUBMIT, the seam for Cluster (which lets a script touch

@@ -1,16 +1,26 @@
--- RATE_LIMIT: take one request from an owner's token bucket (Redis's clock, so every gateway
--- shares one bucket whatever its own clock says).
--- KEYS and ARGV: RATE_LIMIT in shared/scripts.py (A.rate: requests/s; A.burst: the
--- bucket's size).
--- -> {1, 0} allowed | {0, ms until a request is allowed}
+-- RATE_LIMIT: a request of an owner. One request is taken from its request bucket (A.rate:
+-- requests a second, A.burst: the bucket's size; 0: no limit), and its tokens bucket is read,
+-- not taken from (A.tpm: its size, refilled over a minute; 0: no limit): SUBMIT charges a
+-- job's tokens once they are known. Buckets: see prelude.lua.
+-- KEYS and ARGV: RATE_LIMIT in shared/scripts.py.
+-- -> {1 allowed | 0 not, ms until a request is allowed (0 when allowed),
+--     requests left, ms until the request bucket is full,
+--     tokens left, ms until the tokens bucket is full}; -1 for a bucket with no limit
+local now = clock()
+local reply = {1, 0, -1, -1, -1, -1}
 local rate, burst = tonumber(A.rate), tonumber(A.burst)
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local h = redis.call('HMGET', K.bucket, 'tokens', 'at')
-local tokens = tonumber(h[1] or A.burst)
-local at = tonumber(h[2] or now)
-tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
-if tokens < 1 then return {0, math.ceil((1 - tokens) / rate * 1000)} end
-redis.call('HSET', K.bucket, 'tokens', tostring(tokens - 1), 'at', tostring(now))
-redis.call('PEXPIRE', K.bucket, math.ceil(burst / rate * 1000) + 1000)
-return {1, 0}
+if rate > 0 then
+  local level = level_of(K.requests, rate, burst, now)
+  if level < 1 then
+    reply[1], reply[2] = 0, wait_ms(level, 1, rate)
+  else
+    level = take(K.requests, level, 1, rate, burst, now)
+  end
+  reply[3], reply[4] = math.floor(level), wait_ms(level, burst, rate)
+end
+local tpm = tonumber(A.tpm)
+if tpm > 0 then
+  local level = level_of(K.tokens, tpm / 60, tpm, now)
+  reply[5], reply[6] = math.floor(level), wait_ms(level, tpm, tpm / 60)
+end
+return reply

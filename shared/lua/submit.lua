@@ -13,8 +13,14 @@
 -- KEYS and ARGV: SUBMIT in shared/scripts.py. K.idempotency is '' for none, A.claim what the
 -- key holds, A.deadline '' for none, A.fair_share 0 for off; the admission keys and scopes:
 -- see admit in prelude.lua (a scope's max 0 = no limit).
--- -> {'queued'} | {'exists', the claim the key holds}
+-- Tokens per minute: A.charge tokens (0: none) are taken from the owner's tokens bucket
+-- K.tokens_bucket (A.tpm: its size, refilled over a minute; see prelude.lua), in the step that
+-- queues the job: a job refused, or a submit re-sent, is not charged.
+-- -> {'queued'} | {'queued', tokens left, ms until the bucket is full} (charged)
+--  | {'exists', the claim the key holds}
 --  | {'limited', scope (1-based), 'jobs' or 'tokens', the count now}: nothing written
+--  | {'throttled', ms until the bucket holds A.charge, tokens left, ms until it is full}:
+--    nothing written
 -- A job id is new per request, so a record under it means this very submit ran already and
 -- is re-sent (redis-py re-sends a command whose reply a dropped connection lost): 'queued'
 -- again, nothing written twice.
@@ -27,6 +33,17 @@ local scopes_from = REST
 local entry_from = scopes_from + 4 * tonumber(A.n_scopes)
 local over = over_limit(K.admission_counts, tonumber(A.tokens), scopes_from, entry_from - 1)
 if over then return over end
+local charge, tpm = tonumber(A.charge), tonumber(A.tpm)
+local left = nil
+if charge > 0 and tpm > 0 then
+  local now, rate = clock(), tpm / 60
+  local level = level_of(K.tokens_bucket, rate, tpm, now)
+  if level < charge then
+    return {'throttled', wait_ms(level, charge, rate), math.floor(level), wait_ms(level, tpm, rate)}
+  end
+  local after = take(K.tokens_bucket, level, charge, rate, tpm, now)
+  left = {math.floor(after), wait_ms(after, tpm, rate)}
+end
 if K.idempotency ~= '' then redis.call('SET', K.idempotency, A.claim, 'EX', A.claim_ttl) end
 local entry_to = entry_from - 1 + 2 * tonumber(A.n_entry)
 redis.call('HSET', K.job, unpack(ARGV, entry_to + 1, #ARGV))
@@ -58,4 +75,5 @@ admit(K.admission_counts, K.admission_jobs, K.admission_checks, K.job, A.tokens,
   scopes_from, entry_from - 1)
 note_recent(K.recent, A.recent_cap, 'job', A.job_id, 'status', 'queued', 'model', A.model,
   'priority', A.priority)
+if left then return {'queued', left[1], left[2]} end
 return {'queued'}

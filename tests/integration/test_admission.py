@@ -7,22 +7,19 @@ OpenAI queue-depth limit covers the native API too."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.admission import AdmissionControl
-from gateway.app import create_app
 from shared.deadlines import expire_due
 from shared.keys import Keys, scope_fields
 from shared.records import owner_of
 from shared.settings import PriorityLimits, Settings
 from shared.transitions import ScriptRunner
-from tests.conftest import gateway_only, running_stack
+from tests.conftest import gateway_only, gateways, running_stack
 
 A, B = "key-a", "key-b"
 JOB = {"model": "sim", "prompt": "x", "max_tokens": 8}
@@ -40,26 +37,6 @@ def _with(settings: Settings, **more: object) -> Settings:
 
 async def _counts(redis: aioredis.Redis, settings: Settings) -> dict[str, str]:
     return await redis.hgetall(Keys(settings.key_prefix).admission_counts())
-
-
-@contextlib.asynccontextmanager
-async def _gateways(
-    settings: Settings, redis: aioredis.Redis, n: int
-) -> AsyncIterator[list[httpx.AsyncClient]]:
-    """`n` gateway apps (each its own process state) on one Redis, no worker."""
-    async with contextlib.AsyncExitStack() as stack:
-        first = await stack.enter_async_context(gateway_only(settings, redis))
-        clients = [first]
-        for _ in range(n - 1):
-            app = create_app(settings, redis=redis, raw_pubsub=False)
-            await stack.enter_async_context(app.router.lifespan_context(app))
-            transport = httpx.ASGITransport(app=app)
-            clients.append(
-                await stack.enter_async_context(
-                    httpx.AsyncClient(transport=transport, base_url="http://genq")
-                )
-            )
-        yield clients
 
 
 def _refused(r: httpx.Response, code: str) -> None:
@@ -128,7 +105,7 @@ async def test_concurrent_gateways_cannot_overshoot_a_limit(
 ) -> None:
     limit, tries = 10, 40
     limited = _with(settings, max_queued_jobs={"interactive": limit})
-    async with _gateways(limited, redis, 2) as clients:
+    async with gateways(limited, redis, 2) as clients:
         answers = await asyncio.gather(
             *(clients[i % 2].post("/v1/jobs", json=JOB) for i in range(tries))
         )
@@ -208,19 +185,32 @@ async def test_a_job_that_ended_unseen_stops_counting_at_its_check(
         assert await gateway.repair() == 0
 
 
-async def test_a_keys_request_rate_is_shared_by_all_gateways(
+async def test_a_keys_request_rate_is_shared_by_allgateways(
     settings: Settings, redis: aioredis.Redis
 ) -> None:
     limited = _with(settings, api_keys=[A, B], rate_limit_per_key=0.5, rate_limit_burst=2)
-    async with _gateways(limited, redis, 2) as (one, two):
+    async with gateways(limited, redis, 2) as (one, two):
         unknown = f"/v1/jobs/{'e' * 32}"
-        assert (await one.get(unknown, headers=_h(A))).status_code == 404
-        assert (await two.get(unknown, headers=_h(A))).status_code == 404
+        first = await one.get(unknown, headers=_h(A))
+        assert first.status_code == 404  # every answer tells the bucket, errors too
+        assert _rate(first) == ("2", "1", "2s")  # a full bucket of 2 less 1: full in 2 s
+        second = await two.get(unknown, headers=_h(A))
+        assert second.status_code == 404 and _rate(second)[:2] == ("2", "0")
         over = await one.get(unknown, headers=_h(A))
         _refused(over, "rate_limited")
         assert int(over.headers["retry-after"]) == 2  # one request every 2 s
+        assert _rate(over)[1] == "0" and "x-ratelimit-limit-tokens" not in over.headers
+        assert "30 requests per minute" in over.json()["error"]["message"]
         _refused(await two.post("/v1/jobs", json=JOB, headers=_h(A)), "rate_limited")
-        assert (await two.post("/v1/jobs", json=JOB, headers=_h(B))).status_code == 202
+        other = await two.post("/v1/jobs", json=JOB, headers=_h(B))
+        assert other.status_code == 202 and _rate(other)[:2] == ("2", "1")
+
+
+def _rate(r: httpx.Response) -> tuple[str, str, str]:
+    """The request rate's headers: limit, remaining, reset."""
+    h = r.headers
+    limit, remaining = h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]
+    return limit, remaining, h["x-ratelimit-reset-requests"]
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ one Authorize button in /docs."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,38 @@ def test_api_keys_file_is_read_at_start(tmp_path: Path, monkeypatch: pytest.Monk
     settings = GatewaySettings()
     assert settings.accepted_api_keys == ["env-key", "file-key-1", "file-key-2"]
     assert settings.api_keys == ["env-key"]  # what child processes get as GENQ_API_KEYS
+
+
+def test_a_keys_file_line_may_set_its_keys_limits_and_weight(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("plain\nb64key== tpm=1000 rpm=60 weight=2.5 # team x\n#c\nopen tpm=0\n")
+    settings = GatewaySettings(api_keys_file=path)
+    assert settings.accepted_api_keys == ["plain", "b64key==", "open"]
+    own = settings.key_options("b64key==")
+    assert (own.tpm, own.rpm, own.weight) == (1000, 60.0, 2.5)
+    assert settings.key_options("open").tpm == 0 and settings.key_options("plain").tpm is None
+    assert settings.per_key_rates and not GatewaySettings(api_keys=["k"]).per_key_rates
+
+
+@pytest.mark.parametrize(
+    ("line", "error"),
+    [
+        ("k tpm=-1", "line 2: tpm='-1': Input should be greater than or equal to 0"),
+        ("k weight=0", "line 2: weight='0'"),
+        ("k rpm=nan", "line 2: rpm='nan'"),
+        ("k burst=3", "line 2: 'burst=3' is no option (after the key: tpm=, rpm=, weight=)"),
+        ("k tpm=1 tpm=2", "line 2: tpm= given twice"),
+        ("first tpm=5", "line 2: the key of line 1 again, with other options"),
+    ],
+)
+def test_a_bad_keys_file_option_stops_the_start_naming_its_line(
+    tmp_path: Path, line: str, error: str
+) -> None:
+    path = tmp_path / "keys"
+    path.write_text(f"first\n{line}\n")
+    with pytest.raises(ValidationError, match=re.escape(f"GENQ_API_KEYS_FILE {error}")) as err:
+        GatewaySettings(api_keys_file=path)
+    assert "first" not in str(err.value).replace("line 1", "")  # never a key
 
 
 @pytest.mark.parametrize("content", [None, "", "# only a comment\n\n"])
