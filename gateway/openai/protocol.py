@@ -216,8 +216,13 @@ class ChatCompletionRequest(SamplingParams):
     )
     response_format: dict[str, Any] | None = Field(
         default=None,
-        json_schema_extra={"properties": {"type": {"const": "text"}}},
-        description='only `{"type": "text"}`',
+        json_schema_extra={
+            "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}},
+            "required": ["type"],
+        },
+        description='`{"type": "text"}`, `{"type": "json_object"}` or `{"type": '
+        '"json_schema", "json_schema": {"name", "schema", "strict"}}`: the reply is JSON '
+        "(valid under the schema)",
     )
 
     @property

@@ -66,6 +66,7 @@ from gateway.openai.protocol import (
     ErrorResponse,
     SamplingParams,
 )
+from gateway.openai.structured import response_schema
 from gateway.openai.templates import render_chat
 from gateway.registry import LoadedCard
 from gateway.state import GatewayState
@@ -188,6 +189,8 @@ async def prepare_jobs(
     for i, prompt in enumerate(prompts):
         body = _job_body(req, prompt, p.max_tokens, p.logprobs, p.prompt_param, priority)
         spec = await state.jobs.prepare(body)
+        if isinstance(req, ChatCompletionRequest):
+            spec = await _constrained(state, loaded, req, spec)
         run.prompt_tokens.append(len(spec.input_ids))
         for j in range(req.n):
             index = len(jobs)
@@ -207,6 +210,22 @@ async def prepare_jobs(
             )
             run.choices.append(ChoiceState(index, job_id, i))
     return run, jobs
+
+
+async def _constrained(
+    state: GatewayState, loaded: LoadedCard, req: ChatCompletionRequest, spec: JobSpec
+) -> JobSpec:
+    """`spec` under the constraint the request's `response_format` asks for, if any (checked
+    and compiled as a native constraint is: a 400 naming the field otherwise)."""
+    asked = response_schema(req.response_format)
+    if asked is None:
+        return spec
+    schema, param = asked
+    jobs = state.jobs
+    constraint = await jobs.constraints.check(
+        loaded, "json_schema", schema, param, jobs.off_loop, origin="response_format"
+    )
+    return spec.model_copy(update={"constraint": constraint})
 
 
 async def _render(state: GatewayState, loaded: LoadedCard, req: ChatCompletionRequest) -> str:
@@ -517,8 +536,8 @@ def _refuse_unsupported(req: SamplingParams) -> None:
             "suffix": bool(req.suffix),
         }
     if isinstance(req, ChatCompletionRequest):
-        fmt = (req.response_format or {}).get("type", "text")
-        unsupported |= {"tools": bool(req.tools), "response_format": fmt != "text"}
+        unsupported |= {"tools": bool(req.tools)}
+        response_schema(req.response_format)  # its shape: a 400 before any work
     for param, given in unsupported.items():
         if given:
             raise BadRequest(
