@@ -35,7 +35,9 @@ with BOS and ends with an open `assistant` header when a reply is wanted:
     Hi</s>
     assistant
 
-A worker's GENQ_CHAT_TEMPLATE still replaces it.
+With `tools`, a system turn lists them first; an assistant's calls are Hermes's
+`<tool_call>` blocks (genq's tool calling reads and writes that format for this template). A
+worker's GENQ_CHAT_TEMPLATE still replaces it.
 
 Constraints (`EngineJob.grammar`): the sim runs the same llguidance matcher as the GPU engines
 (worker/constraint.py) and only ever emits a token it allows, so on a laptop and in CI the
@@ -90,8 +92,16 @@ end) rather than open more."""
 _CLOSERS = ('"', ")", "]", "}")
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}system\nTools you may call, one <tool_call> each: <tools>"
+    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>{{ eos_token }}\n"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ message['role'] }}\n{{ message['content'] }}{{ eos_token }}\n"
+    "{{ message['role'] }}\n"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "<tool_call>\n{{ {'name': call['function']['name'], "
+    "'arguments': call['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}"
+    "{{ message['content'] or '' }}{{ eos_token }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}assistant\n{% endif %}"
 )

@@ -128,7 +128,9 @@ def _output_line(
     log: Entries | None,
 ) -> LineResult:
     spec = record.spec
-    fmt: OutputFormat = ChatFormat(job.logprobs) if job.chat else CompletionFormat(job.logprobs)
+    fmt: OutputFormat = (
+        ChatFormat.of(job.logprobs, spec.constraint) if job.chat else CompletionFormat(job.logprobs)
+    )
     kind = "chatcmpl" if job.chat else "cmpl"
     choice = ChoiceState(0, job_id, 0)
     run = RequestState(f"{kind}-{job_id}", int(spec.created_at), spec.model, [choice], [])

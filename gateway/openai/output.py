@@ -21,10 +21,15 @@ from gateway.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionDelta,
     PromptTokensDetails,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     UsageInfo,
 )
+from gateway.openai.toolcalls import CallDelta, ToolCallReader, ToolFormat, tool_format_of
+from shared.constraints import Constraint
 from shared.events import CancelledEvent, DoneEvent, ErrorEvent, Event, TokenEvent
 from shared.schemas import Usage
 
@@ -108,8 +113,24 @@ def _top(entry: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 class ChatFormat:
-    def __init__(self, want_logprobs: bool) -> None:
+    """`tools`: the tool-call format of a request under a tools constraint (its output is
+    read back as content and `tool_calls`, gateway/openai/toolcalls.py), else None."""
+
+    def __init__(self, want_logprobs: bool, tools: ToolFormat | None = None) -> None:
         self.want_logprobs = want_logprobs
+        self.tools = tools
+        self._readers: dict[int, ToolCallReader] = {}
+        """Per choice, while it streams."""
+
+    @classmethod
+    def of(cls, want_logprobs: bool, constraint: Constraint | None) -> ChatFormat:
+        """For a job (or request) under `constraint`: its tools' format, when it has one."""
+        return cls(want_logprobs, tool_format_of(constraint))
+
+    def _reader(self, index: int) -> ToolCallReader | None:
+        if self.tools is None:
+            return None
+        return self._readers.setdefault(index, ToolCallReader(self.tools))
 
     def _logprobs(self, entries: list[dict[str, Any]] | None) -> ChatLogprobs | None:
         if not self.want_logprobs or entries is None:
@@ -147,16 +168,28 @@ class ChatFormat:
         self, run: RequestState, choice: ChoiceState, ev: TokenEvent
     ) -> BaseModel | None:
         logprobs = self._logprobs(ev.logprobs)
-        if not ev.text and logprobs is None:
-            return None
-        delta = ChatDelta(content=ev.text)
+        reader = self._reader(choice.index)
+        if reader is None:
+            if not ev.text and logprobs is None:
+                return None
+            delta = ChatDelta(content=ev.text)
+        else:
+            text, calls = reader.feed(ev.text)
+            if not text and not calls and logprobs is None:
+                return None
+            delta = ChatDelta(content=text or None, tool_calls=_call_deltas(calls) or None)
         return self._chunk(
             run, [ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs)]
         )
 
     def final_chunk(self, run: RequestState, choice: ChoiceState) -> BaseModel:
+        reader = self._reader(choice.index)
+        rest = reader.finish() if reader is not None else ""
+        reason = choice.finish_reason
+        if reader is not None and reader.calls and reason == "stop":
+            reason = "tool_calls"
         last = ChatChunkChoice(
-            index=choice.index, delta=ChatDelta(), finish_reason=choice.finish_reason
+            index=choice.index, delta=ChatDelta(content=rest or None), finish_reason=reason
         )
         return self._chunk(run, [last])
 
@@ -164,18 +197,42 @@ class ChatFormat:
         return _with_usage(self._chunk(run, []), run)
 
     def response(self, run: RequestState) -> BaseModel:
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatMessageOut(content="".join(c.text)),
-                logprobs=self._logprobs(c.logprobs),
-                finish_reason=c.finish_reason,
-            )
-            for c in run.choices
-        ]
+        choices = [self._choice(c) for c in run.choices]
         return ChatCompletionResponse(
             id=run.id, created=run.created, model=run.model, choices=choices, usage=run.usage()
         )
+
+    def _choice(self, c: ChoiceState) -> ChatChoice:
+        text, reason = "".join(c.text), c.finish_reason
+        message = ChatMessageOut(content=text)
+        if self.tools is not None:
+            reader = ToolCallReader(self.tools)
+            content, _ = reader.feed(text)
+            content += reader.finish()
+            message = ChatMessageOut(
+                content=content or None,
+                tool_calls=[ToolCall.model_validate(call) for call in reader.calls] or None,
+            )
+            if reader.calls and reason == "stop":
+                reason = "tool_calls"
+        return ChatChoice(
+            index=c.index,
+            message=message,
+            logprobs=self._logprobs(c.logprobs),
+            finish_reason=reason,
+        )
+
+
+def _call_deltas(calls: list[CallDelta]) -> list[ToolCallDelta]:
+    return [
+        ToolCallDelta(
+            index=d.index,
+            id=d.id,
+            type="function" if d.id else None,
+            function=FunctionDelta(name=d.name, arguments=d.arguments),
+        )
+        for d in calls
+    ]
 
 
 class CompletionFormat:

@@ -212,8 +212,17 @@ class ChatCompletionRequest(SamplingParams):
     add_generation_prompt: bool = True
     """vLLM's extension: False leaves the reply turn unopened."""
     tools: list[dict[str, Any]] | None = Field(
-        default=None, json_schema_extra={"maxItems": 0}, description=_NOT_SUPPORTED
+        default=None,
+        max_length=128,
+        description="functions the model may call (`{type: function, function: {name, "
+        "description, parameters, strict}}`), in the model's own tool-call format",
     )
+    tool_choice: str | dict[str, Any] | None = Field(
+        default=None,
+        description="`none`, `auto` (the default with tools), `required`, or "
+        "`{type: function, function: {name}}`",
+    )
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = Field(
         default=None,
         json_schema_extra={
@@ -282,9 +291,48 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
+
+
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -308,6 +356,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

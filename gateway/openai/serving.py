@@ -68,11 +68,21 @@ from gateway.openai.protocol import (
 )
 from gateway.openai.structured import response_schema
 from gateway.openai.templates import render_chat
+from gateway.openai.toolcalls import (
+    FORMATS,
+    MARKERS,
+    TOOLS_ORIGIN,
+    check_tools,
+    family_of,
+    grammar_for,
+    template_message,
+    template_tools,
+)
 from gateway.registry import LoadedCard
 from gateway.state import GatewayState
 from gateway.streaming import EventFollower, EventStreamResponse
 from shared import events
-from shared.constraints import CONSTRAINT_KINDS
+from shared.constraints import CONSTRAINT_KINDS, Constraint
 from shared.errors import (
     BadRequest,
     Conflict,
@@ -151,9 +161,10 @@ class Plan:
             return bool(self.req.logprobs)
         return self.req.logprobs is not None
 
-    def output_format(self) -> OutputFormat:
+    def output_format(self, constraint: Constraint | None = None) -> OutputFormat:
+        """The output's shape; `constraint`: the jobs' (a tools one: `tool_calls` read back)."""
         if isinstance(self.req, ChatCompletionRequest):
-            return ChatFormat(self.want_logprobs)
+            return ChatFormat.of(self.want_logprobs, constraint)
         return CompletionFormat(self.want_logprobs)
 
 
@@ -215,17 +226,33 @@ async def prepare_jobs(
 async def _constrained(
     state: GatewayState, loaded: LoadedCard, req: ChatCompletionRequest, spec: JobSpec
 ) -> JobSpec:
-    """`spec` under the constraint the request's `response_format` asks for, if any (checked
-    and compiled as a native constraint is: a 400 naming the field otherwise)."""
+    """`spec` under the constraint the request's `tools` (unless `tool_choice` is none) or
+    `response_format` asks for, if any (checked and compiled as a native constraint is: a 400
+    naming the field otherwise)."""
+    jobs = state.jobs
+    tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    if tools is not None and tools.constrained:
+        family = family_of(_template(state, loaded))
+        assert family is not None  # `_render` refused a template that takes no tools
+        tok = loaded.tokenizer
+        special = frozenset(m for m in MARKERS if tok.token_to_id(m) is not None)
+        lark = grammar_for(FORMATS[family], tools, special)
+        constraint = await jobs.constraints.check(
+            loaded, "grammar", lark, "tools", jobs.off_loop, origin=f"{TOOLS_ORIGIN}{family}"
+        )
+        return spec.model_copy(update={"constraint": constraint})
     asked = response_schema(req.response_format)
     if asked is None:
         return spec
     schema, param = asked
-    jobs = state.jobs
     constraint = await jobs.constraints.check(
         loaded, "json_schema", schema, param, jobs.off_loop, origin="response_format"
     )
     return spec.model_copy(update={"constraint": constraint})
+
+
+def _template(state: GatewayState, loaded: LoadedCard) -> str | None:
+    return loaded.card.chat_template or state.settings.default_chat_template
 
 
 async def _render(state: GatewayState, loaded: LoadedCard, req: ChatCompletionRequest) -> str:
@@ -236,7 +263,7 @@ async def _render(state: GatewayState, loaded: LoadedCard, req: ChatCompletionRe
         _check_message(i, m)
     settings = state.settings
     card = loaded.card
-    template = card.chat_template or settings.default_chat_template
+    template = _template(state, loaded)
     if template is None:
         raise BadRequest(
             f"model '{card.name}' has no chat template (and no GENQ_DEFAULT_CHAT_TEMPLATE is "
@@ -244,7 +271,19 @@ async def _render(state: GatewayState, loaded: LoadedCard, req: ChatCompletionRe
             param="messages",
             code="chat_template_missing",
         )
-    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    messages = [template_message(_message_dict(i, m)) for i, m in enumerate(req.messages)]
+    extra: dict[str, Any] = {}
+    tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    if tools is not None:
+        if family_of(template) is None:
+            raise BadRequest(
+                f"model '{card.name}''s chat template takes no tools in a format genq reads "
+                "(Hermes/Qwen <tool_call>, Mistral [TOOL_CALLS], Llama 3.1+ JSON): genq does "
+                "not put tools in a prompt the model was not trained to read",
+                param="tools",
+                code="tools_unsupported",
+            )
+        extra["tools"] = template_tools(tools)
     chars = sum(len(m.get("content") or "") for m in messages)
     if chars > settings.max_prompt_chars:
         raise BadRequest(
@@ -260,6 +299,7 @@ async def _render(state: GatewayState, loaded: LoadedCard, req: ChatCompletionRe
             add_generation_prompt=req.add_generation_prompt,
             bos_token=card.bos_token,
             eos_token=card.eos_token,
+            **extra,
         ),
         chars + RENDER_CHARS_PER_MESSAGE * len(messages),
     )
@@ -301,7 +341,8 @@ class OpenAIServing:
         loaded = await self._admit(p.req.model, p.jobs, sender, p.req.priority)
         refuse(p)  # after the model: one genq does not serve is a 404 first
         run, jobs = await prepare_jobs(self.state, p, loaded, p.req.priority)
-        return await self._respond(p.req, request, sender, run, jobs, p.output_format())
+        fmt = p.output_format(jobs[0][1].constraint)
+        return await self._respond(p.req, request, sender, run, jobs, fmt)
 
     async def _admit(
         self, model: str, jobs: int, sender: Sender, priority: Priority = "interactive"
@@ -536,8 +577,14 @@ def _refuse_unsupported(req: SamplingParams) -> None:
             "suffix": bool(req.suffix),
         }
     if isinstance(req, ChatCompletionRequest):
-        unsupported |= {"tools": bool(req.tools)}
-        response_schema(req.response_format)  # its shape: a 400 before any work
+        response_schema(req.response_format)  # the shapes: a 400 before any work
+        tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        if tools is not None and tools.constrained and response_schema(req.response_format):
+            raise BadRequest(
+                "tools (with tool_choice other than 'none') and a JSON response_format are "
+                "not supported together: the reply is either tool calls or JSON",
+                param="response_format",
+            )
     for param, given in unsupported.items():
         if given:
             raise BadRequest(

@@ -7,6 +7,7 @@ Models:
   sim-bare    no chat template
   sim-slow    ChatML; one job at a time, slow steps: queued and running jobs on demand
   sim-gone    a card, as its worker wrote it once, but no live worker
+  sim-tools   the sim's own template (Hermes tool calls); fast
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from worker.sim import SimEngine
 
 API_KEY = "sk-genq-test"
 CHAT, LLAMA, BARE, SLOW, GONE = "sim", "sim-llama3", "sim-bare", "sim-slow", "sim-gone"
+TOOLS = "sim-tools"
+"""The sim's own template: Hermes-style tool calls."""
 QUEUE_LIMIT = 4
 """GENQ_OPENAI_MAX_QUEUE_DEPTH: room for the largest request of the tests (4 jobs)."""
 SLOW_STEP_MS = 50.0
@@ -187,6 +190,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenqServer]:
             BARE: worker(),
             SLOW: worker(CHATML, step_ms=SLOW_STEP_MS, max_batch=SLOW_BATCH),
             GONE: worker(),
+            TOOLS: (Settings(**base.model_dump()), SimEngine(step_ms=1.0)),
         },
     )
     genq.start()

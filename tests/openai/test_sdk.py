@@ -9,7 +9,17 @@ import pytest
 import redis
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from tests.openai.conftest import API_KEY, BARE, CHAT, GONE, LLAMA, SLOW, GenqServer, job_spec
+from tests.openai.conftest import (
+    API_KEY,
+    BARE,
+    CHAT,
+    GONE,
+    LLAMA,
+    SLOW,
+    TOOLS,
+    GenqServer,
+    job_spec,
+)
 from worker.sim import build_tokenizer
 
 USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi there"}]
@@ -17,7 +27,7 @@ USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi there"
 
 def test_models_lists_live_models(client: openai.OpenAI) -> None:
     ids = [m.id for m in client.models.list()]
-    assert ids == sorted([CHAT, LLAMA, BARE, SLOW])  # not sim-gone: no live worker
+    assert ids == sorted([CHAT, LLAMA, BARE, SLOW, TOOLS])  # not sim-gone: no live worker
 
 
 def test_completion(client: openai.OpenAI, server: GenqServer) -> None:
@@ -286,11 +296,12 @@ def test_template_raise_exception_is_400(client: openai.OpenAI) -> None:
     }
 
 
-def test_unsupported_parameters_are_400(client: openai.OpenAI) -> None:
+def test_tools_for_a_template_that_takes_none_are_400(client: openai.OpenAI) -> None:
+    """ChatML as the test gives it renders no tools: genq does not prompt with them."""
     tool: ChatCompletionToolParam = {"type": "function", "function": {"name": "f"}}
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=CHAT, messages=USER, tools=[tool])
-    assert err.value.param == "tools" and err.value.code == "unsupported_parameter"
+    assert err.value.param == "tools" and err.value.code == "tools_unsupported"
 
 
 def test_bad_api_key_is_401(server: GenqServer) -> None:

@@ -1,0 +1,219 @@
+"""Tool calling through the official openai SDK, unchanged, on the sim's Hermes-style template:
+1 and 3 tools, tool_choice each way, parallel calls, streamed (the SDK's stream helper
+assembles the deltas) and not, and a two-turn conversation. Every call's arguments validate
+against its tool's parameters."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+
+from gateway.openai.toolcalls import FORMATS, ToolCallReader
+from tests.openai.conftest import TOOLS
+
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather?"}]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+SEARCH = {
+    "type": "object",
+    "properties": {
+        "query": {"type": "string"},
+        "limit": {"anyOf": [{"type": "null"}, {"type": "integer"}]},
+    },
+    "required": ["query", "limit"],
+    "additionalProperties": False,
+}
+SCHEMAS = {"get_weather": WEATHER, "add": ADD, "search": SEARCH}
+
+
+def tool(name: str) -> ChatCompletionToolParam:
+    return {
+        "type": "function",
+        "function": {"name": name, "parameters": SCHEMAS[name], "strict": True},
+    }
+
+
+ONE = [tool("get_weather")]
+THREE = [tool(n) for n in SCHEMAS]
+
+
+def check_calls(message: object, allowed: set[str]) -> None:
+    calls = message.tool_calls  # type: ignore[attr-defined]
+    assert calls
+    for c in calls:
+        assert c.type == "function" and c.id.startswith("call_")
+        assert c.function.name in allowed
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+@pytest.mark.parametrize("tools", [ONE, THREE], ids=["1 tool", "3 tools"])
+def test_required_and_named_choices_call(client: openai.OpenAI, tools: list) -> None:
+    r = client.chat.completions.create(
+        model=TOOLS, messages=ASK, tools=tools, tool_choice="required", max_tokens=200, seed=1
+    )
+    [choice] = r.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    check_calls(choice.message, set(SCHEMAS))
+    named = client.chat.completions.create(
+        model=TOOLS,
+        messages=ASK,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=200,
+        seed=3,
+    )
+    check_calls(named.choices[0].message, {"get_weather"})
+
+
+def test_auto_calls_or_answers_and_none_answers(client: openai.OpenAI) -> None:
+    """The sim calls where the grammar offers a call at the start unless its seed is odd."""
+    called = client.chat.completions.create(
+        model=TOOLS, messages=ASK, tools=THREE, max_tokens=200, seed=2
+    )
+    assert called.choices[0].finish_reason == "tool_calls"
+    check_calls(called.choices[0].message, set(SCHEMAS))
+    answered = client.chat.completions.create(
+        model=TOOLS, messages=ASK, tools=THREE, max_tokens=20, seed=1
+    )
+    assert answered.choices[0].message.tool_calls is None and answered.choices[0].message.content
+    none = client.chat.completions.create(
+        model=TOOLS, messages=ASK, tools=THREE, tool_choice="none", max_tokens=20, seed=2
+    )
+    assert none.choices[0].message.tool_calls is None
+    assert none.choices[0].finish_reason == "length"
+
+
+def test_parallel_calls_and_one_call_only(client: openai.OpenAI) -> None:
+    many = [
+        client.chat.completions.create(
+            model=TOOLS,
+            messages=ASK,
+            tools=THREE,
+            tool_choice="required",
+            max_tokens=400,
+            seed=s,
+        )
+        .choices[0]
+        .message
+        for s in range(6)
+    ]
+    for m in many:
+        check_calls(m, set(SCHEMAS))
+    single = client.chat.completions.create(
+        model=TOOLS,
+        messages=ASK,
+        tools=THREE,
+        tool_choice="required",
+        max_tokens=400,
+        seed=0,
+        parallel_tool_calls=False,
+    )
+    assert len(single.choices[0].message.tool_calls or []) == 1
+
+
+def test_streamed_calls_assemble_as_the_whole_answer(client: openai.OpenAI) -> None:
+    args = {
+        "model": TOOLS,
+        "messages": ASK,
+        "tools": THREE,
+        "tool_choice": "required",
+        "max_tokens": 300,
+        "seed": 4,
+    }
+    whole = client.chat.completions.create(**args).choices[0].message  # type: ignore[call-overload]
+    with client.chat.completions.stream(**args) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_completion()
+    streamed = final.choices[0].message
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.tool_calls or []] == [
+        (c.function.name, c.function.arguments) for c in whole.tool_calls or []
+    ]
+    # OpenAI's order: the first delta of a call brings index, id and name; then arguments
+    chunks = list(client.chat.completions.create(**args, stream=True))  # type: ignore[call-overload]
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function.name and deltas[0].function.arguments == ""
+    assert all(d.id is None and d.function.name is None for d in deltas[1:] if d.index == 0)
+
+
+def test_a_two_turn_tool_conversation(client: openai.OpenAI) -> None:
+    first = (
+        client.chat.completions.create(
+            model=TOOLS, messages=ASK, tools=ONE, tool_choice="required", max_tokens=200, seed=1
+        )
+        .choices[0]
+        .message
+    )
+    [call] = first.tool_calls or []
+    messages: list[ChatCompletionMessageParam] = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},  # type: ignore[list-item]
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
+    ]
+    second = client.chat.completions.create(
+        model=TOOLS, messages=messages, tools=ONE, tool_choice="none", max_tokens=10, seed=1
+    )
+    assert second.choices[0].message.content and second.usage is not None
+    # the call and the tool's answer are in the prompt the template rendered
+    assert second.usage.prompt_tokens > first_prompt_tokens(client)
+
+
+def first_prompt_tokens(client: openai.OpenAI) -> int:
+    r = client.chat.completions.create(
+        model=TOOLS, messages=ASK, tools=ONE, tool_choice="none", max_tokens=1
+    )
+    assert r.usage is not None
+    return r.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+            "tools.0.function.name",
+        ),
+        (
+            {"tools": ONE, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
+        ({"tools": ONE + ONE}, "tools.1.function.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ],
+)
+def test_bad_tools_are_400(client: openai.OpenAI, kwargs: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=TOOLS, messages=ASK, **kwargs)
+    assert e.value.param == param
+
+
+def test_the_reader_holds_a_marker_split_across_pieces() -> None:
+    text = (
+        'hi <tool_call>\n{"name":"add","arguments":{"a":1,"b":[2,"}"]}}\n</tool_call>\n'
+        '<tool_call>\n{"name":"x","arguments":{}}\n</tool_call>'
+    )
+    for step in (1, 2, 3, 7):
+        reader = ToolCallReader(FORMATS["hermes"])
+        content, frags = "", {}
+        for i in range(0, len(text), step):
+            c, deltas = reader.feed(text[i : i + step])
+            content += c
+            for d in deltas:
+                frags[d.index] = frags.get(d.index, "") + d.arguments
+        content += reader.finish()
+        assert content == "hi "
+        assert [c["function"]["arguments"] for c in reader.calls] == ['{"a":1,"b":[2,"}"]}', "{}"]
+        assert frags == {0: '{"a":1,"b":[2,"}"]}', 1: "{}"}
