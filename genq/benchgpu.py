@@ -5,7 +5,7 @@
         [--compare 1,8,64,128] [--worker-arg=--procs-per-gpu=2 ...]
         [--worker-env GENQ_DETOKENIZE=worker ...] [--sampler-probe] [--json-out FILE]
         [--rounds 3 [--replay] [--ab-worker-env GENQ_X=Y ...]] [--bare-again] [--bare-load 4]
-        [--pin-engine]
+        [--pin-engine] [--schema-compare 1,64,256 [--rounds 2]]
 
 Workload: `streams` closed-loop clients, each running jobs back to back (like `genq bench`);
 every job has a prompt of random token ids, uniform in [prompt-min, prompt-max], and asks
@@ -27,6 +27,12 @@ second system with those settings takes its turns too (an option against the def
 the same drift: `ratio alt/system` per round and its median). `--bare-again`,
 `--bare-load N` and `--pin-engine` tell what slows the engine's step (the host's other
 processes, the core it runs on).
+
+`--schema-compare LEVELS` (issue 32): one system, and at each level the same jobs
+unconstrained and all under one JSON schema (`BENCH_SCHEMA`: ten properties, checked by the
+gateway once and cached, as by the worker), taking turns (the first to go flipping each round
+of `--rounds`, default one): a `ratio schema/plain` row per turn (tokens/s and decode rate as
+a share of the unconstrained run's, TTFT p50 difference) and the medians per level.
 
 Engine settings come from GENQ_* as for a worker (e.g. GENQ_PREFILL_COOLDOWN=4 for both the
 bare loop and the worker). `--sampler-probe` (exllamav3, bare): how long each step spends
@@ -77,6 +83,53 @@ ENGINE_MODULE = "worker.engine_process"
 """How a worker's engine process shows in its command line."""
 TERMINATED = 143
 """Exit status after SIGTERM (128 + 15), as if the signal had ended the process."""
+
+
+BENCH_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999_999},
+        "name": {"type": "string", "maxLength": 40},
+        "email": {"type": "string", "maxLength": 60},
+        "active": {"type": "boolean"},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100},
+        "tags": {
+            "type": "array",
+            "items": {"enum": ["a", "b", "c", "red", "green"]},
+            "maxItems": 5,
+        },
+        "category": {"enum": ["book", "film", "music", "game"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "street": {"type": "string", "maxLength": 40},
+                "city": {"type": "string", "maxLength": 30},
+            },
+            "required": ["street", "city"],
+            "additionalProperties": False,
+        },
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+        "body": {"type": "string", "minLength": 3000},
+    },
+    "required": [
+        "id",
+        "name",
+        "email",
+        "active",
+        "score",
+        "tags",
+        "category",
+        "address",
+        "rating",
+        "body",
+    ],
+    "additionalProperties": False,
+}
+"""`--schema-compare`'s schema: every kind of JSON value, the short ones bounded, so that a
+random-weight model (which picks among the allowed tokens almost uniformly) walks through all
+ten properties in its first ~100 tokens and then writes the long `body`: a job runs to its
+`--new-tokens`, as the unconstrained one does, instead of ending early or spending its tokens
+on the digits of an unbounded number."""
 
 
 @dataclass
@@ -424,10 +477,15 @@ class System:
 
 
 async def drive_http(
-    url: str, model: str, jobs: list[Job], streams: int, sent: dict[int, float] | None = None
+    url: str,
+    model: str,
+    jobs: list[Job],
+    streams: int,
+    sent: dict[int, float] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[TokenTimes], float]:
     """Stream `jobs` through `streams` clients; `sent` gets each job's send time (seconds from
-    the start, by the job's index)."""
+    the start, by the job's index); `extra`: more fields for every job (a constraint)."""
     target = Target("127.0.0.1", int(url.rsplit(":", 1)[1]), None)
     todo = iter(enumerate(jobs))
     traces: list[TokenTimes] = []
@@ -442,6 +500,7 @@ async def drive_http(
                     "max_tokens": job.new_tokens,
                     "stream": True,
                     "seed": job.seed,
+                    **(extra or {}),
                 }
             ).encode()
             res = await client.stream_job(body)
@@ -458,12 +517,18 @@ async def drive_http(
 
 
 def run_system(
-    system: System, jobs: list[Job], streams: int, label: str, sent: dict[int, float] | None = None
+    system: System,
+    jobs: list[Job],
+    streams: int,
+    label: str,
+    sent: dict[int, float] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     before = system.per_worker()
     counters = system.settled_counters()
     cpu = CpuUse(system)
-    traces, wall = asyncio.run(drive_http(system.url, system.model.name, jobs, streams, sent))
+    drive = drive_http(system.url, system.model.name, jobs, streams, sent, extra)
+    traces, wall = asyncio.run(drive)
     cores = cpu.cores(wall)
     after = system.per_worker()
     shares = {
@@ -585,6 +650,9 @@ def main(argv: list[str] | None = None) -> int:
     # worker processes (left running, they would hold the GPU for the next run)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(TERMINATED))
     run = prepare(a)
+    if run.schema:
+        schema_turns(run)
+        return 0
     if a.rounds and run.compare and a.model != SIM:
         run_turns(run)
         return 0
@@ -622,6 +690,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="levels to run the bare generator at, then the system, in this one call, with a "
         "ratio row for each, e.g. 1,8,64,128 (needs a GPU model; the system only with sim)",
+    )
+    p.add_argument(
+        "--schema-compare",
+        default="",
+        help="levels at which the same jobs run unconstrained and all under one JSON schema "
+        "(BENCH_SCHEMA), taking turns (--rounds, default 1), e.g. 1,64,256: the system only",
     )
     p.add_argument("--worker-arg", action="append", default=[], help="extra `genq worker` flag")
     p.add_argument("--worker-env", action="append", default=[], help="K=V for the processes")
@@ -710,6 +784,8 @@ class BenchRun:
     levels: list[int]
     """--sweep"""
     compare: list[int]
+    schema: list[int]
+    """--schema-compare"""
     max_batch: int
     cache: int
     settings: Settings
@@ -752,7 +828,8 @@ def prepare(a: argparse.Namespace) -> BenchRun:
     vocab = SIM_VOCAB if a.model == SIM else _vocab(model)
     levels = [int(x) for x in a.sweep.split(",") if x]
     compare = [int(x) for x in a.compare.split(",") if x]
-    max_batch = a.max_batch or max([a.streams, *levels, *compare])
+    schema = [int(x) for x in a.schema_compare.split(",") if x]
+    max_batch = a.max_batch or max([a.streams, *levels, *compare, *schema])
     cache = a.cache_tokens or max_batch * (a.prompt_max + a.new_tokens)
     settings = Settings(
         engine=a.engine,
@@ -769,7 +846,7 @@ def prepare(a: argparse.Namespace) -> BenchRun:
     }
     worker_args = ["--max-batch", str(max_batch), "--cache-tokens", str(cache), *a.worker_arg]
     run = BenchRun(
-        a, model, vocab, levels, compare, max_batch, cache, settings, sampling, worker_args
+        a, model, vocab, levels, compare, schema, max_batch, cache, settings, sampling, worker_args
     )
     run.pin = EnginePin.for_host() if a.pin_engine else None
     if run.pin is not None:
@@ -799,6 +876,43 @@ def run_turns(run: BenchRun) -> None:
         turns.run(run.compare, a.rounds, run.jobs_for, run.report, run.sampling, a.replay)
     finally:
         turns.close()
+
+
+def schema_turns(run: BenchRun) -> None:
+    """--schema-compare: one system; at each level the same jobs unconstrained ("plain") and
+    all under `BENCH_SCHEMA` take turns, the first to go flipping each round and level; a
+    ratio row per turn, the medians per level. Both warm up first, the schema's included (the
+    gateway's check and the worker's compiled grammar cached, as for any schema seen before)."""
+    a = run.a
+    logs = Path(a.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    env = run.worker_env()
+    system = System(run.model, run.worker_args, a.gateways, logs, env, a.engine)
+    constrained = {"json_schema": BENCH_SCHEMA}
+    turns: dict[str, dict[str, Any] | None] = {"plain": None, "schema": constrained}
+    extra = {"worker_args": " ".join(run.worker_args), "gateways": a.gateways, **run.sampling}
+    try:
+        system.wait_ready(a.workers)
+        warm = workload(a.workers * 2, a.prompt_min, a.prompt_max, 8, run.vocab)
+        for body in turns.values():
+            run_system(system, warm, len(warm), "warm-up", extra=body)
+        ratios: dict[int, list[dict[str, Any]]] = {c: [] for c in run.schema}
+        for r in range(max(a.rounds, 1)):
+            for i, c in enumerate(run.schema):
+                order = list(turns) if (r + i) % 2 == 0 else list(reversed(turns))
+                rows = {}
+                for who in order:
+                    print(f"# round {r}: {who} at {c} streams", file=sys.stderr, flush=True)
+                    row = run_system(system, run.jobs_for(c), c, f"system, {who}", None, turns[who])
+                    rows[who] = row | extra | {"round": r}
+                    run.report(rows[who])
+                row = ratio(rows["plain"], rows["schema"], "schema/plain") | {"round": r}
+                ratios[c].append(row)
+                run.report(row)
+        for c in run.schema:
+            run.report(median_ratio(c, ratios[c], "schema/plain"))
+    finally:
+        system.close()
 
 
 def bare_first(run: BenchRun) -> Bare | None:

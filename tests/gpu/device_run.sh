@@ -14,6 +14,11 @@
 # exllamav3's per-job sampler launches), `exl3sched` (prefill cooldown x shared chunk).
 # Step logs and JSON figures go to $OUT/res.tgz, process logs to $OUT/logs.tgz (default
 # OUT=/tmp/genq-out); each step's summary lines are printed as well.
+# Constraints (issue 32): `constraints` (the constrained jobs' GPU tests on the tiny fp16 model,
+# both engines, beside the sampling tests the mask hook shares, and the OpenAI SDK test through
+# a worker on exllamav2), `schema` (exllamav2, the fp16 8B) and `schema3` (exllamav3, the EXL3
+# 8B): the same jobs unconstrained and under one JSON schema in turns at SCHEMA_LEVELS
+# (1,64,256), ROUNDS rounds (2).
 set -x
 FINAL=${OUT:-/tmp/genq-out}
 OUT=/tmp/genq-res
@@ -55,8 +60,29 @@ for step in $steps; do
         python3 -m pytest -q -m gpu $W -p no:cacheprovider --basetemp=/tmp/genq-logs/pytest \
         "${sel[@]}" > "$OUT/gpu-$step.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/gpu-$step.log"; tail -n 15 "$OUT/gpu-$step.log" ;;
-    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|diag15*|turns*|ab*|serveauto|batchcompare)
+    constraints)
+      [ -e /tmp/tiny/config.json ] || python3 -m genq synth-model /tmp/tiny --shape tiny
+      t() { env GENQ_TEST_TINY_MODEL=/tmp/tiny timeout $(left) python3 -m pytest -q $W -p no:cacheprovider "$@"; }
+      t --basetemp=/tmp/genq-logs/pytest-u tests/unit/test_dyngen_constraints.py \
+        tests/unit/test_exl3_batch_sampling.py > "$OUT/constraints-unit.log" 2>&1
+      echo "unit tests rc=$?" >> "$OUT/constraints-unit.log"; tail -n 4 "$OUT/constraints-unit.log"
+      t -m gpu --basetemp=/tmp/genq-logs/pytest-g tests/gpu/test_constraints_gpu.py \
+        tests/gpu/test_sampling_gpu.py tests/gpu/test_exl3_gpu.py tests/gpu/test_openai_gpu.py \
+        -k "not distribution and not top_p_keeps and (not test_exl3_gpu or (batched and fp16)) and (not test_openai_gpu or (json_schema and exllamav2))" \
+        > "$OUT/constraints-gpu.log" 2>&1
+      echo "gpu tests rc=$?" >> "$OUT/constraints-gpu.log"; tail -n 25 "$OUT/constraints-gpu.log" ;;
+    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|diag15*|turns*|ab*|serveauto|batchcompare|schema)
       [[ $step == *q4* ]] || [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m genq synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
+    schema|schema3)  # issue 32: all jobs under one JSON schema against the same jobs
+      # unconstrained, in turns, one system (2 gateways: 256 streams)
+      eng=""; model=/tmp/m8b; [ $step = schema3 ] && { eng="--engine exllamav3"; model=/tmp/m8b-exl3; }
+      [ -e $model/config.json ] || python3 -m genq synth-model $model --shape 8b --quantize exl3 \
+        --random-trellis --bits 4 > "$OUT/synth8b-exl3.log" 2>&1
+      timeout $(left) python3 -m genq.benchgpu --model $model $eng \
+        --schema-compare ${SCHEMA_LEVELS:-1,64,256} --rounds ${ROUNDS:-2} --max-batch 256 \
+        --requests-per-stream 1 --gateways 2 --json-out "$OUT/$step.json" \
+        --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
+      grep -h '"run": "ratio\|"run": "system' "$OUT/$step.log" | cut -c1-400 ;;
     bench64)
       timeout 200 python3 -m genq.benchgpu --model /tmp/m8b --streams 64 --bare --system \
         --genq-bench --json-out "$OUT/bench64.json" --logs /tmp/genq-logs/bench64 > "$OUT/bench64.log" 2>&1 ;;

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import redis
@@ -290,3 +291,23 @@ def test_queue_limit_429_and_disconnect_frees_the_slot(client: openai.OpenAI, ge
     wait_for(lambda: genq.job(job_id)["status"] == "cancelled", timeout=5, what="cancelled")
     wait_for(lambda: genq.running() == 0, timeout=5, what="slot free")
     assert time.monotonic() - left < SLOT_FREE_S + HEARTBEAT_S
+
+
+def test_a_completion_under_a_json_schema_is_valid_json(client: openai.OpenAI, genq: Genq) -> None:
+    """genq's `json_schema` field through the gateway, the job record and the worker's engine
+    (worker/dyngen/masks.py), sampled at temperature 1: the text fits the schema."""
+    from tests.gpu.test_constraints_gpu import SCHEMA
+
+    for seed in (1, 2):
+        r = client.completions.create(
+            model=genq.model,
+            prompt="def main():",
+            max_tokens=128,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"json_schema": SCHEMA},
+        )
+        [choice] = r.choices
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+        assert genq.job(r.id.removeprefix("cmpl-"))["constraint"]["type"] == "json_schema"

@@ -20,6 +20,8 @@ from tests.unit.test_exl3_engine import FakeComboSampler, FakeGenerator, FakeJob
 from worker.exl3 import batch_sampling, loader
 
 VOCAB = 4096
+LOGITS = 4224
+"""The model's logits width (its vocabulary rows): wider than the tokenizer's."""
 EOS_ID = 2
 
 
@@ -30,6 +32,7 @@ def stand_in(events: list[tuple[Any, ...]]) -> types.ModuleType:
     class Config:
         max_position_embeddings = 4096
         eos_token_id_list = [EOS_ID]
+        vocab_size = LOGITS
 
         @staticmethod
         def from_directory(directory: str) -> Config:
@@ -254,13 +257,22 @@ def test_batched_sampling_hooks_every_generator_and_marks_the_jobs_it_serves(
         batch_sampling.job_class.cache_clear()
 
 
-def test_without_batched_sampling_jobs_and_generators_are_exllamav3s_own(
+def test_without_batched_sampling_every_job_keeps_its_own_sampler_and_constraints_hold(
     events: list[tuple[Any, ...]], model_dir: Path
 ) -> None:
-    backend, _, _ = loader.load_backend(settings(model_dir, batched_sampling=False))
-    assert not hasattr(backend.make_generator(), "genq_sampler")
-    job = backend.make_job([5, 6], 4, Sampling(), 0, [], "a")
-    assert type(job) is sys.modules["exllamav3"].Job and not hasattr(job, "genq_params")
+    """The hook stays on every generator, masking alone (constrained jobs' rows, over the
+    model's logits width), and no job is marked for the batched pass."""
+    batch_sampling.job_class.cache_clear()
+    try:
+        backend, _, _ = loader.load_backend(settings(model_dir, batched_sampling=False))
+        for gen in (backend.make_generator(), backend.make_generator()):  # warmed, then new
+            assert not hasattr(gen, "genq_sampler")
+            assert isinstance(gen.model, batch_sampling._SamplingModel)
+            assert gen.genq_masks.vocab_size == LOGITS == backend.vocab_size
+        job = backend.make_job([5, 6], 4, Sampling(), 0, [], "a")
+        assert isinstance(job, sys.modules["exllamav3"].Job) and job.genq_params is None
+    finally:
+        batch_sampling.job_class.cache_clear()
 
 
 def test_the_batched_pass_takes_its_smallest_batch_from_the_settings(

@@ -28,6 +28,9 @@ class Backend:
     piece: Callable[[int], str]
     """Text of one token id (as the generator decodes it)."""
     close: Callable[[], None] = lambda: None
+    vocab_size: int | None = None
+    """The width of the model's logits (its vocabulary rows, at least the tokenizer's): the
+    vocabulary constrained jobs' matchers and masks cover (None: the tokenizer's)."""
 
 
 def cache_tokens(

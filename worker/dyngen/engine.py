@@ -11,6 +11,13 @@ dropped (`_drop_generator`, `_close_generator`).
 
 Admission is the worker's (worker/admission.py): the engine reports its free pages after each
 call that changes them (`free_pages`).
+
+Constrained jobs (`EngineJob.grammar`): `add` gives the library's job an llguidance matcher
+(`genq_matcher`, from the engine's `Grammars`: its tokenizer, the card's EOS ids, the model's
+logits width) advanced over the tokens an earlier attempt generated; the generator's hook masks
+each step's logits and the job feeds its matcher (worker/dyngen/masks.py). A job whose token
+its grammar refused (`genq_failed`) is failed by `step` before that step's output of it goes
+out.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.schemas import ModelCard
+from worker.constraint import ConstraintError, Grammars, JobMatcher
 from worker.dyngen.backend import Backend
 from worker.engine import EngineJob, StepOutput
 
@@ -44,6 +52,10 @@ class DynamicEngine(ABC):
         self._keys: dict[str, Hashable] = {}
         """Job id → its key in `_jobs`."""
         self._ready: list[StepOutput] = []
+        self._grammars: Grammars | None = None
+        """Built at the first constrained job (many workers never see one)."""
+        self._constrained: set[str] = set()
+        """Ids of the tracked jobs with a matcher."""
 
     # ---- what a subclass says -----------------------------------------------------------
 
@@ -100,6 +112,12 @@ class DynamicEngine(ABC):
                 StepOutput(job.id, finish_reason="length", prompt_tokens=len(job.input_ids))
             )
             return
+        matcher = self._matcher(job)
+        if matcher is not None and matcher.stopped:  # the earlier attempt completed its grammar
+            self._ready.append(
+                StepOutput(job.id, finish_reason="stop", prompt_tokens=len(job.input_ids))
+            )
+            return
         stops: list[int | str] = [*self.card.eos_token_ids, *job.sampling.stop_token_ids]
         if job.text:  # else the worker matches stop strings in the text it makes
             stops += job.sampling.stop
@@ -108,6 +126,9 @@ class DynamicEngine(ABC):
             left = max(sampling.min_tokens - len(job.resume_ids), 0)
             sampling = sampling.model_copy(update={"min_tokens": left})
         handle = self._backend.make_job(ids, remaining, sampling, job.seed, stops, job.id)
+        if matcher is not None:
+            handle.genq_matcher = matcher
+            self._constrained.add(job.id)
         key = self._enqueue(handle, job.id)
         self._jobs[key] = Tracked(job, handle, len(job.input_ids))
         self._keys[job.id] = key
@@ -119,6 +140,7 @@ class DynamicEngine(ABC):
             self._ready = [o for o in self._ready if o.job_id != job_id]
             return len(self._ready) < before
         tracked = self._jobs.pop(key)
+        self._constrained.discard(job_id)
         self._gen.cancel(tracked.handle)
         return True
 
@@ -127,6 +149,8 @@ class DynamicEngine(ABC):
         if self._jobs:
             results = self._gen.iterate()
             outputs += [o for r in results if (o := self._result(r)) is not None]
+            if self._constrained:
+                outputs = self._fail_refused(outputs)
         return outputs
 
     def active(self) -> int:
@@ -137,6 +161,7 @@ class DynamicEngine(ABC):
         self._jobs.clear()
         self._keys.clear()
         self._ready.clear()
+        self._constrained.clear()
         self._drop_generator()
         self._gen = self._backend.make_generator()
         return ids
@@ -146,6 +171,7 @@ class DynamicEngine(ABC):
             self._gen.cancel(tracked.handle)
         self._jobs.clear()
         self._keys.clear()
+        self._constrained.clear()
         self._close_generator()
         self._backend.close()
 
@@ -162,3 +188,40 @@ class DynamicEngine(ABC):
     def _forget(self, tracked: Tracked) -> None:
         """A job that ended in the generator: no longer tracked."""
         del self._jobs[self._keys.pop(tracked.job.id)]
+        self._constrained.discard(tracked.job.id)
+
+    def _matcher(self, job: EngineJob) -> JobMatcher | None:
+        """The job's matcher, replayed over its `resume_ids`, or None for a job without a
+        constraint; ValueError (the job fails alone) for one that cannot run here."""
+        if job.grammar is None:
+            return None
+        if getattr(self._gen, "genq_masks", None) is None:
+            raise ValueError("this worker cannot apply constraints: its generator has no mask hook")
+        if not self.card.eos_token_ids:
+            raise ValueError("this worker cannot apply constraints: its model names no EOS token")
+        if self._grammars is None:
+            eos = self.card.eos_token_ids
+            self._grammars = Grammars(self.tokenizer_json, eos, self._backend.vocab_size)
+        try:
+            return self._grammars.matcher(job.grammar, job.resume_ids)
+        except ConstraintError as exc:
+            raise ValueError(str(exc)) from None
+
+    def _fail_refused(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """Fail the jobs whose last token their grammar refused (`genq_failed`): out of the
+        generator, their outputs of this step replaced by the error."""
+        failed: dict[str, str] = {}
+        for job_id in list(self._constrained):
+            tracked = self._jobs[self._keys[job_id]]
+            why = getattr(tracked.handle, "genq_failed", None)
+            if why:
+                self._gen.cancel(tracked.handle)
+                self._forget(tracked)
+                failed[job_id] = why
+        if not failed:
+            return outputs
+        kept = [o for o in outputs if o.job_id not in failed]
+        return kept + [
+            StepOutput(job_id, error=f"the job's output left its constraint: {why}")
+            for job_id, why in failed.items()
+        ]

@@ -35,6 +35,12 @@ the cumulative mass passes the draw × the mass kept. The probability reported f
 token that crosses the threshold (the usual definition); exllamav2's CPU sampler stops
 just before it.
 
+Constrained jobs (worker/dyngen/masks.py): the same hook masks their rows of the logits on the
+device first, so both paths above sample only allowed tokens (the CPU sampler reads the masked
+logits the generator copies to the host); the hook is installed with GPU sampling off too
+(`install(..., sample=False)`), masking alone. The job feeds each token it takes to its matcher
+in `receive_sample`.
+
 This module imports torch and exllamav2 only inside functions, so it loads on a CPU install;
 `job_params` and `plan` are plain Python and tested there.
 """
@@ -47,6 +53,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from worker.dyngen.batch_pass import ModelProxy, Plan, RowParams, pick_on_device, plan_rows
+from worker.dyngen.masks import StepMasks, take_token
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +129,15 @@ def sample_on_device(logits: Any, params: Sequence[tuple[float, ...]], truncates
 
 
 class GpuSampler:
-    """Installed on one generator by `install`; counts what it sampled."""
+    """Installed on one generator by `install`; counts what it sampled. `sample` False: the
+    hook masks constrained rows (`masks`) and leaves every job to the CPU sampler."""
 
-    def __init__(self, generator: Any) -> None:
+    def __init__(self, generator: Any, masks: StepMasks, sample: bool = True) -> None:
         import torch
 
         self.gen = generator
+        self.masks = masks
+        self.sample = sample
         self.vocab = int(generator.tokenizer.get_vocab_size())
         self._full = generator.logits_pinned
         self._narrow = torch.empty((*self._full.shape[:2], 1), dtype=self._full.dtype)
@@ -144,6 +154,9 @@ class GpuSampler:
         gen.logits_pinned, gen.min_sampling_threads = self._full, self._min_threads
         self.step += 1
         if logits is None or logits.dim() != 3 or logits.shape[1] != 1:
+            return out
+        self.masks.apply(logits, gen.active_jobs)
+        if not self.sample:
             return out
         p = plan(gen.active_jobs)
         if not p.rows or p.total_rows != logits.shape[0]:
@@ -181,26 +194,39 @@ class _SamplingModel(ModelProxy):
 _GENERATOR_NEEDS = ("logits_pinned", "min_sampling_threads", "active_jobs", "model", "tokenizer")
 
 
-def install(generator: Any) -> GpuSampler | None:
-    """Sample `generator`'s GPU-eligible jobs on the GPU; None (and a warning) when this
-    exllamav2 lacks what the hook relies on, so the CPU sampler carries on alone."""
+def install(generator: Any, vocab_size: int, sample: bool = True) -> GpuSampler | None:
+    """Mask constrained jobs' rows (`vocab_size`: the model's logits width, the matchers'
+    vocabulary) and, with `sample`, sample `generator`'s GPU-eligible jobs on the GPU; the
+    generator's `genq_masks` and (with `sample`) `genq_sampler`. None (and a warning) when this
+    exllamav2 lacks what the hook relies on: the CPU sampler carries on alone, and the engine
+    refuses constrained jobs."""
     missing = [a for a in _GENERATOR_NEEDS if not hasattr(generator, a)]
     if missing:
-        log.warning("GPU sampling is off: this exllamav2 generator lacks %s", ", ".join(missing))
+        log.warning(
+            "GPU sampling and constraints are off: this exllamav2 generator lacks %s",
+            ", ".join(missing),
+        )
         return None
-    sampler = GpuSampler(generator)
+    masks = StepMasks(vocab_size)
+    sampler = GpuSampler(generator, masks, sample)
     generator.model = _SamplingModel(generator.model, sampler)
-    generator.genq_sampler = sampler
+    generator.genq_masks = masks
+    if sample:
+        generator.genq_sampler = sampler
     return sampler
 
 
 @functools.cache
 def job_class() -> type:
-    """`ExLlamaV2DynamicJob` that takes a token sampled on the GPU when it has one."""
+    """`ExLlamaV2DynamicJob` that takes a token sampled on the GPU when it has one, and feeds
+    each token it takes to its constraint's matcher (`genq_matcher`, set by the engine)."""
     from exllamav2.ext import none_tensor
     from exllamav2.generator import ExLlamaV2DynamicJob
 
     class GenqJob(ExLlamaV2DynamicJob):  # type: ignore[misc]
+        genq_matcher: Any = None
+        genq_failed: str | None = None
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.genq_params = job_params(self)
@@ -213,5 +239,10 @@ def job_class() -> type:
             if picked is None or sampler is None or picked[0] != sampler.step:
                 return super().receive_logits(logits)
             return picked[1], none_tensor, none_tensor, picked[2], False
+
+        def receive_sample(self, logits: Any, next_token: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.genq_matcher is not None:
+                take_token(self, next_token)
+            return super().receive_sample(logits, next_token, *args, **kwargs)
 
     return GenqJob

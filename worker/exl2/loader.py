@@ -185,9 +185,10 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
         max_seq_len=min(config.max_seq_len, cache_size),
         chunk=sizes.chunk,
     )
-    make_job = _job_factory(settings.gpu_sampling, round_up(config.vocab_size, LOGITS_ALIGN))
+    make_job = _job_factory(round_up(config.vocab_size, LOGITS_ALIGN))
     piece = piece_lookup(tokenizer)
-    make_generator = _warm_generator_factory(settings, model, cache, tokenizer, shape)
+    vocab = int(config.vocab_size)
+    make_generator = _warm_generator_factory(settings, model, cache, tokenizer, shape, vocab)
     eos = eos_ids(model_dir, config.eos_token_id)
     tokenizer_json = (model_dir / "tokenizer.json").read_text()
     card = build_card(
@@ -205,7 +206,8 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
             "gpu_sampling": settings.gpu_sampling,
         },
     )
-    return Backend(make_generator, make_job, piece, model.unload), card, tokenizer_json
+    backend = Backend(make_generator, make_job, piece, model.unload, vocab_size=vocab)
+    return backend, card, tokenizer_json
 
 
 def _paged_attention() -> bool:
@@ -260,10 +262,11 @@ def _load_model(settings: EngineSettings, config: Any, cache_size: int) -> tuple
 
 
 def _warm_generator_factory(
-    settings: EngineSettings, model: Any, cache: Any, tokenizer: Any, shape: _Shape
+    settings: EngineSettings, model: Any, cache: Any, tokenizer: Any, shape: _Shape, vocab: int
 ) -> Callable[[], Any]:
-    """A factory of generators over the loaded model and cache; the first is built and warmed
-    up now (kernel autotuning before the first real job, not during it)."""
+    """A factory of generators over the loaded model and cache, each with genq's hook (the
+    constrained jobs' masks, and GPU sampling unless GENQ_GPU_SAMPLING is off); the first is
+    built and warmed up now (kernel autotuning before the first real job, not during it)."""
     from exllamav2.generator import ExLlamaV2DynamicGenerator
 
     def build_generator() -> Any:
@@ -278,8 +281,7 @@ def _warm_generator_factory(
             paged=shape.paged,
             max_sampling_threads=sampling_threads(settings.sampling_threads),
         )
-        if settings.gpu_sampling:
-            gpu_sampling.install(gen)
+        gpu_sampling.install(gen, vocab, sample=settings.gpu_sampling)
         return gen
 
     warmed = build_generator()
@@ -287,13 +289,13 @@ def _warm_generator_factory(
     return first_warmed(warmed, build_generator)
 
 
-def _job_factory(on_gpu: bool, logits_width: int) -> Callable[..., Any]:
-    """`Backend.make_job`: exllamav2 jobs, of the class that takes GPU-sampled tokens when
-    GPU sampling is on."""
+def _job_factory(logits_width: int) -> Callable[..., Any]:
+    """`Backend.make_job`: exllamav2 jobs of genq's class (`gpu_sampling.job_class`: it takes
+    GPU-sampled tokens when GPU sampling is on, and feeds its constraint's matcher)."""
     import torch
-    from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+    from exllamav2.generator import ExLlamaV2Sampler
 
-    job_cls = gpu_sampling.job_class() if on_gpu else ExLlamaV2DynamicJob
+    job_cls = gpu_sampling.job_class()
 
     def make_job(
         ids: list[int],

@@ -37,6 +37,12 @@ otherwise temperature, then top_k, then top_p, then min_p, then the draw: the sa
 distribution on either engine. exllamav3's own ComboSampler truncates by min_p before top_k
 and top_p, so with min_p and one of the others set the two can keep different tokens.
 
+Constrained jobs (worker/dyngen/masks.py): the same hook masks their rows of the logits on the
+device first, whether or not this pass then samples them (exllamav3's own sampler reads the
+same, masked, logits); it is installed with batched sampling off too (`install(...,
+batched=False)`), masking alone. The job feeds each token it takes to its matcher in
+`receive_sample`, after the generator's synchronize.
+
 This module imports torch and exllamav3 only inside functions, so it loads on a CPU install;
 `row_params`, `plan` and `take` are plain Python and tested there.
 """
@@ -51,6 +57,7 @@ from typing import Any
 
 from shared.schemas import Sampling
 from worker.dyngen.batch_pass import ModelProxy, Plan, RowParams, pick_on_device, plan_rows
+from worker.dyngen.masks import StepMasks, take_token
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +120,20 @@ def take(job: Any) -> Any | None:
 
 
 class BatchSampler:
-    """Installed on one generator by `install`; counts what it sampled."""
+    """Installed on one generator by `install`; counts what it sampled. `batched` False: the
+    hook masks constrained rows (`masks`) and leaves every job to its own sampler."""
 
-    def __init__(self, generator: Any, min_jobs: int = 1) -> None:
+    def __init__(
+        self,
+        generator: Any,
+        min_jobs: int = 1,
+        masks: StepMasks | None = None,
+        batched: bool = True,
+    ) -> None:
         self.gen = generator
         self.min_jobs = min_jobs
+        self.masks = masks
+        self.batched = batched
         self.vocab = int(generator.tokenizer.actual_vocab_size)
         self._host: Any = None
         """The sampled tokens' host buffer (pinned beside a GPU), one row per job."""
@@ -140,7 +156,9 @@ class BatchSampler:
         if logits.dim() != 3 or logits.shape[1] != 1:
             return
         jobs = self.gen.active_jobs
-        if not serves_at_least(jobs, self.min_jobs):
+        if self.masks is not None:
+            self.masks.apply(logits, jobs)
+        if not self.batched or not serves_at_least(jobs, self.min_jobs):
             return  # each job samples itself, its RNG untouched here
         p = plan(jobs)
         if p.total_rows != logits.shape[0]:
@@ -178,38 +196,56 @@ class _SamplingModel(ModelProxy):
 _GENERATOR_NEEDS = ("active_jobs", "model", "tokenizer", "max_batch_size")
 
 
-def install(generator: Any, min_jobs: int = 1) -> BatchSampler | None:
-    """Sample `generator`'s eligible jobs in one batched pass (in passes serving at least
-    `min_jobs` of them: the engine passes GENQ_BATCHED_SAMPLING_MIN_JOBS); None (and a
-    warning) when this exllamav3 lacks what the hook relies on, so each job keeps its own
-    sampler."""
+def install(
+    generator: Any, min_jobs: int = 1, vocab_size: int | None = None, batched: bool = True
+) -> BatchSampler | None:
+    """With `batched`, sample `generator`'s eligible jobs in one batched pass (in passes
+    serving at least `min_jobs` of them: the engine passes GENQ_BATCHED_SAMPLING_MIN_JOBS);
+    with `vocab_size` (the model's logits width, the matchers' vocabulary), mask constrained
+    jobs' rows: the generator's `genq_sampler` (with `batched`) and `genq_masks`. None (and a
+    warning) when this exllamav3 lacks what the hook relies on: each job keeps its own sampler,
+    and the engine refuses constrained jobs."""
     missing = [a for a in _GENERATOR_NEEDS if not hasattr(generator, a)]
     if missing:
         lacks = ", ".join(missing)
-        log.warning("batched sampling is off: this exllamav3 generator lacks %s", lacks)
+        log.warning(
+            "batched sampling and constraints are off: this exllamav3 generator lacks %s", lacks
+        )
         return None
-    sampler = BatchSampler(generator, max(1, min_jobs))
+    masks = StepMasks(vocab_size) if vocab_size else None
+    sampler = BatchSampler(generator, max(1, min_jobs), masks, batched)
     generator.model = _SamplingModel(generator.model, sampler)
-    generator.genq_sampler = sampler
+    if batched:
+        generator.genq_sampler = sampler
+    if masks is not None:
+        generator.genq_masks = masks
     return sampler
 
 
 @functools.cache
 def job_class() -> type:
-    """exllamav3's `Job`, taking the token the batched pass sampled for it when there is one.
-    Its constructor is `Job`'s (genq names every argument it passes); `genq_params` is set
-    after it."""
+    """exllamav3's `Job`, taking the token the batched pass sampled for it when there is one,
+    and feeding each token it takes to its constraint's matcher (`genq_matcher`, set by the
+    engine). Its constructor is `Job`'s (genq names every argument it passes); `genq_params`
+    is set after it."""
     from exllamav3 import Job
 
     class GenqJob(Job):  # type: ignore[misc]
         genq_params: RowParams | None = None
         genq_next: tuple[int, Any] | None = None
         """(decode pass, token) sampled in the batch for this job."""
+        genq_matcher: Any = None
+        genq_failed: str | None = None
 
         def receive_logits(self, logits: Any) -> Any:
             token = take(self)
             if token is None:
                 return super().receive_logits(logits)
             return token, None, None, None
+
+        def receive_sample(self, logits: Any, next_token: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.genq_matcher is not None:
+                take_token(self, next_token)
+            return super().receive_sample(logits, next_token, *args, **kwargs)
 
     return GenqJob

@@ -214,14 +214,16 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
         return torch.tensor([ids], dtype=torch.long)
 
     batched = settings.batched_sampling
-    job_cls = batch_sampling.job_class() if batched else ex.Job
-    make_job = job_factory(job_cls, ex.ComboSampler, as_ids, batched)
+    vocab = int(config.vocab_size)
+    make_job = job_factory(batch_sampling.job_class(), ex.ComboSampler, as_ids, batched)
+    install = functools.partial(
+        batch_sampling.install,
+        min_jobs=settings.batched_sampling_min_jobs,
+        vocab_size=vocab,
+        batched=batched,
+    )
     build = generator_builder(
-        ex.Generator,
-        generator_kwargs(model, cache, tokenizer, shape),
-        functools.partial(batch_sampling.install, min_jobs=settings.batched_sampling_min_jobs)
-        if batched
-        else None,
+        ex.Generator, generator_kwargs(model, cache, tokenizer, shape), install
     )
     warmed = _warm(model, cache, build, make_job, shape, int(tokenizer.actual_vocab_size))
     tokenizer_json = (model_dir / "tokenizer.json").read_text()
@@ -240,7 +242,8 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
 
     make_generator = first_warmed(warmed, build)
     piece = piece_lookup(tokenizer)
-    return Backend(make_generator, make_job, piece, model.unload), card, tokenizer_json
+    backend = Backend(make_generator, make_job, piece, model.unload, vocab_size=vocab)
+    return backend, card, tokenizer_json
 
 
 def _make_cache(ex: Any, model: Any, mode: str, shape: Shape) -> Any:

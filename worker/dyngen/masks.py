@@ -1,0 +1,187 @@
+"""Constrained jobs on the GPU engines: each decode step's token masks, applied to the logits on
+the device before anything samples them.
+
+A constrained job (`EngineJob.grammar`) gets an llguidance matcher at `add`
+(worker/constraint.py, replayed over the tokens an earlier attempt generated), kept on the
+library's job as `genq_matcher`. Each decode step, in the hook both engines already have after
+the forward pass (exllamav2's `forward_chunk`, exllamav3's decode `forward`):
+
+1. `StepMasks.apply` finds the constrained rows in the generator's row order
+   (`constrained_rows`), and has llguidance write their next-token bitmasks into a pinned host
+   buffer on CPU threads (`LLExecutor`, in Rust, the GIL released) while the GPU still runs
+   the forward pass: the hook is called before anything synchronises.
+2. One non-blocking copy takes the masks to the GPU; there their bits are unpacked and every
+   disallowed token of a constrained row gets `MASKED` in the logits themselves, in place.
+   Unconstrained rows are not touched, and a step without constrained jobs costs one walk
+   over the active jobs.
+3. Whatever samples the row then sees only allowed tokens: genq's batched pass
+   (worker/dyngen/batch_pass.py), exllamav2's CPU sampler (the logits copied to the host
+   after the hook: penalties, top logprobs), exllamav3's own per-job sampler (a job's first
+   token, penalties, logprobs, steps below GENQ_BATCHED_SAMPLING_MIN_JOBS) alike. Reported
+   probabilities are those of the masked distribution.
+4. When the token is known, the job's `receive_sample` feeds it to its matcher (`take_token`).
+   A matcher whose grammar is complete allows only EOS, which the job's stop conditions hold
+   (the card's EOS ids): the next step ends the job with `stop`. A token the matcher refuses
+   (it cannot come from a masked row) marks the job `genq_failed`, and the engine fails it
+   before its output goes out (`DynamicEngine`).
+
+The host buffer is reused every step: the copy that read it last was queued before the last
+step's tokens were read back to the host, which waits for it.
+
+Imports torch only inside `StepMasks`; the rest is plain Python and tested on a CPU install.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.constraint import JobMatcher
+
+MASKED = -65504.0
+"""What a disallowed token's logit becomes: the value exllamav2 gives its padding columns.
+Finite (exllamav3 refuses non-finite logits at a job's first token), representable in fp16,
+and far below any real logit, so every sampler gives it probability 0."""
+MASK_THREADS = 8
+"""Most llguidance threads computing one step's masks: more than enough for 256 rows
+(tens of microseconds each) within a forward pass of tens of milliseconds."""
+
+
+def mask_threads() -> int:
+    """Threads for the mask pool: no more than this process may use CPUs (its pinned set)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(MASK_THREADS, usable or 1))
+
+
+def mask_words(vocab_size: int) -> int:
+    """32-bit words of one token mask over `vocab_size` tokens (llguidance's row width)."""
+    return (vocab_size + 31) // 32
+
+
+@dataclass
+class MaskRows:
+    rows: list[int] = field(default_factory=list)
+    """Row of each constrained job in the step's logits."""
+    matchers: list[JobMatcher] = field(default_factory=list)
+    total_rows: int = 0
+
+
+def constrained_rows(active_jobs: Iterable[Any]) -> MaskRows:
+    """The rows of this decode step in the order both generators stack them (each active job
+    whose prefill is done, one row per sequence), and which of them are constrained."""
+    out = MaskRows()
+    for job in active_jobs:
+        if not job.is_prefill_done():
+            continue
+        m: JobMatcher | None = getattr(job, "genq_matcher", None)
+        if m is not None:
+            out.rows.append(out.total_rows)
+            out.matchers.append(m)
+        out.total_rows += len(job.sequences)
+    return out
+
+
+def fill_masks(
+    executor: Any, matchers: Sequence[JobMatcher], pointer: int, words: int, capacity: int
+) -> None:
+    """Write each matcher's next-token mask into row i of the int32 buffer at `pointer`
+    (`capacity` rows of `words` words), on llguidance's threads."""
+    pairs = [(m.m, i) for i, m in enumerate(matchers)]
+    executor.unsafe_compute_mask_ptr(pairs, pointer, words * 4, capacity)
+
+
+def take_token(job: Any, token: Any) -> None:
+    """Feed the token a job just sampled (an int or a one-element tensor on the host) to its
+    matcher; a token the grammar refuses marks the job `genq_failed` (the engine fails it).
+    Nothing for a job without a matcher, for a token-healing step (`new_tokens` < 0, which
+    rewrites the prompt's last token) or a job that failed already."""
+    m: JobMatcher | None = getattr(job, "genq_matcher", None)
+    if m is None or job.new_tokens < 0 or getattr(job, "genq_failed", None):
+        return
+    token_id = int(token)
+    if not m.consume(token_id):
+        job.genq_failed = f"token {token_id} is not one its constraint allows: {m.error}"
+
+
+class StepMasks:
+    """One generator's mask step (installed with its sampling hook); counts what it did."""
+
+    def __init__(self, vocab_size: int, threads: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.words = mask_words(vocab_size)
+        self.threads = threads or mask_threads()
+        self._executor: Any = None
+        self._host: Any = None
+        self._device: Any = None
+        self._shifts: Any = None
+        self.masked_rows = 0
+        self.steps = 0
+        """Decode steps with constrained rows."""
+        self.seconds = 0.0
+        """Host time in `apply` (mostly llguidance's, while the forward pass runs)."""
+
+    def apply(self, logits: Any, active_jobs: Iterable[Any]) -> None:
+        """Mask the constrained rows of `logits` (rows × 1 × vocabulary, on the device) in
+        place. A pass that is not one decode position per row, or whose rows are not the
+        plan's, is left alone: a token sampled there that the grammar refuses fails its job."""
+        plan = constrained_rows(active_jobs)
+        if not plan.rows or plan.total_rows != logits.shape[0] or logits.shape[1] != 1:
+            return
+        started = time.perf_counter()
+        n = len(plan.rows)
+        host, device = self._buffers(n, logits.device)
+        fill_masks(self._pool(), plan.matchers, host.data_ptr(), self.words, host.shape[0])
+        device = device[:n]
+        device.copy_(host[:n], non_blocking=True)
+        blocked = self._blocked(device, logits.shape[-1])
+        if n == plan.total_rows:
+            logits[:, 0, :].masked_fill_(blocked, MASKED)
+        else:
+            self._mask_some(logits, plan.rows, blocked)
+        self.masked_rows += n
+        self.steps += 1
+        self.seconds += time.perf_counter() - started
+
+    def _pool(self) -> Any:
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor(num_threads=self.threads)
+        return self._executor
+
+    def _buffers(self, n: int, device: Any) -> tuple[Any, Any]:
+        import torch
+
+        if self._host is None or self._host.shape[0] < n:
+            rows = max(n, 64 if self._host is None else 2 * self._host.shape[0])
+            pinned = device.type == "cuda"
+            self._host = torch.zeros((rows, self.words), dtype=torch.int32, pin_memory=pinned)
+            self._device = torch.zeros((rows, self.words), dtype=torch.int32, device=device)
+            self._shifts = torch.arange(8, dtype=torch.uint8, device=device)
+        return self._host, self._device
+
+    def _blocked(self, bits: Any, width: int) -> Any:
+        """(n, width) bool, True where a token is not allowed; ids past the masks' words
+        (a logits row wider than the vocabulary the matchers know) are blocked too."""
+        import torch
+
+        n = bits.shape[0]
+        each = bits.view(torch.uint8)  # little-endian: bit i of a word is bit i % 8 of byte i // 8
+        blocked = ((each.unsqueeze(-1) >> self._shifts) & 1).view(n, -1) == 0
+        known = blocked.shape[1]
+        if known >= width:
+            return blocked[:, :width]
+        return torch.nn.functional.pad(blocked, (0, width - known), value=True)
+
+    def _mask_some(self, logits: Any, rows: list[int], blocked: Any) -> None:
+        import torch
+
+        index = torch.tensor(rows)
+        if logits.is_cuda:  # through pinned memory: a pageable copy would wait for the pass
+            index = index.pin_memory().to(logits.device, non_blocking=True)
+        some = logits.index_select(0, index)
+        some[:, 0, :].masked_fill_(blocked, MASKED)
+        logits.index_copy_(0, index, some)
