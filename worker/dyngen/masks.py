@@ -174,7 +174,7 @@ class StepMasks:
         known = blocked.shape[1]
         if known >= width:
             return blocked[:, :width]
-        return torch.nn.functional.pad(blocked, (0, width - known), value=True)
+        return torch.cat([blocked, blocked.new_ones((n, width - known))], dim=1)
 
     def _mask_some(self, logits: Any, rows: list[int], blocked: Any) -> None:
         import torch
