@@ -163,6 +163,22 @@ def test_a_job_that_cannot_run_its_constraint_fails_alone_at_add(
     assert [j.identifier for j in h.jobs] == ["ok"] and h.engine.active() == 1
 
 
+@pytest.mark.parametrize(
+    ("setting", "name"), [({"min_tokens": 4}, "min_tokens"), ({"banned_strings": ["x"]}, "banned")]
+)
+def test_settings_that_rewind_or_block_eos_are_refused_with_a_constraint(
+    setting: dict[str, Any], name: str
+) -> None:
+    h = exl2()
+    j = cjob("c")
+    j.sampling = Sampling(**setting)
+    with pytest.raises(ValueError, match=f"{name}.* cannot be combined with a constraint"):
+        h.engine.add(j)
+    assert not h.jobs
+    h.engine.add(EngineJob("plain", [5, 6], 8, Sampling(**setting), 7))  # without: fine
+    assert len(h.jobs) == 1
+
+
 def test_a_generator_without_the_mask_hook_refuses_constrained_jobs() -> None:
     h = exl2(hook=False)
     with pytest.raises(ValueError, match="cannot apply constraints"):

@@ -32,6 +32,11 @@ from worker.constraint import ConstraintError, Grammars, JobMatcher
 from worker.dyngen.backend import Backend
 from worker.engine import EngineJob, StepOutput
 
+UNCONSTRAINED_ONLY = ("min_tokens", "banned_strings")
+"""Sampler settings a constrained job may not set on these engines: both libraries end a
+banned string by rewinding the job's tokens (its matcher has taken them already), and a
+minimum of tokens blocks the EOS that a complete grammar allows alone."""
+
 
 @dataclass
 class Tracked:
@@ -199,6 +204,9 @@ class DynamicEngine(ABC):
             raise ValueError("this worker cannot apply constraints: its generator has no mask hook")
         if not self.card.eos_token_ids:
             raise ValueError("this worker cannot apply constraints: its model names no EOS token")
+        clash = [name for name in UNCONSTRAINED_ONLY if name in job.sampling.changed()]
+        if clash:
+            raise ValueError(f"{' and '.join(clash)} cannot be combined with a constraint here")
         if self._grammars is None:
             eos = self.card.eos_token_ids
             self._grammars = Grammars(self.tokenizer_json, eos, self._backend.vocab_size)
