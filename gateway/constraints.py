@@ -40,7 +40,7 @@ from shared.constraints import (
 )
 from shared.errors import BadRequest
 from shared.lark_check import unfinishable
-from shared.schemas import json_depth
+from shared.schemas import Sampling, json_depth
 from shared.settings import GatewaySettings
 
 T = TypeVar("T")
@@ -166,3 +166,16 @@ def _first_line(error: str) -> str:
     """llguidance's error, without the grammar excerpt it may append (bounded)."""
     line = error.strip().splitlines()[0] if error.strip() else "invalid"
     return line[:500]
+
+
+def check_compatible(sampling: Sampling, param: str) -> None:
+    """A 400 for sampler settings a constrained job cannot take: `banned_strings` (the
+    engines back off over tokens the grammar has already taken) and `min_tokens` (it would
+    hold back the EOS a complete grammar allows alone)."""
+    for name in ("banned_strings", "min_tokens"):
+        if getattr(sampling, name):
+            raise BadRequest(
+                f"{name} cannot be combined with a constraint ({param}): the grammar decides "
+                "what may come next and where the output ends",
+                param=name,
+            )

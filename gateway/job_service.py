@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 
 from gateway import access_log, rate_headers
 from gateway.admission import AdmissionControl, job_cost
-from gateway.constraints import ConstraintChecker
+from gateway.constraints import ConstraintChecker, check_compatible
 from gateway.identity import Identity
 from gateway.placement import Placement
 from gateway.registry import LoadedCard, ModelRegistry
@@ -122,6 +122,7 @@ class JobService:
         given = body.constraint()
         if given is not None:
             kind, value = given
+            check_compatible(Sampling.of(body), kind)
             constraint = await self.constraints.check(loaded, kind, value, kind, self.off_loop)
         now = time.time()
         return JobSpec(

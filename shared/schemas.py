@@ -231,11 +231,26 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
 """Each sampler setting's neutral value: the engine does nothing for it."""
 
 
+_GIVEN: dict[str, dict[str, Any]] = {
+    "json_schema": {"type": "object"},
+    "regex": {"type": "string"},
+    "grammar": {"type": "string"},
+}
+ONE_CONSTRAINT: dict[str, Any] = {
+    "not": {
+        "anyOf": [
+            {"required": [a, b], "properties": {a: _GIVEN[a], b: _GIVEN[b]}}
+            for a, b in (("json_schema", "regex"), ("json_schema", "grammar"), ("regex", "grammar"))
+        ]
+    }
+}
+"""JSON Schema for "one constraint at most" (a null one is none): the API document says it."""
 _ONE_INPUT: dict[str, Any] = {
     "oneOf": [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
         {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}},
-    ]
+    ],
+    **ONE_CONSTRAINT,
 }
 """JSON Schema for "exactly one of prompt and input_ids": the API document says it too."""
 

@@ -30,6 +30,7 @@ from shared.schemas import (
     MAX_MODEL_NAME_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
+    ONE_CONSTRAINT,
     SAMPLING_FIELDS,
     Logprobs,
     MaxTokens,
@@ -160,6 +161,8 @@ else:
 
 class CompletionRequest(SamplingParams):
     """Body of `POST /v1/completions`: one prompt or several, as text or token ids."""
+
+    model_config = ConfigDict(json_schema_extra=ONE_CONSTRAINT)
 
     prompt: PromptField
     logprobs: Logprobs | None = None

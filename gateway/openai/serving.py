@@ -46,6 +46,7 @@ from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
 from gateway.admission import job_cost
+from gateway.constraints import check_compatible
 from gateway.http_errors import ErrorDetail
 from gateway.identity import Identity
 from gateway.job_service import check_idempotency_key
@@ -236,6 +237,7 @@ async def _constrained(
         assert family is not None  # `_render` refused a template that takes no tools
         tok = loaded.tokenizer
         special = frozenset(m for m in MARKERS if tok.token_to_id(m) is not None)
+        check_compatible(spec.sampling, "tools")
         lark = grammar_for(FORMATS[family], tools, special)
         constraint = await jobs.constraints.check(
             loaded, "grammar", lark, "tools", jobs.off_loop, origin=f"{TOOLS_ORIGIN}{family}"
@@ -245,6 +247,7 @@ async def _constrained(
     if asked is None:
         return spec
     schema, param = asked
+    check_compatible(spec.sampling, "response_format")
     constraint = await jobs.constraints.check(
         loaded, "json_schema", schema, param, jobs.off_loop, origin="response_format"
     )

@@ -115,6 +115,8 @@ async def test_max_tokens_cuts_a_constrained_output_short(stack: Stack) -> None:
         ({"grammar": "start: nosuchrule"}, "grammar", "grammar"),
         ({"regex": "a[^\\x00-\\U0010FFFF]"}, "regex", "admits no output"),
         ({"json_schema": {"type": "object"}, "regex": "a"}, "body", "one constraint"),
+        ({"regex": "a+", "banned_strings": ["aa"]}, "banned_strings", "constraint"),
+        ({"regex": "a+", "min_tokens": 3, "max_tokens": 5}, "min_tokens", "constraint"),
         (
             {"json_schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}},
             "json_schema",
