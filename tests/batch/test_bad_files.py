@@ -60,7 +60,7 @@ SCAN_COUNT = 10_000
         ([GOOD, chat_line("m", "hi", model="nope")], 2, "body.model", "'nope' is not served"),
         ([chat_line("t", "hi", temperature=7)], 1, "body.temperature", "less than or equal"),
         ([chat_line("k", "hi", max_tokens=10**6)], 1, "body.max_tokens", "context length"),
-        ([chat_line("u", "hi", tools=[{"type": "function"}])], 1, "body.tools", "not supported"),
+        ([chat_line("u", "hi", tools=[{"type": "function"}])], 1, "body.tools.0", "must be"),
         ([chat_line("n", "hi", n=2)], 1, "body.n", "one completion"),
         ([chat_line("s", "hi", stream=True)], 1, "body.stream", "not streamed"),
         ([completion_line("p", "")], 1, "body.prompt", "at least 1 character"),
