@@ -43,6 +43,7 @@ from gateway.rate_headers import HEADERS, RateHeaders
 from gateway.registry import ModelRegistry
 from gateway.routes import docs, health, jobs, metrics, models
 from gateway.state import GatewayState
+from gateway.webhooks import WebhookSender
 from shared import __version__, lifeline, runtime
 from shared.keys import Keys
 from shared.redisconn import check_url, connect, sentinels
@@ -162,7 +163,9 @@ async def _start(
     steal = StealSweep(settings, client, scripts, keys, metrics.placed)
     app.state.compactor = compactor = Compactor(settings, client, scripts, keys)
     app.state.keepalives = keepalives = KeepaliveTicker(settings.sse_keepalive_s)
-    _start_tasks(stack, router, state, fleet, sweep, compactor, keepalives, steal)
+    webhooks = WebhookSender(settings, client, keys, presence.id, metrics.webhooks)
+    stack.push_async_callback(webhooks.close)
+    _start_tasks(stack, router, state, fleet, sweep, compactor, keepalives, steal, webhooks)
     groups = await queues.start(client, keys, settings.queue_models)
     stack.push_async_callback(queues.stop, groups)
     batches.start()
@@ -180,6 +183,7 @@ def _start_tasks(
     compactor: Compactor,
     keepalives: KeepaliveTicker,
     steal: StealSweep,
+    webhooks: WebhookSender,
 ) -> None:
     """The background loops; at shutdown the router closes first (its receive loop ends),
     then every loop is cancelled and awaited."""
@@ -195,6 +199,7 @@ def _start_tasks(
         "gateway-presence": state.presence.run,
         "placement": state.jobs.placement.run,
         "steal-sweep": steal.run,
+        "webhooks": webhooks.run,
     }
     for name, loop in loops.items():
         background.append(asyncio.create_task(loop(), name=name))
@@ -202,10 +207,11 @@ def _start_tasks(
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel every loop and wait for all of them to end (a plain gather would return at the
+    first one cancelled, leaving the others running past the Redis connections' close)."""
     for task in tasks:
         task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.gather(*tasks)
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _drain(state: GatewayState) -> None:

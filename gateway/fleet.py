@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, get_args
+from typing import get_args
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, generate_latest
@@ -28,9 +28,9 @@ from redis.exceptions import RedisError
 from gateway.metrics import GatewayMetrics
 from shared.batches import ENDED_BATCH_STATUSES, BatchStatus
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys, Priority
-from shared.scripts import LEASE, Arg
+from shared.loops import honour_cancel
 from shared.settings import GatewaySettings
-from shared.transitions import Call, ScriptRunner, call
+from shared.transitions import Call, ScriptRunner, lease
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ class FleetReading:
     at: float
     queues: QueueStats = field(default_factory=dict)
     dead_letters: int = 0
+    webhook_backlog: int = 0
+    webhook_dead_letters: int = 0
     workers: list[WorkerBeat] = field(default_factory=list)
     batches: dict[str, int] = field(default_factory=dict)
     """Batches not yet ended, by status."""
@@ -64,6 +66,8 @@ async def read_fleet(redis: aioredis.Redis, keys: Keys, models: Iterable[str]) -
     reading = FleetReading(at=time.time())
     reading.queues = await _queues(redis, keys, sorted(set(models)))
     reading.dead_letters = int(await redis.xlen(keys.dead_letters()))
+    reading.webhook_backlog = int(await redis.zcard(keys.webhook_due()))
+    reading.webhook_dead_letters = int(await redis.xlen(keys.webhook_dead()))
     reading.workers = await _workers(redis, keys, reading.at)
     reading.batches = await _batches(redis, keys)
     return reading
@@ -157,6 +161,16 @@ def families(reading: FleetReading) -> Iterator[Metric]:
         "Entries in the dead-letter stream (jobs out of attempts, malformed entries).",
         value=reading.dead_letters,
     )
+    yield GaugeMetricFamily(
+        "genq_webhook_backlog",
+        "Webhook deliveries not yet delivered: due now, or waiting to be retried.",
+        value=reading.webhook_backlog,
+    )
+    yield GaugeMetricFamily(
+        "genq_webhook_dead_letters",
+        "Webhook deliveries given up on (out of retries, or their endpoint disabled by 410).",
+        value=reading.webhook_dead_letters,
+    )
     age = GaugeMetricFamily(
         "genq_worker_heartbeat_age_seconds",
         "Seconds since each worker's last heartbeat reached Redis.",
@@ -214,12 +228,12 @@ class FleetExporter:
         self.holding = False
 
     def _lease(self, action: str, ttl_ms: int = 0) -> Call[bool]:
-        args: dict[str, Arg] = {"token": self.token, "action": action, "ttl_ms": ttl_ms}
-        return call(LEASE, _truthy, {"lease": self.keys.fleet_metrics_lease()}, args)
+        return lease(self.keys.fleet_metrics_lease(), self.token, action, ttl_ms)
 
     async def run(self) -> None:
         while True:
             await self.round()
+            honour_cancel()
             await asyncio.sleep(self.settings.metrics_fleet_interval_s)
 
     async def round(self) -> None:
@@ -252,7 +266,3 @@ class FleetExporter:
             self.holding = False
             with contextlib.suppress(RedisError, OSError):
                 await self.scripts.run(self._lease("free"))
-
-
-def _truthy(r: Any) -> bool:
-    return bool(int(r))

@@ -65,7 +65,6 @@ OPENAI_UNSERVED = frozenset(
         "moderations",
         "organization",
         "realtime",
-        "responses",
         "threads",
         "uploads",
         "vector_stores",

@@ -21,6 +21,7 @@ from gateway.constraints import ConstraintChecker, check_compatible
 from gateway.identity import Identity
 from gateway.placement import Placement
 from gateway.registry import LoadedCard, ModelRegistry
+from gateway.webhooks import check_job_webhook, notify_for
 from shared import events
 from shared.compact import CompactLog
 from shared.deadlines import expire_due
@@ -106,6 +107,8 @@ class JobService:
         """Validate against the model's card and tokenize; nothing is written yet. The cheap
         checks (sizes, counts) come first; tokenizing runs off the event loop."""
         self._check_metadata(body.metadata)
+        if body.webhook is not None:
+            check_job_webhook(self.settings, body.webhook)
         loaded = await self.registry.get(body.model)
         card = loaded.card
         if body.prompt is not None:
@@ -284,12 +287,16 @@ class JobService:
         (none for a batch's jobs: as OpenAI's, outside the live limits); nothing is written
         until it runs. Callers that queue many jobs pipeline these."""
         fingerprint = fingerprint or _fingerprint(body)
+        kind = "response" if body.metadata.get("api") == "openai.response" else "job"
+        notify = done_stream is None and notify_for(self.settings, kind, body.webhook)
         record = JobRecord(
             spec=spec,
             status="queued",
             metadata=body.metadata,
             fingerprint=fingerprint,
             owner=caller.owner,
+            webhook=body.webhook,
+            notify=self.keys.webhook_outbox() if notify else None,
             done_stream=done_stream,
         )
         prompt_tokens = len(spec.input_ids)

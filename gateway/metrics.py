@@ -30,6 +30,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    Histogram,
     ProcessCollector,
     disable_created_metrics,
     generate_latest,
@@ -51,6 +52,33 @@ PROCESS_GAUGES = {
 }
 """The figures of prometheus_client's ProcessCollector each gateway process exports in
 multiprocess mode, under the collector's names."""
+
+
+class WebhookMetrics:
+    OUTCOMES = ("delivered", "retried", "dead", "disabled")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.deliveries = Counter(
+            "genq_webhook_deliveries",
+            "Webhook delivery attempts by outcome: delivered (2xx), retried (refused, failed "
+            "or timed out; tried again later), dead (out of retries), disabled (410 Gone).",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in self.OUTCOMES:
+            self.deliveries.labels(outcome)
+        self.seconds = Histogram(
+            "genq_webhook_delivery_seconds",
+            "Time of one webhook delivery attempt, connect to answer.",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        )
+        self.delay = Histogram(
+            "genq_webhook_delay_seconds",
+            "From the event (the end it tells of) to its delivery.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60, 600, 3600),
+            registry=registry,
+        )
 
 
 class GatewayMetrics:
@@ -93,6 +121,7 @@ class GatewayMetrics:
         )
         for outcome in ("prefix", "key", "shared", "stolen"):
             self._placements.labels(outcome)
+        self.webhooks = WebhookMetrics(r)
         self._process = ProcessCollector(registry=None if self.multiprocess else r)
         self._process_gauges = (
             {

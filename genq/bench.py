@@ -39,7 +39,12 @@ _READYZ_EVERY_S = 0.5
 LATENCY_DIGITS = 2
 """Milliseconds are reported to this many decimals."""
 DEFAULT_PORTS = {"http": 80, "https": 443}
-API_PATHS = {"native": "/v1/jobs", "openai": "/v1/completions", "chat": "/v1/chat/completions"}
+API_PATHS = {
+    "native": "/v1/jobs",
+    "openai": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "responses": "/v1/responses",
+}
 ERROR_TEXT_CHARS = 200
 
 
@@ -185,10 +190,45 @@ class OpenAIStream:
             self.res.times.recount(self.usage_tokens)
 
 
-STREAMS: dict[str, type[NativeStream] | type[OpenAIStream]] = {
+class ResponsesStream:
+    """The Responses API's events: `response.output_text.delta`, then `response.completed`
+    (or `response.incomplete`: max_output_tokens reached) with the usage; `response.failed`
+    or `response.cancelled` end it in error."""
+
+    def __init__(self, res: Result) -> None:
+        self.res = res
+        self.ended = False
+
+    def frame(self, frame: bytes, now: float) -> None:
+        data = _data(frame)
+        if not data:
+            return
+        event = json.loads(data)
+        kind = event.get("type")
+        if kind == "response.output_text.delta":
+            self.res.times.arrived(now, 1)
+        elif kind in ("response.completed", "response.incomplete"):
+            self.ended = True
+            usage = (event.get("response") or {}).get("usage")
+            if usage:
+                self.res.times.recount(int(usage["output_tokens"]))
+        elif kind in ("response.failed", "response.cancelled", "error"):
+            self.res.error = json.dumps(event)[:ERROR_TEXT_CHARS]
+
+    def end(self) -> None:
+        if self.res.error:
+            return
+        if not self.ended:
+            self.res.error = "the stream ended before response.completed"
+            return
+        self.res.ok = True
+
+
+STREAMS: dict[str, type[NativeStream] | type[OpenAIStream] | type[ResponsesStream]] = {
     "native": NativeStream,
     "openai": OpenAIStream,
     "chat": OpenAIStream,
+    "responses": ResponsesStream,
 }
 
 
@@ -276,7 +316,10 @@ def request_body(api: str, args: argparse.Namespace, prompt: str, seed: int) -> 
         "stream": True,
         "seed": seed,
     }
-    if api == "native":
+    if api == "responses":
+        del body["max_tokens"]
+        body |= {"input": prompt, "max_output_tokens": args.max_tokens}
+    elif api == "native":
         body |= {"prompt": prompt, "priority": args.priority}
     else:
         body["stream_options"] = {"include_usage": True}
@@ -286,7 +329,9 @@ def request_body(api: str, args: argparse.Namespace, prompt: str, seed: int) -> 
             body["prompt"] = prompt
     schema = getattr(args, "schema", None)
     if schema is not None:
-        if api == "chat":
+        if api == "responses":
+            body["text"] = {"format": {"type": "json_schema", "name": "bench", "schema": schema}}
+        elif api == "chat":
             body["response_format"] = {
                 "type": "json_schema",
                 "json_schema": {"name": "bench", "schema": schema},

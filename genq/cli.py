@@ -210,9 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument(
         "--api",
-        choices=["native", "openai", "chat"],
+        choices=["native", "openai", "chat", "responses"],
         default="native",
-        help="route: native POST /v1/jobs, openai /v1/completions, chat /v1/chat/completions",
+        help="route: native POST /v1/jobs, openai /v1/completions, chat /v1/chat/completions, "
+        "responses /v1/responses",
     )
     p.add_argument(
         "--json-schema",

@@ -12,7 +12,7 @@ from shared import scripts as lua
 from shared.batches import ResultKind
 from shared.keys import Keys
 from shared.scripts import Arg
-from shared.transitions import Call, call
+from shared.transitions import Call, call, lease
 
 
 @dataclass(frozen=True)
@@ -77,22 +77,27 @@ class BatchTransitions:
         statuses: Sequence[str],
         fields: dict[str, str],
         lease_token: str = "",
+        notify: bool = False,
     ) -> Call[Updated]:
-        """Set `fields` if the status is one of `statuses` (and the lease is `lease_token`'s)."""
-        keys = {"batch": self.keys.batch(batch_id), "lease": self.keys.batch_lease(batch_id)}
-        args: dict[str, Arg] = {"token": lease_token, "statuses": " ".join(statuses)}
+        """Set `fields` if the status is one of `statuses` (and the lease is `lease_token`'s);
+        with `notify`, a final status set tells the webhook outbox in the same step."""
+        keys = {
+            "batch": self.keys.batch(batch_id),
+            "lease": self.keys.batch_lease(batch_id),
+            "outbox": self.keys.webhook_outbox(),
+        }
+        args: dict[str, Arg] = {
+            "token": lease_token,
+            "statuses": " ".join(statuses),
+            "notify": "1" if notify else "0",
+            "batch_id": batch_id,
+        }
         pairs = [x for kv in fields.items() for x in kv]
         return call(lua.BATCH_UPDATE, _update_reply, keys, args, pairs)
 
     def hold(self, batch_id: str, *, token: str, ttl_ms: int) -> Call[bool]:
         """Take the batch's lease, or renew it if `token` holds it."""
-        args: dict[str, Arg] = {"token": token, "action": "hold", "ttl_ms": ttl_ms}
-        return call(lua.LEASE, _truthy, {"lease": self.keys.batch_lease(batch_id)}, args)
+        return lease(self.keys.batch_lease(batch_id), token, "hold", ttl_ms)
 
     def free(self, batch_id: str, *, token: str) -> Call[bool]:
-        args: dict[str, Arg] = {"token": token, "action": "free", "ttl_ms": 0}
-        return call(lua.LEASE, _truthy, {"lease": self.keys.batch_lease(batch_id)}, args)
-
-
-def _truthy(r: Any) -> bool:
-    return bool(int(r))
+        return lease(self.keys.batch_lease(batch_id), token, "free")

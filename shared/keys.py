@@ -64,6 +64,36 @@ class Keys:
         """Hash: the job record."""
         return f"{self.prefix}job:{{{job_id}}}"
 
+    def webhook_outbox(self) -> str:
+        """Stream + consumer group: jobs and batches that ended with an event to send, written
+        in the step that ends them (JobRecord.notify, BATCH_UPDATE); gateway/webhooks.py."""
+        return f"{self.prefix}webhooks:outbox"
+
+    def webhook_delivery(self, delivery_id: str) -> str:
+        """Hash: one event to one endpoint (its body, URL, attempts; never the secret)."""
+        return f"{self.prefix}webhooks:delivery:{delivery_id}"
+
+    def webhook_due(self) -> str:
+        """Sorted set: deliveries by when their next attempt is due."""
+        return f"{self.prefix}webhooks:due"
+
+    def webhook_dead(self) -> str:
+        """Stream (capped): deliveries given up on, with why."""
+        return f"{self.prefix}webhooks:dead"
+
+    def webhook_disabled(self) -> str:
+        """Set: endpoint URLs that answered 410 Gone (nothing more is sent there)."""
+        return f"{self.prefix}webhooks:disabled"
+
+    def webhook_lease(self) -> str:
+        """String with TTL: the gateway process sending webhooks now."""
+        return f"{self.prefix}webhooks:lease"
+
+    def response(self, job_id: str) -> str:
+        """String (JSON): what a Responses API response keeps beside its job (its owner,
+        parameters and conversation: gateway/openai/responses.py), in the job's slot."""
+        return f"{self.prefix}response:{{{job_id}}}"
+
     def events(self, job_id: str) -> str:
         """Stream: the job's event log; entry id `0-<seq>`."""
         return f"{self.prefix}events:{{{job_id}}}"

@@ -29,6 +29,16 @@ def _forever() -> bool:
     return True
 
 
+def honour_cancel() -> None:
+    """Raise CancelledError in a task that was cancelled when the cancel did not reach it: a
+    Redis client may swallow one that lands inside a command (seen with redis-py 8 and
+    fakeredis), and a loop that goes on then keeps its gateway or worker from shutting down.
+    Loops call it between rounds, outside any timeout scope (whose own cancel it would see)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 async def keep_running(
     step: Callable[[], Awaitable[object]],
     *,
@@ -49,6 +59,7 @@ async def keep_running(
     while running():
         if pause_first and every_s:
             await asyncio.sleep(every_s)
+        honour_cancel()
         try:
             await step()
         except REDIS_FAILURES as exc:
@@ -59,6 +70,7 @@ async def keep_running(
                     await done
             if retry_s:
                 await asyncio.sleep(retry_s)
+        honour_cancel()
         if not pause_first and every_s:
             await asyncio.sleep(every_s)
 

@@ -27,7 +27,16 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from shared.schemas import ErrorInfo, JobResult, JobSpec, JobStatus, JobView, Timings, Usage
+from shared.schemas import (
+    ErrorInfo,
+    JobResult,
+    JobSpec,
+    JobStatus,
+    JobView,
+    Timings,
+    Usage,
+    WebhookTarget,
+)
 
 JOB_ID = re.compile(r"[0-9a-f]{32}")
 """A job id: 32 lowercase hex digits (uuid4().hex); matched against the whole string."""
@@ -212,6 +221,11 @@ class JobRecord(HashModel):
     owner: str | None
     """Who submitted it (`owner_of` its API key, or ANONYMOUS). Required: every writer names
     it. None only on records written before owners were (see OWNERS_SINCE)."""
+    webhook: WebhookTarget | None = None
+    """Where its end is told (its submitter's `webhook`)."""
+    notify: str | None = None
+    """The webhook outbox stream told the job's id in the step that ends it (as `done_stream`):
+    set when the job has a webhook or a deployment endpoint wants its kind of event."""
     done_stream: str | None = None
     """A stream told the job's id in the step that ends it (EMIT of a final event, SETTLE):
     a batch's, so that its tracker learns which lines finished without polling them."""

@@ -255,6 +255,30 @@ _ONE_INPUT: dict[str, Any] = {
 """JSON Schema for "exactly one of prompt and input_ids": the API document says it too."""
 
 
+MAX_WEBHOOK_URL_CHARS = 2048
+JobEventType = Literal["job.succeeded", "job.failed", "job.cancelled", "job.expired"]
+
+
+class WebhookTarget(BaseModel):
+    """Where a job's end is told (shared/webhooks.py): a URL, and the job events wanted."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    url: str = Field(
+        min_length=1,
+        max_length=MAX_WEBHOOK_URL_CHARS,
+        pattern=r"^https?://[^\s/?#]+[^\s]*$",
+        description="https (http only where GENQ_WEBHOOK_ALLOW_HTTP); never a private, "
+        "loopback or link-local address unless GENQ_WEBHOOK_ALLOW_HOSTS names it",
+    )
+    events: list[JobEventType] | None = Field(
+        default=None, min_length=1, description="the job events to send (all four by default)"
+    )
+
+    def wants(self, kind: str) -> bool:
+        return self.events is None or kind in self.events
+
+
 class JobCreate(Sampling):
     """Body of `POST /v1/jobs`: exactly one of `prompt` and `input_ids`."""
 
@@ -273,6 +297,11 @@ class JobCreate(Sampling):
         default=False, description="with `stream`: a client that disconnects cancels the job"
     )
     timeout_s: TimeoutS | None = None
+    webhook: WebhookTarget | None = Field(
+        default=None,
+        description="told when the job ends: a signed `job.succeeded`, `job.failed`, "
+        "`job.cancelled` or `job.expired` event (at least once, the same event id each time)",
+    )
     json_schema: dict[str, Any] | None = Field(
         default=None, description="constraint: the output is JSON valid under this schema"
     )

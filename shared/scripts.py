@@ -191,12 +191,16 @@ BATCH_RESULTS = ScriptArgs(
 )
 BATCH_UPDATE = ScriptArgs(
     "batch_update",
-    keys=("batch", "lease"),
-    argv=("token", "statuses"),
+    keys=("batch", "lease", "outbox"),
+    argv=("token", "statuses", "notify", "batch_id"),
     rest="record (field, value) pairs",
 )
 LEASE = ScriptArgs("lease", keys=("lease",), argv=("token", "action", "ttl_ms"))
-RELEASE = ScriptArgs("release", keys=("queue", "fair_queue", "fair_clock"), argv=("group", "want"))
+RELEASE = ScriptArgs(
+    "release",
+    keys=("queue", "fair_queue", "fair_clock", "placed_lanes", "shared"),
+    argv=("group", "want", "skip"),
+)
 STEAL = ScriptArgs(
     "steal", keys=("lane", "queue", "placed_lanes"), argv=("group", "older_ms", "dead", "limit")
 )

@@ -32,6 +32,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.model_format import engine_for_folder
+from shared.webhooks import EVENT_TYPES, check_secret
 
 _CONFIG = SettingsConfigDict(env_prefix="GENQ_", extra="ignore")
 
@@ -354,7 +355,82 @@ class JobSettings(RedisSettings):
     )
 
 
+class WebhookEndpoint(BaseModel):
+    """One deployment-wide webhook endpoint (GENQ_WEBHOOKS), as OpenAI's project webhooks:
+    its URL, its signing secret and the event types it wants."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(pattern=r"^https?://[^\s/?#]+[^\s]*$", max_length=2048)
+    secret: SecretStr
+    events: list[str] = Field(min_length=1)
+
+    @field_validator("events")
+    @classmethod
+    def _known(cls, events: list[str]) -> list[str]:
+        unknown = sorted(set(events) - EVENT_TYPES)
+        if unknown:
+            raise ValueError(f"unknown webhook event types {unknown}; known: {sorted(EVENT_TYPES)}")
+        return events
+
+    @field_validator("secret")
+    @classmethod
+    def _signs(cls, secret: SecretStr) -> SecretStr:
+        check_secret(secret.get_secret_value())
+        return secret
+
+
 class GatewaySettings(JobSettings):
+    webhooks: list[WebhookEndpoint] = Field(
+        default_factory=list,
+        description="webhook endpoints told of ends (JSON list of {url, secret, events}): "
+        "events among job.succeeded/failed/cancelled/expired, response.completed/failed/"
+        "cancelled/incomplete, batch.completed/failed/expired/cancelled",
+    )
+    webhook_secret: SecretStr | None = Field(
+        default=None,
+        description="signs the events sent to a job's own `webhook` (whsec_ and base64, as "
+        "OpenAI's); a job naming a webhook is refused while it is unset",
+    )
+    webhook_allow_http: bool = Field(
+        default=False, description="webhook URLs may be http (otherwise https only)"
+    )
+    webhook_allow_hosts: list[str] = Field(
+        default_factory=list,
+        description="hosts, addresses or networks (CIDR) webhooks may reach although they are "
+        "loopback, private or link-local (refused otherwise)",
+    )
+    webhook_timeout_s: float = Field(
+        default=10.0, gt=0, le=60, description="one webhook delivery attempt, connect to answer"
+    )
+    webhook_retry_window_s: float = Field(
+        default=259_200.0,
+        gt=0,
+        description="how long a webhook event is retried (72 h, as OpenAI) before it goes to "
+        "the dead letters",
+    )
+    webhook_backoff_s: float = Field(
+        default=5.0, gt=0, description="first retry of a failed delivery; it doubles each time"
+    )
+    webhook_backoff_max_s: float = Field(
+        default=3600.0, gt=0, description="longest wait between two attempts of one delivery"
+    )
+    webhook_max_response_bytes: int = Field(
+        default=65_536, ge=0, description="most of a webhook receiver's answer read"
+    )
+    webhook_concurrency: int = Field(
+        default=16, ge=1, le=256, description="webhook deliveries in flight at once"
+    )
+    webhook_lease_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="the gateway process sending webhooks holds a lease this long, renewed "
+        "every round; if it dies another takes over after it (and sends again what it was "
+        "sending: at least once)",
+    )
+    webhook_poll_s: float = Field(
+        default=0.25, gt=0, description="how often the sending gateway looks for due events"
+    )
     idempotency_ttl_s: int = Field(
         default=86_400, ge=1, description="how long an Idempotency-Key keeps naming its job"
     )
@@ -1075,6 +1151,20 @@ class WorkerSettings(JobSettings, EngineSettings):
         ge=0,
         description="batch slots a worker keeps free for interactive jobs (at most a quarter "
         "of its batch), so one arriving behind a batch backlog starts at once",
+    )
+    owner_reserve: int = Field(
+        default=4,
+        ge=0,
+        description="slots a worker keeps from the owner (API key) holding the most of its "
+        "batch while another owner's jobs started on it within owner_reserve_window_s (at "
+        "most a quarter of its batch; 0 = off): that owner's next job starts at once, not "
+        "when a slot of the first comes free",
+    )
+    owner_reserve_window_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="how long after another owner's last job started a worker keeps the "
+        "owner reserve",
     )
     overflow_share: int = Field(
         default=4,

@@ -24,8 +24,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -52,10 +52,11 @@ EncodedEvent = tuple[int, str]
 class Script:
     name: str
     source: str
+    sha: str = field(init=False)
+    """SHA1 of the source, as EVALSHA names it: hashed once (a flush sends hundreds of calls)."""
 
-    @property
-    def sha(self) -> str:
-        return hashlib.sha1(self.source.encode()).hexdigest()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
 @cache
@@ -256,6 +257,13 @@ def _submit_reply(tpm: int, r: list[Any]) -> SubmitReply:
     if r[0] == "throttled":
         return Throttled(int(r[1]), Bucket(tpm, int(r[2]), int(r[3])))
     return ClaimedBefore(str(r[1]))
+
+
+def lease(key: str, token: str, action: str, ttl_ms: int = 0) -> Call[bool]:
+    """LEASE on `key` for `token`: take it or renew one's own for `ttl_ms` (`hold`), or free
+    one's own (`free`); whether it was done (another holds it: False)."""
+    args: dict[str, Arg] = {"token": token, "action": action, "ttl_ms": ttl_ms}
+    return call(lua.LEASE, _truthy, {"lease": key}, args)
 
 
 def _truthy(r: Any) -> bool:
@@ -490,16 +498,31 @@ class Transitions:
         }
         return call(lua.STEAL, lambda r: (int(r[0]), int(r[1])), keys, args)
 
-    def release(self, model: str, priority: Priority, want: int) -> Call[int]:
+    def release(
+        self,
+        model: str,
+        priority: Priority,
+        want: int,
+        skip: Iterable[str] = (),
+        lane: str | None = None,
+    ) -> Call[int]:
         """Let token-fair scheduling's next jobs into the queue of `model`'s `priority`
-        until it holds `want` not yet delivered; how many it let in."""
+        until it holds `want` not yet delivered; how many it let in. With owners to `skip`,
+        their jobs stay queued and other owners' go to `lane` instead (a worker's own, which
+        it reads first): those in the queue not yet delivered, then the next in turn."""
         k = self.keys
+        skipped = ",".join(skip)
+        if skipped and lane is None:
+            raise ValueError("jobs released past skipped owners go to a worker's own lane")
         keys = {
-            "queue": k.queue(model, priority),
+            "queue": lane if skipped and lane is not None else k.queue(model, priority),
             "fair_queue": k.fair_queue(model, priority),
             "fair_clock": k.fair_clock(model, priority),
+            "placed_lanes": k.placed_lanes(),
+            "shared": k.queue(model, priority),
         }
-        return call(lua.RELEASE, int, keys, {"group": CONSUMER_GROUP, "want": want})
+        args: dict[str, Arg] = {"group": CONSUMER_GROUP, "want": want, "skip": skipped}
+        return call(lua.RELEASE, int, keys, args)
 
     def delete_idle_consumer(self, queue: str, *, group: str, consumer: str) -> Call[bool]:
         args: dict[str, Arg] = {"group": group, "consumer": consumer}

@@ -8,7 +8,9 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections import Counter
 
+import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from shared import events
@@ -34,10 +36,42 @@ from worker.state import WorkerState
 
 log = logging.getLogger(__name__)
 
+UNBLOCK_RETRY_S = 0.002
+"""How soon to send CLIENT UNBLOCK again when the blocking read had not reached Redis yet."""
+
+AHEAD_TOKENS = 2
+"""A job this near its max_tokens frees its slot within as many steps: a batch claim may be
+taken for it beforehand (`Claimer._ahead`)."""
+
 RESERVE_SHARE = 4
 """The interactive reserve is at most 1/RESERVE_SHARE of a worker's slots."""
 
+OWNER_POLL_S = 0.01
+"""While an owner fills all but the owner reserve, how often a worker without room looks for
+other owners' jobs in token-fair scheduling (one script call)."""
+
 Sent = dict[str, tuple[list[int], list[str]]]
+
+
+class OwnerLimits:
+    """How many slots each owner holds in the engine, and how many the owner holding the most
+    may: while another owner's jobs came to this worker lately and the others hold less than
+    the owner reserve (GENQ_OWNER_RESERVE) between them, the top owner leaves the reserve to
+    them, so their next job starts at once instead of when one of its slots comes free. Once
+    the others hold the reserve (backlogged too), token-fair order alone decides."""
+
+    def __init__(self, held: Counter[str], cap: int, top: str) -> None:
+        self.held = held
+        self.cap = cap
+        self.top = top
+
+    def capped(self) -> set[str]:
+        return {self.top} if self.held[self.top] >= self.cap else set()
+
+    def allows(self, claim: Claim) -> bool:
+        return claim.owner != self.top or self.held[self.top] < self.cap
+
+
 """Per retried job: the token ids and text an earlier attempt already published."""
 
 
@@ -46,8 +80,25 @@ class Claimer:
         self.st = st
         self._claims_since_batch = 0
         self._since_overflow: dict[Priority, int] = {p: 0 for p in PRIORITIES}
+        self._can_unblock = True
+        self._owners_seen: dict[str, float] = {}
+        """Owner → when a job of theirs last started here (monotonic)."""
+        self._paged_out = False
+        """The claim at the front of `waiting` does not fit the engine's free pages: no more
+        claims until a slot (and its pages) comes free."""
 
     async def loop(self) -> None:
+        st = self.st
+        # The connection of the blocking reads that a slot coming free must end early (one
+        # that sees the interactive lanes alone): CLIENT UNBLOCK needs its id.
+        self._blocker = st.redis.client()
+        try:
+            await self._loop()
+        finally:
+            with contextlib.suppress(RedisError, OSError):
+                await self._blocker.aclose()
+
+    async def _loop(self) -> None:
         st = self.st
 
         async def step() -> None:
@@ -55,14 +106,21 @@ class Claimer:
                 await asyncio.sleep(st.settings.heartbeat_s)
                 return
             await self._start_waiting()
+            st.room.clear()  # set again by whatever frees a slot from here on
             free = st.free_slots()
-            if free <= 0 or st.waiting:
-                st.room.clear()
-                await st.room.wait()
+            ahead = self._ahead()
+            if self._paged_out or (free <= 0 and free + ahead - self._reserve() <= 0):
+                await st.room.wait()  # no slot, or no pages for the claim at the front
                 return
-            claims = await self._claim(free)
-            if claims:
-                st.waiting.extend(claims)
+            limits = self._owner_limits()
+            capped = limits.capped() if limits is not None else set()
+            if capped:
+                claims = await self._claim_for_others(free, capped)
+            else:
+                claims = await self._claim(free, ahead)
+            batch = [c for c in claims if self._is_batch(c)]
+            st.waiting[:0] = [c for c in claims if not self._is_batch(c)]
+            st.waiting.extend(batch)
             if st.stopping.is_set():  # a read that SIGTERM overtook: give them back now
                 await requeue_waiting(st)
 
@@ -84,8 +142,10 @@ class Claimer:
             on_failure=claim_failed,
         )
 
-    async def _claim(self, free: int) -> list[Claim]:
+    async def _claim(self, free: int, ahead: int = 0) -> list[Claim]:
         """Take up to `free` entries, interactive first; block briefly when all are empty.
+        Batch work may take `ahead` more: claims that wait for the slots of jobs about to
+        end, so that they start as those end instead of a read later.
 
         Each priority has two lanes: its queue, and its overflow (owners past their fair
         share in flight). The queue goes first, except every `overflow_share`-th claim of a
@@ -95,41 +155,170 @@ class Claimer:
         st = self.st
         batch_turn = self._claims_since_batch >= st.settings.batch_share
         order: tuple[Priority, ...] = ("batch", "interactive") if batch_turn else PRIORITIES
-        batch_room = free - self._reserve()
-        await self._release({"interactive": free, "batch": max(0, batch_room)})
+        batch_room = free + ahead - self._reserve()
+        await self._release({"interactive": max(0, free), "batch": max(0, batch_room)})
         claims: list[Claim] = []
         for priority in order:
-            budget = 1 if priority == "batch" and batch_turn else free - len(claims)
             if priority == "batch":
-                budget = min(budget, batch_room)
+                room = min(free + ahead - len(claims), batch_room)
+            else:
+                room = free - len(claims)
+            budget = min(1, room) if priority == "batch" and batch_turn else room
             for lane, cap in self._lanes(priority):
-                want = min(budget, free - len(claims), cap or free)
+                if st.room.is_set() and st.waiting:
+                    break  # slots came free for claims already waiting: START those first
+                want = min(budget, cap or budget)
                 if want > 0:
                     got = await self._read({lane: ">"}, want, block=None)
                     claims += got
                     budget -= len(got)
-        if not claims:
-            lanes = st.streams() if batch_room > 0 else self._interactive_lanes()
-            streams = {k: ">" for k in lanes}
+        if st.room.is_set() and st.waiting:
+            pass
+        elif not claims and batch_room > 0 and not st.waiting:
+            streams = {k: ">" for k in st.streams()}
             claims = await self._read(streams, 1, block=st.settings.claim_block_ms)
+        elif not claims:
+            lanes = st.streams() if batch_room > 0 else self._interactive_lanes()
+            claims = await self._read_until_room(lanes)
         for c in claims:
             self._count(c)
         return claims
 
-    async def _release(self, want: dict[Priority, int]) -> None:
+    async def _claim_for_others(self, free: int, capped: set[str]) -> list[Claim]:
+        """While the owner at the top of the batch is `capped` (`OwnerLimits`): the other
+        owners' jobs alone, up to `free`, taken out of token-fair turn into this worker's own
+        lanes and read from there (the shared queue, which may hold the capped owner's next
+        jobs ahead of theirs, waits for the cap to lift). Nothing there: look again after
+        OWNER_POLL_S, or as soon as a slot comes free."""
+        st = self.st
+        want: dict[Priority, int] = {"interactive": free, "batch": free - self._reserve()}
+        await self._release(want, capped)
+        claims: list[Claim] = []
+        for priority in PRIORITIES:
+            room = min(want[priority], free - len(claims))
+            if room > 0:
+                claims += await self._read({st.placed[priority]: ">"}, room, block=None)
+        if not claims:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(st.room.wait(), OWNER_POLL_S)
+        for c in claims:
+            self._count(c)
+        return claims
+
+    async def _release(self, want: dict[Priority, int], capped: set[str] | None = None) -> None:
         """Let the next jobs of token-fair scheduling into the queues this worker is about to
         read (gateway/admission.py, `fair_release` in shared/lua/prelude.lua): as many as it
-        may claim of each priority. Nothing to do, and one round trip, when no owner waits."""
+        may claim of each priority. With owners `capped`, none of theirs, into this worker's
+        own lanes. Nothing to do, and one round trip, when no owner waits."""
         st = self.st
-        calls = [st.transitions.release(st.model, p, n) for p, n in want.items() if n > 0]
+        calls = [
+            st.transitions.release(st.model, p, n, skip=capped or (), lane=st.placed[p])
+            for p, n in want.items()
+            if n > 0
+        ]
         if calls:
             await st.scripts.run_all(calls)
+
+    async def _read_until_room(self, lanes: list[str]) -> list[Claim]:
+        """Block on `lanes` until a job comes, or until a slot comes free: claims waiting for
+        one, or batch work kept from the interactive reserve, may then start at once, not at
+        the end of the blocking read. The read is ended by CLIENT UNBLOCK (as a timeout: an
+        entry it took is never lost), on a connection of its own."""
+        st = self.st
+        blocker = self._blocker
+        streams = {k: ">" for k in lanes}
+        client_id = await self._blocker_id()
+        if client_id is None:  # CLIENT not allowed here (an ACL, a managed Redis): as before
+            return await self._read(streams, 1, block=st.settings.claim_block_ms)
+        read = asyncio.ensure_future(
+            self._read(streams, 1, block=st.settings.claim_block_ms, redis=blocker)
+        )
+        room = asyncio.ensure_future(st.room.wait())
+        try:
+            await asyncio.wait({read, room}, return_when=asyncio.FIRST_COMPLETED)
+            # A slot came free: end the read. It may not have reached Redis yet (UNBLOCK
+            # answers 0): again shortly, until the read has returned.
+            while not read.done():
+                try:
+                    if await st.redis.client_unblock(client_id):
+                        break
+                except ResponseError:  # UNBLOCK refused: reads end at their timeout from now
+                    self._can_unblock = False
+                    break
+                except (RedisError, OSError):
+                    break  # the read ends at its own timeout
+                await asyncio.wait({read}, timeout=UNBLOCK_RETRY_S)
+            return await read
+        finally:
+            room.cancel()
+            if not read.done():
+                read.cancel()
+
+    async def _blocker_id(self) -> int | None:
+        """The blocking connection's CLIENT ID, or None where CLIENT ID / UNBLOCK are refused
+        (then blocking reads end at their timeout, GENQ_CLAIM_BLOCK_MS, as they used to)."""
+        if not self._can_unblock:
+            return None
+        try:
+            return int(await self._blocker.client_id())
+        except ResponseError as exc:
+            self._can_unblock = False
+            log.warning(
+                "CLIENT ID refused; slots freed during a blocking claim wait for its timeout",
+                extra={"error": str(exc)},
+            )
+            return None
+
+    def _ahead(self) -> int:
+        """Batch claims worth taking before their slots are free: one per job in the engine
+        within `AHEAD_TOKENS` of its max_tokens (it ends within that many steps, or sooner)."""
+        return sum(
+            1
+            for r in self.st.running.values()
+            if r.end is None
+            and r.retry_error is None
+            and r.spec.max_tokens - len(r.token_ids) <= AHEAD_TOKENS
+        )
+
+    def _is_batch(self, claim: Claim) -> bool:
+        st = self.st
+        return claim.queue in (st.queues["batch"], st.overflow["batch"], st.placed["batch"])
 
     def _reserve(self) -> int:
         """Slots kept from batch work: the setting, at most a quarter of the batch (a worker
         of one slot, an unpaged exllamav2, keeps none)."""
         st = self.st
         return min(st.settings.interactive_reserve, st.engine.max_batch // RESERVE_SHARE)
+
+    def _owner_reserve(self) -> int:
+        """Slots the owner filling this worker leaves for others (at most a quarter)."""
+        st = self.st
+        return min(st.settings.owner_reserve, st.engine.max_batch // RESERVE_SHARE)
+
+    def _owner_limits(self) -> OwnerLimits | None:
+        """Each owner's slots in the engine and the most one may hold, while another owner's
+        jobs started here within GENQ_OWNER_RESERVE_WINDOW_S; None otherwise (one owner, or
+        the reserve off): nothing is held back."""
+        st = self.st
+        reserve = self._owner_reserve()
+        if not reserve or len(self._owners_seen) < 2:
+            return None
+        since = time.monotonic() - st.settings.owner_reserve_window_s
+        for owner in [o for o, t in self._owners_seen.items() if t < since]:
+            del self._owners_seen[owner]
+        if len(self._owners_seen) < 2:
+            return None
+        held = Counter(
+            r.claim.owner
+            for r in st.running.values()
+            if r.end is None and r.retry_error is None and r.claim.owner is not None
+        )
+        if not held:
+            return None
+        ((top, most),) = held.most_common(1)
+        if sum(held.values()) - most >= reserve:
+            return None  # the others hold the reserve already
+        return OwnerLimits(held, st.engine.max_batch - reserve, top)
 
     def _interactive_lanes(self) -> list[str]:
         st = self.st
@@ -147,14 +336,20 @@ class Claimer:
 
     def _count(self, claim: Claim) -> None:
         st = self.st
-        is_batch = claim.queue in (st.queues["batch"], st.overflow["batch"], st.placed["batch"])
+        is_batch = self._is_batch(claim)
         self._claims_since_batch = 0 if is_batch else self._claims_since_batch + 1
         priority: Priority = "batch" if is_batch else "interactive"
         from_overflow = claim.queue == st.overflow[priority]
         self._since_overflow[priority] = 0 if from_overflow else self._since_overflow[priority] + 1
 
-    async def _read(self, streams: dict[str, str], count: int, block: int | None) -> list[Claim]:
-        reply = await self.st.redis.xreadgroup(
+    async def _read(
+        self,
+        streams: dict[str, str],
+        count: int,
+        block: int | None,
+        redis: aioredis.Redis | None = None,
+    ) -> list[Claim]:
+        reply = await (redis or self.st.redis).xreadgroup(
             CONSUMER_GROUP,
             self.st.id,
             streams,
@@ -179,14 +374,36 @@ class Claimer:
         return Claim(entry_id, queue, entry.job, entry.tokens, entry.owner)
 
     async def _start_waiting(self) -> None:
-        """START every waiting claim the engine has room for, in one pipeline."""
+        """START every waiting claim the engine has room for, in one pipeline, in order; batch
+        claims (taken ahead of their slots) leave the interactive reserve free."""
         st = self.st
         ready: list[Claim] = []
-        active = len(st.running)
-        while st.waiting and st.engine.fits(st.waiting[0].need_tokens, active + len(ready)):
-            ready.append(st.waiting.pop(0))
+        active = st.in_engine()
+        batch_slots = st.engine.max_batch - self._reserve()
+        limits = self._owner_limits()
+        kept: list[Claim] = []
+        self._paged_out = False
+        for i, claim in enumerate(st.waiting):
+            if self._is_batch(claim) and active + len(ready) >= batch_slots:
+                kept.append(claim)
+            elif limits is not None and not limits.allows(claim):
+                kept.append(claim)  # its owner holds all but the owner reserve already
+            elif st.engine.fits(claim.need_tokens, active + len(ready)):
+                ready.append(claim)
+                if limits is not None and claim.owner is not None:
+                    limits.held[claim.owner] += 1
+            else:  # no pages for it: what follows waits behind it
+                kept += st.waiting[i:]
+                self._paged_out = True
+                break
         if not ready:
             return
+        st.waiting[:] = kept
+        if self._owner_reserve():
+            now = time.monotonic()
+            for claim in ready:
+                if claim.owner is not None:
+                    self._owners_seen[claim.owner] = now
         if not st.lease.held():
             # Paused or cut off for a whole lease: these entries may belong to another worker
             # now. Drop them; if they are still ours, the reclaim loop takes them back.
@@ -333,13 +550,16 @@ class Claimer:
         st.dirty.add(spec.id)
         run.started(st.id)
         joblog.started(st, run)
-        st.urgent.add(spec.id)  # `started` (and an end at once, if any) need not wait
+        # `started` goes with the next flush (with the first tokens, under load: one write
+        # less per job); an end at once need not wait.
         if started.cancel or spec.id in st.early_cancels:
             st.early_cancels.pop(spec.id, None)
             run.cancelled(started.cancel or "cancelled")
+            st.urgent.add(spec.id)
             return
         if spec.deadline is not None and time.time() > spec.deadline:
             run.fail("expired", "deadline_exceeded", "the job's timeout passed before it started")
+            st.urgent.add(spec.id)
             return
         seed = spec.sampling.seed if spec.sampling.seed is not None else seed_of(spec.id)
         assert st.runner is not None

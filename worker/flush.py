@@ -72,6 +72,7 @@ class Flusher:
 
     def _collect(self, outputs: list[StepOutput]) -> None:
         st = self.st
+        freed = False
         for out in outputs:
             run = st.running.get(out.job_id)
             if run is None or run.attempt != out.attempt:
@@ -94,7 +95,10 @@ class Flusher:
                 run.finish(out.finish_reason)
             if run.end is not None or run.retry_error is not None:
                 st.urgent.add(run.id)
+                freed = True
             st.dirty.add(out.job_id)
+        if freed:  # their slots are the engine's again: claims may start beside the flush
+            st.room.set()
         if st.runner is not None and st.runner.failures >= _MAX_ENGINE_FAILURES:
             log.error("engine keeps failing; stopping", extra={"worker_id": st.id})
             st.healthy = False

@@ -148,7 +148,7 @@ class Worker:
     def _gauges(self) -> tuple[int, int, float]:
         """Jobs running, claims waiting, KV cache in use: the metrics read them when scraped."""
         st = self.st
-        return len(st.running), len(st.waiting), st.engine.admission.in_use()
+        return st.in_engine(), len(st.waiting), st.engine.admission.in_use()
 
     @property
     def tokens_per_s(self) -> float:

@@ -159,7 +159,13 @@ class WorkerState:
                 return self.queues[priority]
         return stream
 
+    def in_engine(self) -> int:
+        """Running jobs the engine still holds: not those it has ended (or failed) whose end
+        is not written yet. Their batch slots are free already, so claims can be STARTed
+        while the flush writes those ends, instead of after it."""
+        return sum(1 for r in self.running.values() if r.end is None and r.retry_error is None)
+
     def free_slots(self) -> int:
         if self.engine.down is not None:  # nothing can start until it is back
             return 0
-        return self.engine.max_batch - len(self.running) - len(self.waiting)
+        return self.engine.max_batch - self.in_engine() - len(self.waiting)

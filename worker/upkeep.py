@@ -177,7 +177,7 @@ class Upkeep:
             pid=os.getpid(),
             version=__version__,
             capacity=engine.max_batch,
-            active=len(st.running),
+            active=st.in_engine(),
             tokens_per_s=round(self.tokens_per_s, 1),
             started_at=self.started_at,
             draining=st.stopping.is_set(),

@@ -39,6 +39,7 @@ from gateway.batch.queueing import Queuer
 from gateway.batch.results import write_results
 from gateway.batch.storage import FileStore
 from gateway.state import GatewayState
+from gateway.webhooks import batch_notify
 from shared.batch_transitions import BatchTransitions
 from shared.batches import ENDED_BATCH_STATUSES, BatchError, BatchRecord
 from shared.loops import LOOP_RESTART_S, keep_running
@@ -153,6 +154,7 @@ class BatchDriver:
             statuses=statuses,
             fields=BatchRecord.fields(**fields),
             lease_token=lease.token,
+            notify=batch_notify(self.settings),
         )
         reply = await self.scripts.run(call)
         if reply.status == "lease":

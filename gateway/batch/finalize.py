@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from gateway.batch.files import FileService
 from gateway.batch.lease import Lease
 from gateway.state import GatewayState
+from gateway.webhooks import batch_notify
 from shared.batch_transitions import BatchTransitions
 from shared.batches import BatchRecord, ResultKind, result_file_id
 from shared.transitions import ScriptRunner
@@ -64,6 +65,7 @@ class Finalizer:
             statuses=("finalizing", "cancelling"),
             fields=BatchRecord.fields(**fields),
             lease_token=lease.token,
+            notify=batch_notify(self.settings),
         )
         reply = await self.scripts.run(call)
         if not reply.done:

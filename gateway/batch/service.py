@@ -17,6 +17,7 @@ from gateway.batch.files import MAX_EXPIRES_AFTER_S, MIN_EXPIRES_AFTER_S, FileSe
 from gateway.batch.listing import page
 from gateway.identity import Identity
 from gateway.state import GatewayState
+from gateway.webhooks import batch_notify
 from shared.batch_transitions import BatchTransitions
 from shared.batches import (
     BATCH_ID,
@@ -186,7 +187,9 @@ class BatchService:
         fields = BatchRecord.fields(
             status="cancelling", cancelling_at=time.time(), ending="cancelled"
         )
-        call = self.transitions.update(batch_id, statuses=CANCELLABLE, fields=fields)
+        call = self.transitions.update(
+            batch_id, statuses=CANCELLABLE, fields=fields, notify=batch_notify(self.settings)
+        )
         reply = await self.scripts.run(call)
         if not reply.done and reply.status not in ("cancelling", "cancelled"):
             raise Conflict(

@@ -119,6 +119,8 @@ class Sender:
     identity: Identity
     idempotency_key: str | None = None
     fingerprint: str | None = None
+    detached: bool = False
+    """Its jobs outlive the request (a background response): a disconnect cancels none."""
 
     @classmethod
     def of(cls, identity: Identity, key: str | None, kind: str, req: SamplingParams) -> Sender:
@@ -442,7 +444,11 @@ class OpenAIServing:
     def _mortal(self, sender: Sender, job_ids: Iterable[str]) -> list[str]:
         """The jobs a disconnect cancels: all, unless `openai_cancel_on_disconnect` is off or
         the request has an Idempotency-Key (a retry with it comes back for them)."""
-        if not self.settings.openai_cancel_on_disconnect or sender.idempotency_key is not None:
+        if (
+            not self.settings.openai_cancel_on_disconnect
+            or sender.idempotency_key is not None
+            or sender.detached
+        ):
             return []
         return list(job_ids)
 

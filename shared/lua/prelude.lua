@@ -151,9 +151,13 @@ end
 -- step that ends it, so a tracker of the batch cannot miss it. That stream lives in its
 -- batch's slot, not the job's: with SUBMIT, the seam for Cluster (which lets a script touch
 -- only keys it is handed).
+-- The webhook outbox its record names in `notify` hears of it the same way (a delivery is
+-- then made from it by a gateway: gateway/webhooks.py): never an end without its event.
 local function tell_done(job, job_id)
   local stream = redis.call('HGET', job, 'done_stream')
   if stream then redis.call('XADD', stream, '*', 'job', job_id) end
+  local outbox = redis.call('HGET', job, 'notify')
+  if outbox then redis.call('XADD', outbox, '*', 'job', job_id) end
 end
 
 -- Note the job in the recent-jobs stream `recent` (the dashboard's list), capped at about
@@ -173,8 +177,72 @@ end
 -- comes back at V, with no credit saved up, and a backlogged owner's jobs interleave with
 -- another's in proportion to their weights whatever either's backlog.
 -- A member is its queue entry's (field, value) list joined by the unit separator (\31).
+-- `skip` (a set of owners, or nil): those owners' jobs stay where they are, and the others'
+-- among the first FAIR_SKIP_SCAN in order are released instead (a worker keeping its last
+-- slots for other owners than the one filling it: worker/claims.py); V only moves forward.
 -- -> entries released
-local function fair_release(queue, fairq, clock, group, want)
+local FAIR_SKIP_SCAN = 32
+
+local function owner_of_member(member)
+  local parts = {}
+  for part in (member .. '\31'):gmatch('(.-)\31') do parts[#parts + 1] = part end
+  for i = 1, #parts - 1, 2 do
+    if parts[i] == 'owner' then return parts[i + 1] end
+  end
+  return nil
+end
+
+local function fair_release_skipping(queue, fairq, clock, want, skip)
+  local moved = 0
+  local scanned = redis.call('ZRANGE', fairq, 0, FAIR_SKIP_SCAN - 1, 'WITHSCORES')
+  local v = tonumber(redis.call('HGET', clock, 'V') or '0')
+  for i = 1, #scanned, 2 do
+    if moved >= want then break end
+    local owner = owner_of_member(scanned[i])
+    if not (owner and skip[owner]) then
+      local entry = {}
+      for part in (scanned[i] .. '\31'):gmatch('(.-)\31') do entry[#entry + 1] = part end
+      redis.call('ZREM', fairq, scanned[i])
+      redis.call('XADD', queue, '*', unpack(entry))
+      v = math.max(v, tonumber(scanned[i + 1]))
+      moved = moved + 1
+    end
+  end
+  if moved > 0 then redis.call('HSET', clock, 'V', string.format('%.6f', v)) end
+  return moved
+end
+
+-- Moves to `lane` up to `want` entries of `shared` not yet delivered to `group` (among the
+-- first FAIR_SKIP_SCAN of them), except those of the owners in `skip`: entries released
+-- into the shared queue ahead of the workers' claims, which may stand behind a capped
+-- owner's there. -> entries moved
+local function take_undelivered(shared, lane, group, want, skip)
+  local groups = redis.pcall('XINFO', 'GROUPS', shared)
+  if type(groups) ~= 'table' or groups.err then return 0 end
+  local last = nil
+  for _, g in ipairs(groups) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    if info['name'] == group then last = info['last-delivered-id'] end
+  end
+  if not last then return 0 end
+  local moved = 0
+  for _, e in ipairs(redis.call('XRANGE', shared, '(' .. last, '+', 'COUNT', FAIR_SKIP_SCAN)) do
+    if moved >= want then break end
+    local fields, owner = e[2], nil
+    for i = 1, #fields - 1, 2 do
+      if fields[i] == 'owner' then owner = fields[i + 1] end
+    end
+    if not (owner and skip[owner]) then
+      redis.call('XDEL', shared, e[1])
+      redis.call('XADD', lane, '*', unpack(fields))
+      moved = moved + 1
+    end
+  end
+  return moved
+end
+
+local function fair_release(queue, fairq, clock, group, want, skip)
   local lag = 0
   local groups = redis.pcall('XINFO', 'GROUPS', queue)
   if type(groups) == 'table' and not groups.err then
@@ -186,6 +254,9 @@ local function fair_release(queue, fairq, clock, group, want)
         if not lag then lag = redis.call('XLEN', queue) - tonumber(info['pending']) end
       end
     end
+  end
+  if skip and next(skip) ~= nil then
+    return fair_release_skipping(queue, fairq, clock, want - lag, skip)
   end
   local moved = 0
   while moved < want - lag do

@@ -6,8 +6,9 @@
 1. Idle: key B's short interactive jobs one at a time, TTFT p50 (its own, from the record).
 2. Key A queues `--backlog` jobs of long prompts (~1,000 tokens, 100 new tokens each); B
    sends the same short jobs meanwhile: TTFT p50 against idle (the issue's target: ≤ 2×).
-3. Both backlogged, A's jobs three times B's size: each key's share of the tokens generated
-   over `--share-s` seconds (target 50 % ± 10 %); then with weights 3:1 (target 75 % ± 10 %).
+3. Both backlogged (as many jobs each), A's jobs three times B's size: each key's share of the
+   tokens generated over `--share-s` seconds (target 50 % ± 10 %); then with weights 3:1
+   (target 75 % ± 10 %).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from shared.records import owner_of
-from tests.procs import Cluster, redis_server
+from tests.procs import Cluster, redis_server, wait_for
 
 A, B = "bench-key-a", "bench-key-b"
 LONG = " ".join(["the model queue worker gateway stream batch cache prompt reply"] * 100)
@@ -70,21 +71,26 @@ async def flood(http: httpx.AsyncClient, url: str, key: str, n: int, **body: Any
     await asyncio.gather(*(one(i) for i in range(n)))
 
 
-async def shares(redis_url: str, prefix: str, since: float, until: float) -> dict[str, float]:
-    """Each key's share of the tokens of the jobs that ended in [since, until]."""
+async def shares(redis_url: str, prefix: str, since: float, until: float) -> dict[str, Any]:
+    """Each key's share of the tokens of the jobs that ended in [since, until], and how many of
+    its jobs were still queued when read (a share means something only while both keys still
+    had work queued: 0 left is a backlog that ran out inside the window)."""
     r = aioredis.Redis.from_url(redis_url, decode_responses=True)
     tokens = {A: 0, B: 0}
+    left = {A: 0, B: 0}
     try:
         owners = {owner_of(A.encode()): A, owner_of(B.encode()): B}
         async for key in r.scan_iter(match=f"{prefix}job:*", count=2000):
-            rec = await r.hmget(key, "owner", "finished_at", "usage")
-            owner, finished, usage = rec
+            rec = await r.hmget(key, "owner", "finished_at", "usage", "status")
+            owner, finished, usage, status = rec
+            if owner in owners and status == "queued":
+                left[owners[owner]] += 1
             if owner in owners and finished and usage and since <= float(finished) <= until:
                 tokens[owners[owner]] += json.loads(usage)["completion_tokens"]
     finally:
         await r.aclose()
     total = sum(tokens.values()) or 1
-    return {k: round(v / total, 3) for k, v in tokens.items()}
+    return {k: round(v / total, 3) for k, v in tokens.items()} | {"queued_left": left}
 
 
 async def scenario(url: str, redis_url: str, prefix: str, args: argparse.Namespace) -> dict:
@@ -96,8 +102,9 @@ async def scenario(url: str, redis_url: str, prefix: str, args: argparse.Namespa
         out["a_backlog_queued_s"] = round(time.monotonic() - t0, 1)
         out["b_backlog_ttft_ms_p50"] = round(await probe_ttft(http, url, args.probes), 1)
         out["ttft_ratio"] = round(out["b_backlog_ttft_ms_p50"] / out["b_idle_ttft_ms_p50"], 2)
-        # both backlogged: B's jobs a third of A's size
-        await flood(http, url, B, args.backlog // 3, prompt="short", max_tokens=33)
+        # both backlogged: B's jobs a third of A's size, as many (B's backlog must outlast
+        # the window at three times A's weight: see queued_left)
+        await flood(http, url, B, args.backlog, prompt="short", max_tokens=33)
         since = time.time()
         await asyncio.sleep(args.share_s)
         out["shares_both_backlogged"] = await shares(redis_url, prefix, since, time.time())
@@ -118,8 +125,20 @@ def run(args: argparse.Namespace, weights: dict[str, float] | None) -> dict[str,
             if weights:
                 env["GENQ_KEY_WEIGHTS"] = json.dumps(weights)
             gw = cluster.gateway(**env)
-            cluster.worker(
-                "--step-ms", str(args.step_ms), "--max-batch", str(args.max_batch), **env
+            worker = cluster.worker(
+                "--step-ms",
+                str(args.step_ms),
+                "--max-batch",
+                str(args.max_batch),
+                wait_model=None,  # /v1/models wants a key here
+                **env,
+            )
+            wait_for(
+                lambda: any(
+                    m["id"] == "sim"
+                    for m in httpx.get(f"{gw.url}/v1/models", headers=h(A)).json()["data"]
+                ),
+                what=f"worker serving sim: {worker.output()[-500:]}",
             )
             return asyncio.run(scenario(gw.url, server.url, prefix, args))
         finally:

@@ -4,6 +4,8 @@ worker-side timing breakdown (queue wait, time to first token) read back from th
 
     python -m tests.bench.pipeline --concurrency 256 --requests 1024 --max-tokens 200 --step-ms 0
     python -m tests.bench.pipeline --constrained ...   # the same, unconstrained then under a schema
+    python -m tests.bench.pipeline --compare-apis chat,responses ...   # one route, then another
+    python -m tests.bench.pipeline --compare-webhooks ...   # without webhooks, then with
 
 Starts a private redis-server (or uses --redis-url) and its own processes; stops them at the end.
 """
@@ -101,7 +103,8 @@ def step_figures(before: Counters | None, after: Counters | None) -> dict[str, f
 
 def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | None = None) -> dict:
     prefix = f"bench:{uuid.uuid4().hex[:6]}:"
-    cluster = Cluster(redis_url, tmp, prefix)
+    env = getattr(args, "env", None) or {}
+    cluster = Cluster(redis_url, tmp, prefix, **env)
     try:
         gw = cluster.gateway(processes=args.gateway_procs)
         worker = cluster.worker("--step-ms", str(args.step_ms), "--max-batch", str(args.max_batch))
@@ -134,6 +137,8 @@ def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | No
                 "--prompt-tokens",
                 str(args.prompt_tokens),
                 "--json",
+                "--api",
+                args.api,
                 *(["--json-schema", args.json_schema] if args.json_schema else []),
             ],
             capture_output=True,
@@ -171,10 +176,45 @@ def main() -> None:
         help="run the workload twice, unconstrained and then every job under a JSON schema "
         "whose output outlasts max_tokens (`LONG_SCHEMA`), and print both and their ratio",
     )
+    ap.add_argument("--api", default="native", help="genq bench's route (native, openai, …)")
+    ap.add_argument(
+        "--compare-apis",
+        metavar="A,B",
+        help="run the workload on route A, then on route B, and print both and B's tokens/s "
+        "over A's (e.g. chat,responses)",
+    )
+    ap.add_argument(
+        "--compare-webhooks",
+        action="store_true",
+        help="run the workload without webhooks, then with a deployment endpoint told of "
+        "every job's end (a local receiver), and print both and their ratio",
+    )
     args = ap.parse_args()
     args.json_schema = None
     with tempfile.TemporaryDirectory() as tmp:
-        if args.constrained:
+        if args.compare_webhooks:
+            from tests.bench.webhooks import Receiver, start_receiver, webhook_env
+
+            receiver = Receiver()
+            hook, server = start_receiver(receiver)
+            result = {"none": run_once(args, Path(tmp))}
+            args.env = webhook_env(hook, ["job.succeeded"])
+            result["webhooks"] = run_once(args, Path(tmp))
+            result["webhooks"]["events_received"] = len(receiver.arrived)
+            server.should_exit = True
+            result["tokens_per_s_ratio"] = round(
+                result["webhooks"]["tokens_per_s"] / result["none"]["tokens_per_s"], 3
+            )
+        elif args.compare_apis:
+            first, second = args.compare_apis.split(",")
+            result = {}
+            for api in (first, second):
+                args.api = api
+                result[api] = run_once(args, Path(tmp))
+            result["tokens_per_s_ratio"] = round(
+                result[second]["tokens_per_s"] / result[first]["tokens_per_s"], 3
+            )
+        elif args.constrained:
             schema = Path(tmp) / "schema.json"
             schema.write_text(json.dumps(LONG_SCHEMA))
             result = {"none": run_once(args, Path(tmp))}

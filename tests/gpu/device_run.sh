@@ -1,5 +1,7 @@
 #!/bin/bash
 # One call on the GPU machine: GPU tests on a tiny synth model, then the 8B benchmark.
+# Build .gpu/ first with the tests' extras: ../shared/gpu/prepare.sh openai pytest-asyncio llguidance
+# jsonschema (the constraints' GPU tests import jsonschema and openai).
 #   source .gpu/activate.sh && bash tests/gpu/device_run.sh [tests] [bench64] [sweep] [procs]
 #     [bare1] [compare] [comparewt] [comparegcoff] [compareinproc] [serveauto] [procs1] [procs2]
 # BENCH_ARGS (environment): more flags for the exl3 matrix and turns steps' benchgpu.

@@ -4,6 +4,7 @@ starve another key's interactive work, and the large backlog still progresses.""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import redis.asyncio as aioredis
 
@@ -74,3 +75,101 @@ async def test_an_interactive_job_behind_a_full_batch_backlog_starts_at_once(
         assert done["timings"]["queue_s"] < BATCH_JOB_S / 4, done["timings"]
         statuses = [(await stack.client.get(f"/v1/jobs/{j}")).json()["status"] for j in batch]
         assert "failed" not in statuses and "running" in statuses  # the backlog goes on
+
+
+async def test_another_keys_job_starts_at_once_beside_a_backlog_filling_the_batch(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    """Both keys interactive, A's backlog of long jobs filling every slot: once B's jobs come
+    to the worker, A leaves GENQ_OWNER_RESERVE slots to others, so B's next job starts at
+    once, not when one of A's ends."""
+    slots = 8
+    keyed = Settings(
+        **{**settings.model_dump(), "api_keys": [A, B], "max_batch": slots, "owner_reserve": 2}
+    )
+    async with running_stack(keyed, redis, step_ms=5) as stack:
+        body = {"model": "sim", "prompt": "the model", "max_tokens": 400}  # 2 s each
+        backlog = []
+        for i in range(40):
+            r = await stack.client.post("/v1/jobs", json={**body, "seed": i}, headers=_h(A))
+            backlog.append(r.json()["id"])
+
+        async def probe() -> dict:
+            r = await stack.client.post("/v1/jobs", json={**body, "max_tokens": 3}, headers=_h(B))
+            job_id = r.json()["id"]
+            async with asyncio.timeout(15):
+                while True:
+                    view = (await stack.client.get(f"/v1/jobs/{job_id}", headers=_h(B))).json()
+                    if view["status"] == "succeeded":
+                        return view
+                    await asyncio.sleep(0.01)
+
+        await probe()  # B's first job waits for a slot: from here on B is another owner here
+        waits = [(await probe())["timings"]["queue_s"] for _ in range(3)]
+        assert max(waits) < BATCH_JOB_S / 4, waits
+        held = sum(1 for r in stack.worker.st.running.values() if r.claim.owner is not None)
+        assert held >= slots - 2  # A still has the rest of the batch
+        views = [(await stack.client.get(f"/v1/jobs/{j}", headers=_h(A))).json() for j in backlog]
+        assert "failed" not in {v["status"] for v in views}
+
+
+async def test_batch_slots_refill_while_the_reserve_waits_for_interactive_work(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    """With the batch slots full, the claimer waits on the interactive lanes alone (the reserve
+    is theirs). Batch slots coming free meanwhile end that wait at once: they used to sit idle
+    until the blocking read timed out (GENQ_CLAIM_BLOCK_MS, each round), so a backlog of tiny
+    batch jobs drained at one batch per block (issue 33: tiny jobs five times slower)."""
+    slots, jobs = 8, 48
+    blocking = Settings(
+        **{
+            **settings.model_dump(),
+            "max_batch": slots,
+            "interactive_reserve": 2,
+            "claim_block_ms": 1000,
+        }
+    )
+    async with running_stack(blocking, redis, step_ms=5) as stack:
+        body = {"prompt": "is it good?", "max_tokens": 2, "priority": "batch"}
+        t0 = time.monotonic()
+        queued = await asyncio.gather(*(stack.submit(**body, seed=i) for i in range(jobs)))
+        for job in queued:  # 8 rounds of 6: one blocking read each, before (7 s or more)
+            await stack.wait_status(job["id"], "succeeded", timeout=15)
+        assert time.monotonic() - t0 < 3.0
+
+
+async def test_a_redis_that_refuses_client_commands_still_drains(settings: Settings) -> None:
+    """Where an ACL (or a managed Redis) refuses CLIENT ID / UNBLOCK, a blocking claim read
+    ends at its timeout as it used to: slower refills, never a claim loop that fails."""
+    admin = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    user, password = f"noclient-{settings.key_prefix.strip(':')}", "pw-noclient"
+    await admin.acl_setuser(
+        user,
+        enabled=True,
+        passwords=[f"+{password}"],
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-client"],
+    )
+    limited = aioredis.Redis.from_url(
+        settings.redis_url, username=user, password=password, decode_responses=True
+    )
+    try:
+        quick = Settings(
+            **{
+                **settings.model_dump(),
+                "max_batch": 8,
+                "interactive_reserve": 2,
+                "claim_block_ms": 100,
+            }
+        )
+        async with running_stack(quick, limited, step_ms=5) as stack:
+            body = {"prompt": "is it good?", "max_tokens": 20, "priority": "batch"}
+            queued = await asyncio.gather(*(stack.submit(**body, seed=i) for i in range(24)))
+            for job in queued:
+                await stack.wait_status(job["id"], "succeeded", timeout=15)
+            assert stack.worker._claims._can_unblock is False
+    finally:
+        await limited.aclose()
+        await admin.acl_deluser(user)
+        await admin.aclose()

@@ -147,7 +147,7 @@ async def test_unknown_routes_and_wrong_methods_answer_in_the_error_shape(stack:
     assert r.headers["allow"] == "DELETE, GET"  # both routes of the path, not the first's only
 
 
-@pytest.mark.parametrize("api", ["embeddings", "responses", "moderations", "audio/speech"])
+@pytest.mark.parametrize("api", ["embeddings", "conversations", "moderations", "audio/speech"])
 async def test_openai_apis_genq_does_not_serve_are_a_404_saying_so(stack: Stack, api: str) -> None:
     err = error_of(await stack.client.post(f"/v1/{api}", json={"model": "sim"}), 404)
     assert err["code"] == "unsupported_endpoint" and api.split("/")[0] in err["message"]

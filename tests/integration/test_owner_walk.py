@@ -48,6 +48,10 @@ COVERED: dict[tuple[str, str, str], tuple[str, ...]] = {
     ("POST", "/v1/batches/{batch_id}/cancel", "batch_id"): ("batch",),
     ("GET", "/v1/batches", "after"): ("batch",),
     ("POST", "/v1/batches", "input_file_id"): FILES,
+    ("GET", "/v1/responses/{response_id}", "response_id"): ("response",),
+    ("DELETE", "/v1/responses/{response_id}", "response_id"): ("response",),
+    ("POST", "/v1/responses/{response_id}/cancel", "response_id"): ("response",),
+    ("POST", "/v1/responses", "previous_response_id"): ("response",),
     # not ids of anything a key owns:
     ("GET", "/v1/models/{model}", "model"): NO_OWNED_ID,  # models are every key's
     ("GET", "/v1/jobs/{job_id}/events", "after"): NO_OWNED_ID,  # an event's seq
@@ -111,6 +115,8 @@ def _unknown(kind: str) -> str:
         return f"file-{hex32}"
     if kind == "batch":
         return f"batch_{hex32}"
+    if kind == "response":
+        return f"resp_{hex32}"
     return hex32
 
 
@@ -170,6 +176,9 @@ async def _make(stack: Stack) -> Things:
     batch = await _until(c, f"/v1/batches/{r.json()['id']}", B, "status", ("completed",))
     assert batch["output_file_id"] and batch["error_file_id"], batch
     await _until(c, f"/v1/jobs/{job.json()['id']}", B, "status", ("succeeded",))
+    body = {"model": "sim", "input": "b's", "max_output_tokens": 3}
+    response = await c.post("/v1/responses", json=body, headers=_h(B))
+    assert response.status_code == 200, response.text
     return Things(
         {
             "job": job.json()["id"],
@@ -178,6 +187,7 @@ async def _make(stack: Stack) -> Things:
             "output_file": batch["output_file_id"],
             "error_file": batch["error_file_id"],
             "batch": batch["id"],
+            "response": response.json()["id"],
         }
     )
 
@@ -189,6 +199,8 @@ async def _call(c: httpx.AsyncClient, op: Operation, value: str) -> tuple[int, s
         url = url.replace("{" + op.param + "}", value)
     elif op.where == "query":
         params = {op.param: value}
+    elif op.path == "/v1/responses":
+        body = {"model": "sim", "input": "x", "max_output_tokens": 2, op.param: value}
     else:
         body = {op.param: value, "endpoint": "/v1/completions"}
     r = await c.request(op.method, url, params=params, json=body, headers=_h(A))
@@ -207,6 +219,8 @@ async def _snapshot(c: httpx.AsyncClient, things: Things) -> dict[str, Any]:
         out[kind] = (r.status_code, r.text)
     batch = (await c.get(f"/v1/batches/{ids['batch']}", headers=_h(B))).json()
     out["batch"] = (batch["status"], batch["request_counts"])
+    r = await c.get(f"/v1/responses/{ids['response']}", headers=_h(B))
+    out["response"] = (r.status_code, r.json().get("status"), r.json().get("output"))
     return out
 
 

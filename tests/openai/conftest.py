@@ -34,6 +34,8 @@ from worker.service import Worker
 from worker.sim import SimEngine
 
 API_KEY = "sk-genq-test"
+OTHER_KEY = "sk-genq-other"
+"""A second key: another owner."""
 CHAT, LLAMA, BARE, SLOW, GONE = "sim", "sim-llama3", "sim-bare", "sim-slow", "sim-gone"
 TOOLS = "sim-tools"
 """The sim's own template: Hermes-style tool calls."""
@@ -165,7 +167,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenqServer]:
     base = Settings(
         redis_url=REDIS_URL,
         key_prefix=test_prefix(),
-        api_keys=[API_KEY],
+        api_keys=[API_KEY, OTHER_KEY],
         openai_max_queue_depth=QUEUE_LIMIT,
         sim_step_ms=1.0,
         heartbeat_s=0.2,

@@ -339,3 +339,33 @@ def test_the_benchmark_schema_compiles() -> None:
     assert len(BENCH_SCHEMA["properties"]) == 10
     g = Grammars(TOKENIZER_JSON, [EOS_ID])
     assert not g.matcher(grammar_of("json_schema", BENCH_SCHEMA)).error
+
+
+def test_masks_started_before_the_pass_are_the_ones_applied() -> None:
+    """`StepMasks.start` computes a step's masks while the forward pass runs; `apply` takes
+    them when the step's rows are the same, and computes them itself when they are not."""
+    torch = pytest.importorskip("torch")
+    g = Grammars(TOKENIZER_JSON, [EOS_ID], LOGITS)
+    jobs = [row_job(g.matcher(GRAMMAR)), row_job(), row_job(g.matcher(GRAMMAR, ids('{"n":')))]
+    masks = StepMasks(LOGITS, threads=2)
+    masks.start(jobs)  # no buffers yet: nothing started, apply computes
+    masks.apply(torch.zeros((3, 1, LOGITS)), jobs)
+    assert masks.prefetched == 0
+    for job, text in ((jobs[0], '{"'), (jobs[2], "1")):
+        for t in ids(text):
+            assert job.genq_matcher.consume(t)
+    masks.start(jobs)
+    ahead = torch.zeros((3, 1, LOGITS))
+    masks.apply(ahead, jobs)
+    assert masks.prefetched == 1
+    for row, job in ((0, jobs[0]), (2, jobs[2])):
+        kept = (ahead[row, 0] == 0).nonzero().flatten().tolist()
+        assert kept == allowed_ids(job.genq_matcher.allowed_bits(), LOGITS)
+    other = [row_job(g.matcher(GRAMMAR, ids('{"n":12')))]
+    masks.start(jobs)  # started for other rows than the step's: not taken
+    mine = torch.zeros((1, 1, LOGITS))
+    masks.apply(mine, other)
+    assert masks.prefetched == 1
+    kept = (mine[0, 0] == 0).nonzero().flatten().tolist()
+    assert kept == allowed_ids(other[0].genq_matcher.allowed_bits(), LOGITS)
+    masks.close()

@@ -117,3 +117,51 @@ def test_a_sync_failure_hook_is_called_too() -> None:
         )
     )
     assert seen == ["down", "down"]
+
+
+async def test_the_gateway_waits_for_every_loop_it_cancels() -> None:
+    """At shutdown every background loop has ended before the Redis connections close: one
+    that takes a moment to end its cancellation is waited for, not left running (the first
+    loop to end must not end the wait)."""
+    from gateway.app import _cancel
+
+    ended: list[str] = []
+
+    async def quick() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.append("quick")
+
+    async def slow() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await REAL_SLEEP(0.05)  # a round trip on its way out
+            ended.append("slow")
+
+    tasks = [asyncio.create_task(quick()), asyncio.create_task(slow())]
+    await REAL_SLEEP(0)
+    await _cancel(tasks)
+    assert ended == ["quick", "slow"] and all(t.done() for t in tasks)
+
+
+async def test_a_cancel_a_client_swallowed_still_ends_the_loop() -> None:
+    """A Redis client may swallow a cancel that lands inside a command (fakeredis and
+    redis-py 8 do): the loop still ends at its next round instead of running on, which kept
+    a gateway's shutdown waiting for ever."""
+    inside = asyncio.Event()
+
+    async def step() -> None:
+        inside.set()
+        try:
+            await REAL_SLEEP(0.02)
+        except asyncio.CancelledError:
+            pass  # what a client that swallows the cancel does
+
+    task = asyncio.create_task(keep_running(step, failed="x", log=log, every_s=0.001))
+    await inside.wait()
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=2)
+    assert done, "the loop ran on after its cancel"
+    assert task.cancelled()

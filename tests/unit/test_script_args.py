@@ -84,8 +84,8 @@ def test_the_script_refuses_a_call_with_a_count_other_than_declared() -> None:
         with pytest.raises(ResponseError, match="got 2 and 3"):
             client.eval(source, 2, lease, lease, "t", "hold", 1000)
         batch = script("batch_update").source  # a variadic tail: at least the named ones
-        with pytest.raises(ResponseError, match="at least 2 ARGV expected"):
-            client.eval(batch, 2, f"{key_prefix}b", lease, "")
+        with pytest.raises(ResponseError, match="at least 4 ARGV expected"):
+            client.eval(batch, 3, f"{key_prefix}b", lease, f"{key_prefix}o", "")
     finally:
         client.delete(lease)
         client.close()

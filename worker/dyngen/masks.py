@@ -93,6 +93,15 @@ def fill_masks(
     executor.unsafe_compute_mask_ptr(pairs, pointer, words * 4, capacity)
 
 
+def _same(a: MaskRows, b: MaskRows) -> bool:
+    """Whether two plans are of the same rows, matcher for matcher."""
+    return (
+        a.rows == b.rows
+        and a.total_rows == b.total_rows
+        and all(x is y for x, y in zip(a.matchers, b.matchers, strict=True))
+    )
+
+
 def take_token(job: Any, token: Any) -> None:
     """Feed the token a job just sampled (an int or a one-element tensor on the host) to its
     matcher; a token the grammar refuses marks the job `genq_failed` (the engine fails it).
@@ -122,18 +131,52 @@ class StepMasks:
         """Decode steps with constrained rows."""
         self.seconds = 0.0
         """Host time in `apply` (mostly llguidance's, while the forward pass runs)."""
+        self.prefetched = 0
+        """Steps whose masks were computed while the forward pass was being launched."""
+        self._ahead: tuple[MaskRows, Any] | None = None
+        self._filler: Any = None
+
+    def start(self, active_jobs: Iterable[Any]) -> None:
+        """Before a forward pass: compute this step's masks on a thread of their own while
+        the pass is launched and runs (an engine whose forward synchronises before its hook,
+        exllamav2's, would otherwise compute them after the pass, on the step's critical
+        path). `apply` takes them if its rows are these; nothing here for a step without
+        constrained rows, nor before `apply` has made buffers of the size needed."""
+        self._settle()
+        plan = constrained_rows(active_jobs)
+        host = self._host
+        if not plan.rows or host is None or host.shape[0] < len(plan.rows):
+            return
+        if self._filler is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="genq-masks")
+        pool, words, rows = self._pool(), self.words, host.shape[0]
+        future = self._filler.submit(fill_masks, pool, plan.matchers, host.data_ptr(), words, rows)
+        self._ahead = (plan, future)
+
+    def _settle(self) -> tuple[MaskRows, Any] | None:
+        """The masks started ahead, once written (None: none were)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[1].result()
+        return ahead
 
     def apply(self, logits: Any, active_jobs: Iterable[Any]) -> None:
         """Mask the constrained rows of `logits` (rows × 1 × vocabulary, on the device) in
         place. A pass that is not one decode position per row, or whose rows are not the
         plan's, is left alone: a token sampled there that the grammar refuses fails its job."""
+        ahead = self._settle()
         plan = constrained_rows(active_jobs)
         if not plan.rows or plan.total_rows != logits.shape[0] or logits.shape[1] != 1:
             return
         started = time.perf_counter()
         n = len(plan.rows)
         host, device = self._buffers(n, logits.device)
-        fill_masks(self._pool(), plan.matchers, host.data_ptr(), self.words, host.shape[0])
+        if ahead is not None and _same(ahead[0], plan):
+            self.prefetched += 1
+        else:
+            fill_masks(self._pool(), plan.matchers, host.data_ptr(), self.words, host.shape[0])
         device = device[:n]
         device.copy_(host[:n], non_blocking=True)
         blocked = self._blocked(device, logits.shape[-1])
@@ -144,6 +187,12 @@ class StepMasks:
         self.masked_rows += n
         self.steps += 1
         self.seconds += time.perf_counter() - started
+
+    def close(self) -> None:
+        self._settle()
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
+            self._filler = None
 
     def _pool(self) -> Any:
         if self._executor is None:

@@ -148,6 +148,9 @@ class GpuSampler:
         self.cpu_steps = 0
         """Decode steps in which some job still needed the CPU sampler."""
 
+    def before_forward(self) -> None:
+        self.masks.start(self.gen.active_jobs)
+
     def after_forward(self, out: dict[str, Any]) -> dict[str, Any]:
         logits = out.get("logits")
         gen = self.gen
@@ -185,6 +188,8 @@ class _SamplingModel(ModelProxy):
     """The generator's model, with `GpuSampler.after_forward` after each decode pass."""
 
     def forward_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("preprocess_only"):  # the step's masks, while the pass runs
+            self._sampler.before_forward()
         out = self._model.forward_chunk(*args, **kwargs)
         if kwargs.get("preprocess_only") or not isinstance(out, dict):
             return out
