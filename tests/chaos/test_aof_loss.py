@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 from pathlib import Path
 
 from tests.chaos.harness import Stream, follow, until
@@ -20,7 +21,7 @@ AOF_DIR = "appendonlydir"
 
 async def test_a_lost_aof_tail_is_written_again_exactly(env: Env, tmp_path: Path) -> None:
     gateway = env.cluster.gateway()
-    env.worker("--step-ms", "30")
+    worker = env.worker("--step-ms", "30")
     await env.wait_workers(1)
     stream = Stream(job_body(7, TOKENS))
     task = asyncio.create_task(follow(env.http, env.gateways, stream))
@@ -36,16 +37,23 @@ async def test_a_lost_aof_tail_is_written_again_exactly(env: Env, tmp_path: Path
     seen = [(e.seq, e.type, e.data) for e in stream.events]
     job = stream.job_id or ""
 
-    env.redis_server.kill()
-    shutil.rmtree(env.redis_server.dir / AOF_DIR)
-    shutil.copytree(snapshot, env.redis_server.dir / AOF_DIR)
-    env.redis_server.start()
+    # The worker is held still while Redis restarts and the test reads what was lost: it
+    # reconnects and writes the end again within milliseconds, sooner than a loaded test
+    # process reads the log.
+    worker.signal(signal.SIGSTOP)
+    try:
+        env.redis_server.kill()
+        shutil.rmtree(env.redis_server.dir / AOF_DIR)
+        shutil.copytree(snapshot, env.redis_server.dir / AOF_DIR)
+        env.redis_server.start()
 
-    async def reconnected() -> bool:
-        return bool(await env.redis.ping())
+        async def reconnected() -> bool:
+            return bool(await env.redis.ping())
 
-    await until(reconnected, TIMEOUT_S, "the test's client to reconnect")
-    lost_at = len(await env.log(job))
+        await until(reconnected, TIMEOUT_S, "the test's client to reconnect")
+        lost_at = len(await env.log(job))
+    finally:
+        worker.signal(signal.SIGCONT)
     assert lost_at < len(seen), "the restart should have lost the job's end"
 
     async def ended() -> bool:
