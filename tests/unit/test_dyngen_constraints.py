@@ -64,23 +64,30 @@ def real_text(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Exl2Generator(exl2_fakes.FakeGenerator):
-    """The fake exllamav2 generator with genq's hook installed (`genq_masks`): each job feeds
-    the token it samples to its matcher first, as `gpu_sampling.job_class()` does."""
+    """The fake exllamav2 generator with genq's hook installed (`genq_masks`): each job hands
+    the token it samples to the masks first (consumed after the step), as
+    `gpu_sampling.job_class()` does."""
 
-    genq_masks = object()
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.genq_masks = StepMasks(LOGITS, threads=2)
+        self.genq_edits = object()
 
     def _sample(self, job: Any) -> dict[str, Any]:
         job.new_tokens = job.new
-        take_token(job, job.script[job.new])
+        self.genq_masks.take(job, job.script[job.new])
         return super()._sample(job)
 
 
 class Exl3Generator(exl3_fakes.FakeGenerator):
-    genq_masks = object()
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.genq_masks = StepMasks(LOGITS, threads=2)
+        self.genq_edits = object()
 
     def _sample(self, job: Any) -> dict[str, Any]:
         job.new_tokens = job.new
-        take_token(job, job.script[job.new])
+        self.genq_masks.take(job, job.script[job.new])
         return super()._sample(job)
 
 
