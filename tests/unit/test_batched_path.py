@@ -240,3 +240,40 @@ def test_each_setting_that_leaves_the_pass_has_its_cost_in_the_performance_page(
 
 def test_the_probes_cover_every_setting() -> None:
     assert set(PROBES) == set(SAMPLING_FIELDS)
+
+
+def test_the_edits_on_the_logits() -> None:
+    """StepEdits on CPU tensors (torch: skipped in CI, run on the GPU machine): the biased
+    rows get their biases, the rows short of their minimum get MASKED at their stop tokens,
+    in one write each; a row at its minimum and the other rows are untouched."""
+    torch = pytest.importorskip("torch")
+    from worker.dyngen.masks import MASKED
+
+    def job(new: int, minimum: int = 0, bias: tuple[list[int], list[float]] | None = None) -> Any:
+        return SimpleNamespace(
+            new_tokens=new,
+            genq_min_tokens=minimum,
+            genq_stop_ids=[2, 9, 40],  # 40: past the logits' width, dropped
+            genq_bias=bias,
+            is_prefill_done=lambda: True,
+            sequences=[0],
+        )
+
+    jobs = [job(0, 2), job(0), job(1, 2, ([3, 4], [1.5, -100.0])), job(2, 2, ([3], [0.5]))]
+    logits = torch.randn((4, 1, 12), generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    edits = StepEdits()
+    edits.apply(logits, jobs)
+    expect = before.clone()
+    expect[0, 0, [2, 9]] = MASKED
+    expect[2, 0, [2, 9]] = MASKED
+    expect[2, 0, 3] += 1.5
+    expect[2, 0, 4] += -100.0
+    expect[3, 0, 3] += 0.5
+    assert torch.equal(logits, expect)
+    assert (edits.steps, edits.biased_rows, edits.blocked_rows) == (1, 2, 2)
+    edits.apply(torch.zeros((3, 1, 12)), jobs)  # rows not the plan's: left alone, counted
+    assert edits.missed == 1
+    half = torch.zeros((4, 1, 12), dtype=torch.float16)
+    edits.apply(half, jobs)
+    assert half[0, 0, 2] == MASKED and half[2, 0, 3] == 1.5

@@ -276,6 +276,46 @@ def test_take_token_skips_healing_steps_and_takes_host_tensors_as_ints() -> None
     assert allowed_ids(m.allowed_bits(), 10**6) == [ids('"')[0]]
 
 
+def test_the_steps_tokens_reach_their_matchers_together_after_the_step() -> None:
+    """`take` only queues a token; `consume` feeds every queued one in one call on
+    llguidance's threads, marking the job whose token its grammar refuses; a job that takes a
+    second token before the first was consumed has them consumed in order."""
+    g = Grammars(TOKENIZER_JSON, [EOS_ID], LOGITS)
+    masks = StepMasks(LOGITS, threads=2)
+    jobs = [SimpleNamespace(genq_matcher=g.matcher(GRAMMAR), new_tokens=0) for _ in range(3)]
+    brace, quote = ids("{")[0], ids('"')[0]
+    masks.take(jobs[0], brace)
+    masks.take(jobs[1], HostToken(brace))
+    masks.take(jobs[2], ids("x")[0])  # not what the grammar allows first
+    assert allowed_ids(jobs[0].genq_matcher.allowed_bits(), LOGITS) == [brace]  # not yet
+    masks.consume()
+    assert masks.consumed == 3 and masks.profile()["consumed"] == 3
+    for j in jobs[:2]:
+        assert allowed_ids(j.genq_matcher.allowed_bits(), LOGITS) == [quote]
+        assert not getattr(j, "genq_failed", None)
+    assert "not one its constraint allows" in jobs[2].genq_failed
+    masks.take(jobs[0], quote)
+    masks.take(jobs[0], ids("n")[0])  # the same job again: its first token goes in first
+    masks.consume()
+    assert not getattr(jobs[0], "genq_failed", None)
+    assert allowed_ids(jobs[0].genq_matcher.allowed_bits(), LOGITS) == [quote]
+    masks.take(jobs[2], brace)  # a failed job takes nothing more
+    masks.take(SimpleNamespace(genq_matcher=g.matcher(GRAMMAR), new_tokens=-1), brace)  # healing
+    masks.consume()
+    assert masks.consumed == 5
+
+
+def test_the_engine_consumes_the_steps_tokens_before_its_outputs_go_out() -> None:
+    h = exl2()
+    h.engine.add(cjob("c"))
+    h.engine.add(cjob("d"))
+    h.engine.step()
+    masks = h.engine._gen.genq_masks
+    assert masks.consumed == 2 and not masks._taken
+    assert all(not j.genq_matcher.accepting for j in h.jobs)
+    assert h.engine.profile()["consumed"] == 2
+
+
 # ---- a step's rows and masks --------------------------------------------------------------
 
 

@@ -165,6 +165,7 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     torch.tensor = lambda data, dtype=None: data  # type: ignore[attr-defined]
     torch.threads = []  # type: ignore[attr-defined]
     torch.set_num_threads = torch.threads.append  # type: ignore[attr-defined]
+    torch.cuda = types.SimpleNamespace(is_available=lambda: False)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "exllamav3", stand_in(log))
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setenv("TRITON_CACHE_DIR", "the environment's")  # restored after the test

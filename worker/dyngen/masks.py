@@ -261,6 +261,24 @@ class StepMasks:
         self.launch_s += done - masked
         self.seconds += done - started
 
+    def warm_up(self, logits: Any) -> None:
+        """The masking's kernels once, every row and some rows of `logits` (rows × 1 ×
+        vocabulary, on the device; overwritten), and llguidance's threads started: before the
+        first constrained step, not during it. Counts nothing."""
+        n = int(logits.shape[0])
+        host, device = self._buffers(n, logits.device)
+        host[:n].fill_(-1)  # every bit set: every token allowed
+        self._pool()
+        if self._filler is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="genq-masks")
+        bits = device[:n]
+        bits.copy_(host[:n], non_blocking=True)
+        blocked = self._blocked(bits, logits.shape[-1])
+        logits[:, 0, :].masked_fill_(blocked, MASKED)
+        self._mask_some(logits, list(range(0, n, 2)), blocked[: (n + 1) // 2])
+
     def close(self) -> None:
         self._taken, self._taken_ids = [], set()
         self._settle()
@@ -308,3 +326,24 @@ class StepMasks:
         some = logits.index_select(0, index)
         some[:, 0, :].masked_fill_(blocked, MASKED)
         logits.index_copy_(0, index, some)
+
+
+def warm_hook(gen: Any, rows: int, width: int) -> None:
+    """genq's hook on `gen` (its edits and masks), run once over dummy logits of `rows` ×
+    `width` in each dtype a model may give, on the GPU, before the worker reports ready;
+    nothing without a GPU or without the hook."""
+    edits, masks = getattr(gen, "genq_edits", None), getattr(gen, "genq_masks", None)
+    if edits is None and masks is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    device = torch.device("cuda", torch.cuda.current_device())
+    for dtype in (torch.float32, torch.float16):
+        logits = torch.zeros((rows, 1, width), dtype=dtype, device=device)
+        if edits is not None:
+            edits.warm_up(logits)
+        if masks is not None:
+            masks.warm_up(logits)
+    torch.cuda.synchronize(device)

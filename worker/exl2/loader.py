@@ -23,6 +23,7 @@ from worker.dyngen.backend import (
     round_up,
 )
 from worker.dyngen.card import build_card, eos_ids
+from worker.dyngen.masks import warm_hook
 from worker.engine import SamplingSupport
 from worker.exl2 import gpu_sampling
 
@@ -303,6 +304,7 @@ def _warm_generator_factory(
 
     warmed = build_generator()
     warmed.warmup()
+    warm_hook(warmed, shape.max_batch, round_up(vocab, LOGITS_ALIGN))
     return first_warmed(warmed, build_generator)
 
 
