@@ -183,8 +183,10 @@ def max_seq_len(settings: EngineSettings) -> int | None:
 
 def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
     """Load the model, cache and tokenizer; a factory for generators over them; the card."""
+    import torch
     from exllamav2 import ExLlamaV2Tokenizer
 
+    torch.set_num_threads(settings.torch_threads)
     assert settings.model_dir is not None
     model_dir = Path(settings.model_dir)
     paged = _paged_attention()
