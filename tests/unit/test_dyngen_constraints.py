@@ -2,7 +2,8 @@
 matcher each job gets at `add` and its replay, the rows a step masks, the masks llguidance
 writes for them, the token fed back, and a job whose token its grammar refused. Real
 llguidance over the sim engine's tokenizer; the generators are the engines' CPU-test fakes,
-whose jobs feed their tokens to `take_token` as genq's job classes do in `receive_sample`.
+whose jobs hand their tokens to the masks (`StepMasks.take`) as genq's job classes do in
+`receive_sample`.
 The masking on the device needs torch (the last test here, and tests/gpu/)."""
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from worker.dyngen.masks import (
     constrained_rows,
     fill_masks,
     mask_words,
-    take_token,
 )
 from worker.engine import EngineJob, StepOutput
 from worker.exl2.engine import ExLlamaV2Engine
@@ -266,13 +266,15 @@ class HostToken:
         return self.value
 
 
-def test_take_token_skips_healing_steps_and_takes_host_tensors_as_ints() -> None:
+def test_take_skips_healing_steps_and_takes_host_tensors_as_ints() -> None:
     m = Grammars(TOKENIZER_JSON, [EOS_ID]).matcher(GRAMMAR)
+    masks = StepMasks(LOGITS, threads=1)
     healing = SimpleNamespace(genq_matcher=m, new_tokens=-1)
-    take_token(healing, ids("x")[0])  # the prompt's last token, rewritten: not output
+    masks.take(healing, ids("x")[0])  # the prompt's last token, rewritten: not output
     job = SimpleNamespace(genq_matcher=m, new_tokens=0)
-    take_token(job, HostToken(ids("{")[0]))
-    assert not getattr(job, "genq_failed", None)
+    masks.take(job, HostToken(ids("{")[0]))
+    masks.consume()
+    assert not getattr(job, "genq_failed", None) and masks.consumed == 1
     assert allowed_ids(m.allowed_bits(), 10**6) == [ids('"')[0]]
 
 

@@ -109,19 +109,6 @@ def _same(a: MaskRows, b: MaskRows) -> bool:
     )
 
 
-def take_token(job: Any, token: Any) -> None:
-    """Feed the token a job just sampled (an int or a one-element tensor on the host) to its
-    matcher; a token the grammar refuses marks the job `genq_failed` (the engine fails it).
-    Nothing for a job without a matcher, for a token-healing step (`new_tokens` < 0, which
-    rewrites the prompt's last token) or a job that failed already."""
-    m: JobMatcher | None = getattr(job, "genq_matcher", None)
-    if m is None or job.new_tokens < 0 or getattr(job, "genq_failed", None):
-        return
-    token_id = int(token)
-    if not m.consume(token_id):
-        job.genq_failed = f"token {token_id} is not one its constraint allows: {m.error}"
-
-
 class StepMasks:
     """One generator's mask step (installed with its sampling hook); counts what it did."""
 
