@@ -140,7 +140,8 @@ class StepEdits:
             import torch
 
             index = _to(_stops(plan.blocked, width), logits.device)
-            masked = torch.tensor(MASKED, dtype=logits.dtype, device=logits.device)
+            # filled on the device: a value copied there from the host would wait for the pass
+            masked = torch.full((1,), MASKED, dtype=logits.dtype, device=logits.device)
             rows.index_put_((index[0], index[1]), masked)
             self.blocked_rows += len(plan.blocked)
         self.steps += 1
