@@ -100,9 +100,9 @@ for step in $steps; do
         --quantize exl3 --random-trellis --bits 4 > "$OUT/synth8b-exl3.log" 2>&1 ;;&
     table2|table3)  # issue 44's table on one engine: the bare loop against a warmed worker in
       # turns (one stream; table3: 64 and 128 too), then plain / min_tokens / schema in turns
-      if [ $step = table2 ]; then eng=""; model=/tmp/m8b; lv=${TABLE_LEVELS:-1}
-      else eng="--engine exllamav3"; model=/tmp/m8b-exl3; lv=${TABLE_LEVELS:-1,64,128}; fi
-      t=$(left); t=$((t < 240 ? t : 240))
+      if [ $step = table2 ]; then eng=""; model=/tmp/m8b; lv=${TABLE_LEVELS:-1}; cap=200
+      else eng="--engine exllamav3"; model=/tmp/m8b-exl3; lv=${TABLE_LEVELS:-1,64,128}; cap=300; fi
+      t=$(left); t=$((t < cap ? t : cap))
       timeout $t python3 -m genq.benchgpu --model $model $eng --compare $lv --max-batch 256 \
         --requests-per-stream 2 --rounds ${ROUNDS:-2} --json-out "$OUT/$step-compare.json" \
         --logs /tmp/genq-logs/$step-compare > "$OUT/$step-compare.log" 2>&1
