@@ -3,8 +3,8 @@ without a GPU: N jobs under `genq.benchgpu`'s JSON schema, each at its own place
 document (a random walk over the allowed tokens, as a random-weight model takes), their masks
 written by llguidance's pool into one buffer per step (`fill_masks`, the call the engines'
 hook makes while the forward pass runs), then each job's token fed to its matcher after the
-step: every other step one `consume` per job (as the engines did), the others all in one call
-on llguidance's threads (`StepMasks.consume`, as they do now).
+step: every other step one `consume` per job (as the engines do, `StepMasks.consume`), the
+others all in one parallel call on llguidance's threads (`consume_token_par`, for comparison).
 
     python -m tests.bench.masks (--synth 8b | --tokenizer DIR/tokenizer.json [--vocab 128256])
         [--rows 1,64,256] [--steps 100] [--threads N]

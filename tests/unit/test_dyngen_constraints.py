@@ -279,9 +279,9 @@ def test_take_skips_healing_steps_and_takes_host_tensors_as_ints() -> None:
 
 
 def test_the_steps_tokens_reach_their_matchers_together_after_the_step() -> None:
-    """`take` only queues a token; `consume` feeds every queued one in one call on
-    llguidance's threads, marking the job whose token its grammar refuses; a job that takes a
-    second token before the first was consumed has them consumed in order."""
+    """`take` only queues a token; `consume` feeds every queued one to its matcher, marking
+    the job whose token its grammar refuses; a job that takes a second token before the first
+    was consumed has them consumed in order."""
     g = Grammars(TOKENIZER_JSON, [EOS_ID], LOGITS)
     masks = StepMasks(LOGITS, threads=2)
     jobs = [SimpleNamespace(genq_matcher=g.matcher(GRAMMAR), new_tokens=0) for _ in range(3)]

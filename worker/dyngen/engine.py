@@ -163,7 +163,7 @@ class DynamicEngine(ABC):
         outputs, self._ready = self._ready, []
         if self._jobs:
             results = self._gen.iterate()
-            if self._constrained:  # the step's tokens into their matchers, all in one call
+            if self._constrained:  # the step's tokens into their matchers, before outputs go out
                 self._gen.genq_masks.consume()
             outputs += [o for r in results if (o := self._result(r)) is not None]
             if self._constrained:

@@ -21,8 +21,8 @@ the forward pass (exllamav2's `forward_chunk`, exllamav3's decode `forward`):
    probabilities are those of the masked distribution.
 4. When the token is known, the job's `receive_sample` queues it for its matcher
    (`StepMasks.take`); after the generator's step the engine has every queued token consumed
-   in one call on llguidance's threads (`StepMasks.consume`, which the next step's masks also
-   do first). A matcher whose grammar is complete allows only EOS, which the job's stop
+   (`StepMasks.consume`, which the next step's masks also do first, and which counts their
+   time for the step profile). A matcher whose grammar is complete allows only EOS, which the job's stop
    conditions hold (the card's EOS ids): the next step ends the job with `stop`. A token the
    matcher refuses (it cannot come from a masked row) marks the job `genq_failed`, and the
    engine fails it before its output goes out (`DynamicEngine`).
@@ -156,20 +156,17 @@ class StepMasks:
         self._taken_ids.add(id(m))
 
     def consume(self) -> None:
-        """Feed every token `take`n since the last call to its matcher, in one call on
-        llguidance's threads; a job whose token its grammar refuses is marked `genq_failed`
-        (the engine fails it before its output goes out)."""
+        """Feed every token `take`n since the last call to its matcher, in order; a job whose
+        token its grammar refuses is marked `genq_failed` (the engine fails it before its
+        output goes out). One call per job on this thread: llguidance's parallel
+        `consume_token_par` measured 10-40 x slower for 64-256 matchers (tests.bench.masks)."""
         taken = self._taken
         if not taken:
             return
         started = time.perf_counter()
         self._taken, self._taken_ids = [], set()
-        if len(taken) == 1:
-            oks = [taken[0][1].consume(taken[0][2])]
-        else:
-            oks = self._pool().consume_token_par([(m.m, t) for _, m, t in taken])
-        for (job, m, token_id), ok in zip(taken, oks, strict=True):
-            if not ok:
+        for job, m, token_id in taken:
+            if not m.consume(token_id):
                 job.genq_failed = f"token {token_id} is not one its constraint allows: {m.error}"
         self.consumed += len(taken)
         self.consume_s += time.perf_counter() - started

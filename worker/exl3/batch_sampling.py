@@ -49,7 +49,7 @@ same, masked, logits); their masks are started just before the decode pass
 (`StepMasks.start`), so llguidance computes them while the pass is launched and runs. The
 hook is installed with batched sampling off too (`install(..., batched=False)`), editing and
 masking alone. The job queues each token it takes for its matcher in `receive_sample`, after
-the generator's synchronize; the engine has them all consumed in one call after the step.
+the generator's synchronize; the engine has them consumed after the step.
 
 This module imports torch and exllamav3 only inside functions, so it loads on a CPU install;
 `row_params`, `plan` and `take` are plain Python and tested there.
