@@ -22,10 +22,10 @@ the forward pass (exllamav2's `forward_chunk`, exllamav3's decode `forward`):
 4. When the token is known, the job's `receive_sample` queues it for its matcher
    (`StepMasks.take`); after the generator's step the engine has every queued token consumed
    (`StepMasks.consume`, which the next step's masks also do first, and which counts their
-   time for the step profile). A matcher whose grammar is complete allows only EOS, which the job's stop
-   conditions hold (the card's EOS ids): the next step ends the job with `stop`. A token the
-   matcher refuses (it cannot come from a masked row) marks the job `genq_failed`, and the
-   engine fails it before its output goes out (`DynamicEngine`).
+   time for the step profile). A matcher whose grammar is complete allows only EOS, which the
+   job's stop conditions hold (the card's EOS ids): the next step ends the job with `stop`. A
+   token the matcher refuses (it cannot come from a masked row) marks the job `genq_failed`,
+   and the engine fails it before its output goes out (`DynamicEngine`).
 
 Both engines start a step's masks on a thread of their own just before the forward pass
 (`StepMasks.start`), so that llguidance computes them while the pass is launched and runs;
