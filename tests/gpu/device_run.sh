@@ -27,7 +27,8 @@
 # with min_tokens = max_tokens and under the schema at 64 and 256 streams in turns, with the
 # engine's step profile (GENQ_STEP_PROFILE_S) printed; `burst3` (another call, ~4 min): a
 # fresh exllamav3 worker's first burst of 64 and 128 against a fresh bare loop's. `mintok`
-# and `mintok3` alone: min_tokens against plain at MINTOK_LEVELS (64,256).
+# and `mintok3` alone: min_tokens against plain at MINTOK_LEVELS (64,256). burst3 then times the
+# constrained jobs' host side on the GPU host's CPUs (tests.bench.masks).
 set -x
 FINAL=${OUT:-/tmp/genq-out}
 OUT=/tmp/genq-res
@@ -118,7 +119,10 @@ for step in $steps; do
       timeout $(left) python3 -m genq.benchgpu --engine exllamav3 --model /tmp/m8b-exl3 \
         --first-burst ${BURST_LEVELS:-64,128} --max-batch 256 --gateways 2 \
         --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
-      grep -h '"run": "ratio\|first burst' "$OUT/$step.log" | cut -c1-400 ;;
+      grep -h '"run": "ratio\|first burst' "$OUT/$step.log" | cut -c1-400
+      # the constrained jobs' host side on this host's CPUs: masks, consumes one by one and together
+      timeout 120 python3 -m tests.bench.masks --tokenizer /tmp/m8b-exl3/tokenizer.json \
+        --vocab 128256 --rows 64,256 --steps 40 2>&1 | tee "$OUT/masks-bench.log" | tail -n 2 ;;
     mintok|mintok3)  # min_tokens = max_tokens against the same jobs plain, in turns
       eng=""; model=/tmp/m8b; [ $step = mintok3 ] && { eng="--engine exllamav3"; model=/tmp/m8b-exl3; }
       timeout $(left) python3 -m genq.benchgpu --model $model $eng \
