@@ -101,7 +101,9 @@ for step in $steps; do
         --quantize exl3 --random-trellis --bits 4 > "$OUT/synth8b-exl3.log" 2>&1 ;;&
     table2|table3)  # issue 44's table on one engine: the bare loop against a warmed worker in
       # turns (one stream; table3: 64 and 128 too), then plain / min_tokens / schema in turns
+      # EXL2_PROCS=auto: exllamav2 as `genq serve --model` runs it (two worker processes)
       if [ $step = table2 ]; then eng=""; model=/tmp/m8b; lv=${TABLE_LEVELS:-1}; cap=200
+        [ "${EXL2_PROCS:-1}" = auto ] && eng="--worker-arg=--procs-per-gpu=auto --workers 2"
       else eng="--engine exllamav3"; model=/tmp/m8b-exl3; lv=${TABLE_LEVELS:-1,64,128}; cap=300; fi
       t=$(left); t=$((t < cap ? t : cap))
       timeout $t python3 -m genq.benchgpu --model $model $eng --compare $lv --max-batch 256 \
