@@ -5,7 +5,8 @@
         [--compare 1,8,64,128] [--worker-arg=--procs-per-gpu=2 ...]
         [--worker-env GENQ_DETOKENIZE=worker ...] [--sampler-probe] [--json-out FILE]
         [--rounds 3 [--replay] [--ab-worker-env GENQ_X=Y ...]] [--bare-again] [--bare-load 4]
-        [--pin-engine] [--schema-compare 1,64,256 [--rounds 2]]
+        [--pin-engine] [--schema-compare 1,64,256] [--min-tokens-compare 64,256 [--rounds 2]]
+        [--first-burst 64,128]
 
 Workload: `streams` closed-loop clients, each running jobs back to back (like `genq bench`);
 every job has a prompt of random token ids, uniform in [prompt-min, prompt-max], and asks
@@ -28,11 +29,18 @@ the same drift: `ratio alt/system` per round and its median). `--bare-again`,
 `--bare-load N` and `--pin-engine` tell what slows the engine's step (the host's other
 processes, the core it runs on).
 
-`--schema-compare LEVELS` (issue 32): one system, and at each level the same jobs
-unconstrained and all under one JSON schema (`BENCH_SCHEMA`: ten properties, checked by the
-gateway once and cached, as by the worker), taking turns (the first to go flipping each round
-of `--rounds`, default one): a `ratio schema/plain` row per turn (tokens/s and decode rate as
-a share of the unconstrained run's, TTFT p50 difference) and the medians per level.
+`--schema-compare LEVELS`: one system, and at each level the same jobs unconstrained and all
+under one JSON schema (`BENCH_SCHEMA`: ten properties, checked by the gateway once and cached,
+as by the worker), taking turns (who goes first moving each round of `--rounds`, default
+one): a `ratio schema/plain` row per turn (tokens/s and decode rate as a share of the
+unconstrained run's, TTFT p50 difference) and the medians per level. `--min-tokens-compare
+LEVELS` does the same with every job's `min_tokens` set to its `max_tokens` (`ratio
+min_tokens/plain`); given both, the three variants take their turns on one system.
+
+`--first-burst LEVELS`: at each level, a freshly loaded bare loop's first run of that many
+jobs, all at once, against a freshly started system's first burst of the same jobs (no
+request before it: what the worker's own warm-up at start leaves): tokens/s and TTFT p50 of
+each, and their `ratio system/bare, first burst`.
 
 Engine settings come from GENQ_* as for a worker (e.g. GENQ_PREFILL_COOLDOWN=4 for both the
 bare loop and the worker). `--sampler-probe` (exllamav3, bare): how long each step spends
@@ -650,8 +658,11 @@ def main(argv: list[str] | None = None) -> int:
     # worker processes (left running, they would hold the GPU for the next run)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(TERMINATED))
     run = prepare(a)
-    if run.schema:
-        schema_turns(run)
+    if run.first_burst:
+        first_bursts(run)
+        return 0
+    if run.schema or run.min_tokens:
+        variant_turns(run)
         return 0
     if a.rounds and run.compare and a.model != SIM:
         run_turns(run)
@@ -696,6 +707,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="levels at which the same jobs run unconstrained and all under one JSON schema "
         "(BENCH_SCHEMA), taking turns (--rounds, default 1), e.g. 1,64,256: the system only",
+    )
+    p.add_argument(
+        "--min-tokens-compare",
+        default="",
+        help="levels at which the same jobs run without and with min_tokens = max_tokens, "
+        "taking turns (--rounds, default 1; with --schema-compare, the three on one system)",
+    )
+    p.add_argument(
+        "--first-burst",
+        default="",
+        help="levels at which a fresh bare loop's first burst and a fresh system's first burst "
+        "of the same jobs compare (each level: both loaded anew), e.g. 64,128",
     )
     p.add_argument("--worker-arg", action="append", default=[], help="extra `genq worker` flag")
     p.add_argument("--worker-env", action="append", default=[], help="K=V for the processes")
@@ -786,6 +809,10 @@ class BenchRun:
     compare: list[int]
     schema: list[int]
     """--schema-compare"""
+    min_tokens: list[int]
+    """--min-tokens-compare"""
+    first_burst: list[int]
+    """--first-burst"""
     max_batch: int
     cache: int
     settings: Settings
@@ -829,7 +856,9 @@ def prepare(a: argparse.Namespace) -> BenchRun:
     levels = [int(x) for x in a.sweep.split(",") if x]
     compare = [int(x) for x in a.compare.split(",") if x]
     schema = [int(x) for x in a.schema_compare.split(",") if x]
-    max_batch = a.max_batch or max([a.streams, *levels, *compare, *schema])
+    min_tokens = [int(x) for x in a.min_tokens_compare.split(",") if x]
+    burst = [int(x) for x in a.first_burst.split(",") if x]
+    max_batch = a.max_batch or max([a.streams, *levels, *compare, *schema, *min_tokens, *burst])
     cache = a.cache_tokens or max_batch * (a.prompt_max + a.new_tokens)
     settings = Settings(
         engine=a.engine,
@@ -846,7 +875,19 @@ def prepare(a: argparse.Namespace) -> BenchRun:
     }
     worker_args = ["--max-batch", str(max_batch), "--cache-tokens", str(cache), *a.worker_arg]
     run = BenchRun(
-        a, model, vocab, levels, compare, schema, max_batch, cache, settings, sampling, worker_args
+        a,
+        model,
+        vocab,
+        levels,
+        compare,
+        schema,
+        min_tokens,
+        burst,
+        max_batch,
+        cache,
+        settings,
+        sampling,
+        worker_args,
     )
     run.pin = EnginePin.for_host() if a.pin_engine else None
     if run.pin is not None:
@@ -878,41 +919,87 @@ def run_turns(run: BenchRun) -> None:
         turns.close()
 
 
-def schema_turns(run: BenchRun) -> None:
-    """--schema-compare: one system; at each level the same jobs unconstrained ("plain") and
-    all under `BENCH_SCHEMA` take turns, the first to go flipping each round and level; a
-    ratio row per turn, the medians per level. Both warm up first, the schema's included (the
-    gateway's check and the worker's compiled grammar cached, as for any schema seen before)."""
+def variants(run: BenchRun, level: int) -> dict[str, dict[str, Any] | None]:
+    """The request fields each variant adds to every job at `level` ("plain": none)."""
+    out: dict[str, dict[str, Any] | None] = {"plain": None}
+    if level in run.schema:
+        out["schema"] = {"json_schema": BENCH_SCHEMA}
+    if level in run.min_tokens:
+        out["min_tokens"] = {"min_tokens": run.a.new_tokens}
+    return out
+
+
+def variant_turns(run: BenchRun) -> None:
+    """--schema-compare, --min-tokens-compare: one system; at each level the same jobs plain
+    and as each variant asks take turns, who goes first moving each round and level; a ratio
+    row per variant and turn, the medians per level. Every variant warms up first (the
+    schema's check and compiled grammar cached, as for any schema seen before)."""
     a = run.a
     logs = Path(a.logs)
     logs.mkdir(parents=True, exist_ok=True)
     env = run.worker_env()
     system = System(run.model, run.worker_args, a.gateways, logs, env, a.engine)
-    constrained = {"json_schema": BENCH_SCHEMA}
-    turns: dict[str, dict[str, Any] | None] = {"plain": None, "schema": constrained}
+    levels = sorted(set(run.schema) | set(run.min_tokens))
     extra = {"worker_args": " ".join(run.worker_args), "gateways": a.gateways, **run.sampling}
     try:
         system.wait_ready(a.workers)
         warm = workload(a.workers * 2, a.prompt_min, a.prompt_max, 8, run.vocab)
-        for body in turns.values():
+        seen: dict[str, dict[str, Any] | None] = {}
+        for c in levels:
+            seen |= variants(run, c)
+        for body in seen.values():
             run_system(system, warm, len(warm), "warm-up", extra=body)
-        ratios: dict[int, list[dict[str, Any]]] = {c: [] for c in run.schema}
+        ratios: dict[tuple[int, str], list[dict[str, Any]]] = {}
         for r in range(max(a.rounds, 1)):
-            for i, c in enumerate(run.schema):
-                order = list(turns) if (r + i) % 2 == 0 else list(reversed(turns))
+            for i, c in enumerate(levels):
+                turns = variants(run, c)
+                names = list(turns)
+                shift = (r + i) % len(names)
                 rows = {}
-                for who in order:
+                for who in names[shift:] + names[:shift]:
                     print(f"# round {r}: {who} at {c} streams", file=sys.stderr, flush=True)
                     row = run_system(system, run.jobs_for(c), c, f"system, {who}", None, turns[who])
                     rows[who] = row | extra | {"round": r}
                     run.report(rows[who])
-                row = ratio(rows["plain"], rows["schema"], "schema/plain") | {"round": r}
-                ratios[c].append(row)
-                run.report(row)
-        for c in run.schema:
-            run.report(median_ratio(c, ratios[c], "schema/plain"))
+                for who in names[1:]:
+                    kind = f"{who}/plain"
+                    row = ratio(rows["plain"], rows[who], kind) | {"round": r}
+                    ratios.setdefault((c, kind), []).append(row)
+                    run.report(row)
+        for (c, kind), rows_of in ratios.items():
+            run.report(median_ratio(c, rows_of, kind))
     finally:
         system.close()
+
+
+def first_bursts(run: BenchRun) -> None:
+    """--first-burst: at each level a freshly loaded bare loop runs its first burst of that
+    many jobs (all enqueued at once), then a freshly started system its first burst of the
+    same jobs (all sent at once, nothing before them: the worker's own warm-up at start is
+    all it has had); each is closed before the next starts."""
+    a = run.a
+    logs = Path(a.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    env = run.worker_env()
+    extra = {"worker_args": " ".join(run.worker_args), "gateways": a.gateways, **run.sampling}
+    for c in run.first_burst:
+        jobs = workload(c, a.prompt_min, a.prompt_max, a.new_tokens, run.vocab)
+        print(f"# bare generator, first burst of {c}", file=sys.stderr, flush=True)
+        bare = Bare(run.settings)
+        try:
+            row = bare.run(jobs, c) | run.sampling | {"run": "bare generator, first burst"}
+        finally:
+            bare.close()
+        run.report(row)
+        print(f"# system, first burst of {c}", file=sys.stderr, flush=True)
+        system = System(run.model, run.worker_args, a.gateways, logs, env, a.engine)
+        try:
+            system.wait_ready(a.workers)
+            mine = run_system(system, jobs, c, "system, first burst") | extra
+        finally:
+            system.close()
+        run.report(mine)
+        run.report(ratio(row, mine, "system/bare, first burst"))
 
 
 def bare_first(run: BenchRun) -> Bare | None:
@@ -1137,6 +1224,7 @@ def median_ratio(
         "tokens_per_s": med("tokens_per_s"),
         "decode_tok_s_p50": med("decode_tok_s_p50"),
         "ttft_p50_overhead_ms": med("ttft_p50_overhead_ms"),
+        "ttft_p99_overhead_ms": med("ttft_p99_overhead_ms"),
     }
 
 
@@ -1211,6 +1299,7 @@ def ratio(
         "tokens_per_s": share("tokens_per_s"),
         "decode_tok_s_p50": share("decode_tok_s_p50"),
         "ttft_p50_overhead_ms": round(system["ttft_ms_p50"] - bare["ttft_ms_p50"], 1),
+        "ttft_p99_overhead_ms": _difference(system.get("ttft_ms_p99"), bare.get("ttft_ms_p99")),
         "step_ms": {
             "bare": bare.get("step_ms", bare.get("engine_step_ms")),
             "bare_loop": bare.get("loop_ms"),
@@ -1222,6 +1311,10 @@ def ratio(
             "system": system.get("tokens_per_step"),
         },
     }
+
+
+def _difference(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 1)
 
 
 def _vocab(model: Path) -> int:

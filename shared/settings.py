@@ -1038,10 +1038,11 @@ class EngineSettings(BaseSettings):
     torch_threads: int = Field(
         default=1,
         ge=1,
-        description="exllamav3: torch's CPU threads in the engine process (torch.set_num_threads)."
-        " The generator's step is bound by the one thread launching kernels; torch's default "
-        "pool (one thread per CPU) spins beside it on the generator's small CPU tensors and "
-        "slowed a 64-stream step from 43 to 75 ms on an H200 (measured: docs/performance.md)",
+        description="exllamav2 and exllamav3: torch's CPU threads in the engine process "
+        "(torch.set_num_threads). The generator's step is bound by the one thread launching "
+        "kernels; torch's default pool (one thread per CPU, or per CPU of a pinned worker) "
+        "spins beside it on the generator's small CPU tensors and slowed an exllamav3 "
+        "64-stream step from 43 to 75 ms on an H200 (measured: docs/performance.md)",
     )
 
     engine_cpus: str | None = Field(
@@ -1051,6 +1052,14 @@ class EngineSettings(BaseSettings):
         "worker's. Its step is one thread launching kernels, for hosts that keep a core for "
         "it; on an H200 host the gain was within that host's drift (measured: "
         "docs/performance.md)",
+    )
+    step_profile_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="every this many seconds while it steps, the engine process logs an "
+        "`engine profile` line: its steps and their time since the last line, and what genq's "
+        "hook spent in them on the GPU engines (the constraint masks' wait, their copy, the "
+        "tokens' consumes, the edits, the batched pass); 0: never",
     )
 
     # sim

@@ -68,11 +68,19 @@ class SamplingSupport:
     """Settings it honours outside that mapping: setting → where (stop conditions, logprobs)."""
     refused: frozenset[str] = frozenset()
     """Settings it cannot honour: a job that sets one off its default is refused at add."""
+    per_job: Mapping[str, str] = field(default_factory=dict)
+    """Settings it honours (in `sampler` or `elsewhere`) that take a job off genq's batched
+    sampling pass, onto the library's own per-job sampler: setting → why it must. Every other
+    setting leaves a job on the pass; tests/unit/test_batched_path.py holds the engine's
+    actual decision to this, and docs/performance.md names each one's cost."""
 
     def __post_init__(self) -> None:
         named = [*self.sampler, *self.elsewhere, *self.refused]
         if len(named) != len(set(named)) or not set(named) <= SAMPLING_FIELD_SET:
             raise ValueError(f"a setting named twice, or no sampler setting, in {named}")
+        honoured = set(self.sampler) | set(self.elsewhere)
+        if not set(self.per_job) <= honoured:
+            raise ValueError(f"per_job names settings the engine does not honour: {self.per_job}")
 
     @property
     def missing(self) -> frozenset[str]:

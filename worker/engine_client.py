@@ -221,6 +221,8 @@ class EngineProcess(EngineLink):
         self._stalled: str | None = None
         self._closing = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._frames: list[bytes] = []
+        """Commands of this turn of the event loop, written together at its end."""
         self._attach(child)
 
     @property
@@ -233,6 +235,7 @@ class EngineProcess(EngineLink):
 
     async def aclose(self) -> None:
         self._closing = True
+        self._flush_commands()  # what this turn sent goes before the Close
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -258,14 +261,28 @@ class EngineProcess(EngineLink):
         if not self._held:
             self._last_message = time.monotonic()  # a stall is counted from the engine's work
         self._held[job.id] = (attempt, None)
-        self._child.send(frame(add_message(job, attempt)))
+        self._write(frame(add_message(job, attempt)))
 
     def _send_cancel(self, job_id: str, attempt: int, stop: Stop) -> None:
         held = self._held.get(job_id)
         if self._child is None or held is None or held[0] != attempt:
             return
         self._held[job_id] = (attempt, stop)
-        self._child.send(frame(Cancel(job_id, attempt, stop)))
+        self._write(frame(Cancel(job_id, attempt, stop)))
+
+    def _write(self, data: bytes) -> None:
+        """Send a command at the end of this turn of the event loop, with the others of the
+        turn in one write: the jobs a claim round starts reach the engine process together,
+        and it adds them all before its next step (it reads whatever has arrived, whole
+        frames, before stepping), as a bare loop enqueues a burst at once."""
+        if not self._frames:
+            asyncio.get_running_loop().call_soon(self._flush_commands)
+        self._frames.append(data)
+
+    def _flush_commands(self) -> None:
+        data, self._frames = b"".join(self._frames), []
+        if self._child is not None and data:
+            self._child.send(data)
 
     def _take(self) -> list[StepOutput]:
         self._woken = False
@@ -316,6 +333,7 @@ class EngineProcess(EngineLink):
         if child is not self._child or self._closing:
             return
         self._child = None
+        self._frames.clear()  # commands for the dead process: its jobs end with it
         self.down = "process lost; restarting it"
         self.failures += 1
         held, self._held = self._held, {}

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     try:
         channel.send(_hello(engine))
-        serve(channel, engine, init.gc_in_steps, first[1:])
+        serve(channel, engine, init.gc_in_steps, first[1:], settings.step_profile_s)
     except (BrokenPipeError, ConnectionError):
         pass  # the worker is gone
     finally:
@@ -134,10 +134,58 @@ class _Outbox:
         self._sent_at = at
 
 
-def serve(channel: Channel, engine: Engine, gc_in_steps: bool, early: list[ToEngine]) -> None:
+class _Profile:
+    """GENQ_STEP_PROFILE_S: every `every_s` seconds of stepping, one log line of the steps
+    since the last one, with the engine's own counters (`profile()`, where it has one:
+    genq's hook on the GPU engines), as differences."""
+
+    def __init__(self, engine: Engine, every_s: float) -> None:
+        self._engine = engine
+        self._every_s = every_s
+        self._counters = getattr(engine, "profile", None)
+        self._last: dict[str, float | int] = self._read()
+        self._at = time.perf_counter()
+        self._steps = 0
+        self._step_s = 0.0
+        self._tokens = 0
+
+    def _read(self) -> dict[str, float | int]:
+        return dict(self._counters()) if callable(self._counters) else {}
+
+    def stepped(self, core: EngineCore, outputs: list[StepOutput]) -> None:
+        self._steps += 1
+        self._step_s += core.last_step_s
+        self._tokens += sum(len(o.token_ids) for o in outputs)
+        now = time.perf_counter()
+        if now - self._at < self._every_s:
+            return
+        counters = self._read()
+        delta = {k: round(v - self._last.get(k, 0), 6) for k, v in counters.items()}
+        log.info(
+            "engine profile",
+            extra={
+                "seconds": round(now - self._at, 3),
+                "steps": self._steps,
+                "step_ms": round(self._step_s / self._steps * 1000, 3),
+                "tokens": self._tokens,
+                **delta,
+            },
+        )
+        self._last, self._at = counters, now
+        self._steps, self._step_s, self._tokens = 0, 0.0, 0
+
+
+def serve(
+    channel: Channel,
+    engine: Engine,
+    gc_in_steps: bool,
+    early: list[ToEngine],
+    profile_s: float = 0.0,
+) -> None:
     """Until Close or the worker's end closes: commands in, one step, its message out."""
     core = EngineCore(engine)
     outbox = _Outbox(channel, engine, core)
+    profile = _Profile(engine, profile_s) if profile_s > 0 else None
     if not gc_in_steps:
         gc.disable()
     garbage = False
@@ -161,8 +209,11 @@ def serve(channel: Channel, engine: Engine, gc_in_steps: bool, early: list[ToEng
         outputs = core.apply(commands)
         stepped = engine.active() > 0
         if stepped:
-            outputs += core.step()
+            stepped_out = core.step()
+            outputs += stepped_out
             garbage = not gc_in_steps
+            if profile is not None:
+                profile.stepped(core, stepped_out)
         if commands or stepped:
             outbox.add(outputs, stepped)
         outbox.send(now=engine.active() == 0)

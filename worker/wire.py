@@ -158,6 +158,11 @@ class Frames(Generic[T]):
         del buf[:at]
         return out
 
+    @property
+    def partial(self) -> bool:
+        """Part of a frame has arrived, the rest not yet."""
+        return bool(self._buf)
+
 
 # ---- jobs across the boundary --------------------------------------------------------------
 
@@ -211,12 +216,14 @@ class Channel:
         self._sock.sendall(frame(msg))
 
     def receive(self, wait: bool) -> list[ToEngine] | None:
-        """The commands that have arrived; with `wait`, block until at least one has. None
-        once the worker's end is closed."""
+        """The commands that have arrived; with `wait`, block until at least one has. A frame
+        begun is read to its end (the worker writes a turn's commands at once: the rest is on
+        its way), so commands written together are applied together. None once the
+        worker's end is closed."""
         out: list[ToEngine] = []
         while True:
             try:
-                flags = 0 if wait and not out else socket.MSG_DONTWAIT
+                flags = 0 if (wait and not out) or self._frames.partial else socket.MSG_DONTWAIT
                 data = self._sock.recv(_RECV_BYTES, flags)
             except BlockingIOError:
                 return out

@@ -2,8 +2,9 @@
 without a GPU: N jobs under `genq.benchgpu`'s JSON schema, each at its own place in the
 document (a random walk over the allowed tokens, as a random-weight model takes), their masks
 written by llguidance's pool into one buffer per step (`fill_masks`, the call the engines'
-hook makes while the forward pass runs), then each job's token fed to its matcher
-(`take_token`'s `consume`, on the engine's thread after the step's tokens are read back).
+hook makes while the forward pass runs), then each job's token fed to its matcher after the
+step: every other step one `consume` per job (as the engines do, `StepMasks.consume`), the
+others all in one parallel call on llguidance's threads (`consume_token_par`, for comparison).
 
     python -m tests.bench.masks (--synth 8b | --tokenizer DIR/tokenizer.json [--vocab 128256])
         [--rows 1,64,256] [--steps 100] [--threads N]
@@ -12,7 +13,7 @@ hook makes while the forward pass runs), then each job's token fed to its matche
 size; no weights written), over that shape's logits width.
 
 Prints JSON per row count: milliseconds per step for the masks (p50, p90) and for the
-consumes, and per row.
+consumes (one call per job, and one call for all), and per row.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def measure(g: Grammars, rows: int, steps: int, threads: int, eos: list[int]) ->
     pool = llguidance.LLExecutor(threads)
     fills: list[float] = []
     consumes: list[float] = []
-    for _ in range(steps):
+    together: list[float] = []
+    for step in range(steps):
         t = time.perf_counter()
         fill_masks(pool, matchers, ctypes.addressof(buf), words, rows)
         fills.append(time.perf_counter() - t)
@@ -74,10 +76,16 @@ def measure(g: Grammars, rows: int, steps: int, threads: int, eos: list[int]) ->
         for i in range(rows):
             allowed = allowed_ids(raw[i * words * 4 : (i + 1) * words * 4], vocab)
             tokens.append(rng.choice([a for a in allowed if a not in eos] or allowed))
-        t = time.perf_counter()
-        for m, token in zip(matchers, tokens, strict=True):
-            m.consume(token)
-        consumes.append(time.perf_counter() - t)
+        started = time.perf_counter()
+        if step % 2:
+            pool.consume_token_par(
+                [(m.m, token) for m, token in zip(matchers, tokens, strict=True)]
+            )
+            together.append(time.perf_counter() - started)
+        else:
+            for m, token in zip(matchers, tokens, strict=True):
+                m.consume(token)
+            consumes.append(time.perf_counter() - started)
     return {
         "rows": rows,
         "threads": threads,
@@ -85,6 +93,7 @@ def measure(g: Grammars, rows: int, steps: int, threads: int, eos: list[int]) ->
         "masks_ms_p50": ms(statistics.median(fills)),
         "masks_ms_p90": ms(sorted(fills)[int(0.9 * len(fills))]),
         "consume_ms_p50": ms(statistics.median(consumes)),
+        "consume_together_ms_p50": ms(statistics.median(together)) if together else None,
         "masks_us_per_row": round(statistics.median(fills) / rows * 1e6, 1),
     }
 

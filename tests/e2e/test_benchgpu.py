@@ -53,3 +53,18 @@ def test_a_run_ended_by_sigterm_stops_the_processes_it_started(tmp_path: Path) -
         finally:
             if bench.poll() is None:
                 bench.kill()
+
+
+def test_a_min_tokens_compare_runs_the_same_jobs_with_and_without_it(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "genq.benchgpu", "--model", "sim", "--min-tokens-compare", "2"]
+    cmd += ["--new-tokens", "6", "--logs", str(tmp_path / "logs"), "--json-out", str(out)]
+    env = {**os.environ, "GENQ_REDIS_URL": REDIS_URL}
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=RUN_TIMEOUT_S)
+    rows = {r["run"]: r for r in json.loads(out.read_text())}
+    plain, minimum = rows["system, plain"], rows["system, min_tokens"]
+    assert minimum["tokens"] == minimum["jobs"] * 6  # every job ran to its max_tokens
+    assert plain["jobs"] == minimum["jobs"] == 4
+    ratio = rows["ratio min_tokens/plain"]
+    assert ratio["tokens_per_s"] is not None and ratio["streams"] == 2
+    assert "ratio min_tokens/plain, median of the rounds" in rows

@@ -21,6 +21,14 @@
 # a worker on exllamav2), `schema` (exllamav2, the fp16 8B) and `schema3` (exllamav3, the EXL3
 # 8B): the same jobs unconstrained and under one JSON schema in turns at SCHEMA_LEVELS
 # (1,64,256), ROUNDS rounds (2).
+# Every feature at full speed (issue 44): `table2` (exllamav2, the fp16 8B) and `table3`
+# (exllamav3, the EXL3 8B) measure the issue's table, one call each (~6 min): one stream
+# (table3: and 64, 128, warmed) against the bare loop in turns, then the same jobs plain,
+# with min_tokens = max_tokens and under the schema at 64 and 256 streams in turns, with the
+# engine's step profile (GENQ_STEP_PROFILE_S) printed; `burst3` (another call, ~4 min): a
+# fresh exllamav3 worker's first burst of 64 and 128 against a fresh bare loop's. `mintok`
+# and `mintok3` alone: min_tokens against plain at MINTOK_LEVELS (64,256). burst3 then times the
+# constrained jobs' host side on the GPU host's CPUs (tests.bench.masks).
 set -x
 FINAL=${OUT:-/tmp/genq-out}
 OUT=/tmp/genq-res
@@ -68,14 +76,15 @@ for step in $steps; do
       t() { local l=$(left); env GENQ_TEST_TINY_MODEL=/tmp/tiny timeout $((l < cap ? l : cap)) \
         python3 -m pytest -q $W -p no:cacheprovider "$@"; }
       t --basetemp=/tmp/genq-logs/pytest-u tests/unit/test_dyngen_constraints.py \
-        tests/unit/test_exl3_batch_sampling.py > "$OUT/constraints-unit.log" 2>&1
+        tests/unit/test_exl3_batch_sampling.py tests/unit/test_batched_path.py \
+        > "$OUT/constraints-unit.log" 2>&1
       echo "unit tests rc=$?" >> "$OUT/constraints-unit.log"; tail -n 4 "$OUT/constraints-unit.log"
       t -m gpu --basetemp=/tmp/genq-logs/pytest-g tests/gpu/test_constraints_gpu.py \
         tests/gpu/test_sampling_gpu.py tests/gpu/test_exl3_gpu.py tests/gpu/test_openai_gpu.py \
         -k "not distribution and not top_p_keeps and (not test_exl3_gpu or (batched and fp16)) and (not test_openai_gpu or (json_schema and exllamav2))" \
         > "$OUT/constraints-gpu.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/constraints-gpu.log"; tail -n 25 "$OUT/constraints-gpu.log" ;;
-    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|diag15*|turns*|ab*|serveauto|batchcompare|schema)
+    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|diag15*|turns*|ab*|serveauto|batchcompare|schema|table2|mintok)
       [[ $step == *q4* ]] || [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m genq synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     schema|schema3)  # issue 32: all jobs under one JSON schema against the same jobs
       # unconstrained, in turns, one system (2 gateways: 256 streams)
@@ -87,6 +96,43 @@ for step in $steps; do
         --requests-per-stream 1 --gateways 2 --json-out "$OUT/$step.json" \
         --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
       grep -h '"run": "ratio\|"run": "system' "$OUT/$step.log" | cut -c1-400 ;;
+    table3|burst3|mintok3)  # the EXL3 8B (random trellis bits: seconds) unless there is one
+      [ -e /tmp/m8b-exl3/config.json ] || python3 -m genq synth-model /tmp/m8b-exl3 --shape 8b \
+        --quantize exl3 --random-trellis --bits 4 > "$OUT/synth8b-exl3.log" 2>&1 ;;&
+    table2|table3)  # issue 44's table on one engine: the bare loop against a warmed worker in
+      # turns (one stream; table3: 64 and 128 too), then plain / min_tokens / schema in turns
+      # EXL2_PROCS=auto: exllamav2 as `genq serve --model` runs it (two worker processes)
+      if [ $step = table2 ]; then eng=""; model=/tmp/m8b; lv=${TABLE_LEVELS:-1}; cap=200
+        [ "${EXL2_PROCS:-1}" = auto ] && eng="--worker-arg=--procs-per-gpu=auto --workers 2"
+      else eng="--engine exllamav3"; model=/tmp/m8b-exl3; lv=${TABLE_LEVELS:-1,64,128}; cap=300; fi
+      t=$(left); t=$((t < cap ? t : cap))
+      timeout $t python3 -m genq.benchgpu --model $model $eng --compare $lv --max-batch 256 \
+        --requests-per-stream 2 --rounds ${ROUNDS:-2} --json-out "$OUT/$step-compare.json" \
+        --logs /tmp/genq-logs/$step-compare > "$OUT/$step-compare.log" 2>&1
+      grep -h '"run": "ratio.*median' "$OUT/$step-compare.log" | cut -c1-400
+      timeout $(left) python3 -m genq.benchgpu --model $model $eng \
+        --schema-compare ${VARIANT_LEVELS:-64,256} --min-tokens-compare ${VARIANT_LEVELS:-64,256} \
+        --rounds ${VARIANT_ROUNDS:-1} --max-batch 256 --requests-per-stream 1 --gateways 2 \
+        --worker-env GENQ_STEP_PROFILE_S=${PROFILE_S:-4} --json-out "$OUT/$step-variants.json" \
+        --logs /tmp/genq-logs/$step-variants > "$OUT/$step-variants.log" 2>&1
+      grep -h '"run": "ratio' "$OUT/$step-variants.log" | cut -c1-400
+      grep -h '"engine profile"' /tmp/genq-logs/$step-variants/worker.log | cut -c1-700 | tail -n 12 ;;
+    burst3)  # a fresh exllamav3 worker's first burst against a fresh bare loop's, per level
+      timeout $(left) python3 -m genq.benchgpu --engine exllamav3 --model /tmp/m8b-exl3 \
+        --first-burst ${BURST_LEVELS:-64,128} --max-batch 256 --gateways 2 \
+        --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
+      grep -h '"run": "ratio\|first burst' "$OUT/$step.log" | cut -c1-400
+      # the constrained jobs' host side on this host's CPUs: masks, consumes one by one and together
+      timeout 120 python3 -m tests.bench.masks --tokenizer /tmp/m8b-exl3/tokenizer.json \
+        --vocab 128256 --rows 64,256 --steps 40 2>&1 | tee "$OUT/masks-bench.log" | tail -n 2 ;;
+    mintok|mintok3)  # min_tokens = max_tokens against the same jobs plain, in turns
+      eng=""; model=/tmp/m8b; [ $step = mintok3 ] && { eng="--engine exllamav3"; model=/tmp/m8b-exl3; }
+      timeout $(left) python3 -m genq.benchgpu --model $model $eng \
+        --min-tokens-compare ${MINTOK_LEVELS:-64,256} --rounds ${ROUNDS:-2} --max-batch 256 \
+        --requests-per-stream 1 --gateways 2 --worker-env GENQ_STEP_PROFILE_S=${PROFILE_S:-4} \
+        --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step > "$OUT/$step.log" 2>&1
+      grep -h '"run": "ratio' "$OUT/$step.log" | cut -c1-400
+      grep -h '"engine profile"' /tmp/genq-logs/$step/worker.log | cut -c1-500 | tail -n 6 ;;
     bench64)
       timeout 200 python3 -m genq.benchgpu --model /tmp/m8b --streams 64 --bare --system \
         --genq-bench --json-out "$OUT/bench64.json" --logs /tmp/genq-logs/bench64 > "$OUT/bench64.log" 2>&1 ;;

@@ -450,3 +450,115 @@ def test_a_compare_call_runs_its_phases_in_order_and_closes_what_it_started(
         ]
         * 2,
     ]
+
+
+def test_variant_turns_compare_each_variant_with_the_same_plain_jobs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`--schema-compare 2 --min-tokens-compare 2,4`: one system; at 2 the three variants, at
+    4 plain and min_tokens, who goes first moving each round; min_tokens asks max_tokens."""
+    calls: list[tuple[str, int, Any]] = []
+    speed = {"plain": 100.0, "schema": 90.0, "min_tokens": 97.0}
+
+    class FakeSystem:
+        def __init__(self, *_: Any) -> None:
+            pass
+
+        def wait_ready(self, workers: int) -> None:
+            pass
+
+        def close(self) -> None:
+            calls.append(("closed", 0, None))
+
+    def fake_system(
+        system: Any, jobs: list[Job], streams: int, label: str, sent: Any = None, extra: Any = None
+    ):
+        calls.append((label, streams, extra))
+        who = label.removeprefix("system, ")
+        return {"run": label, "streams": streams, "tokens_per_s": speed.get(who, 1.0),
+                "ttft_ms_p50": 10.0, "ttft_ms_p99": 20.0}  # fmt: skip
+
+    monkeypatch.setattr(benchgpu, "System", FakeSystem)
+    monkeypatch.setattr(benchgpu, "run_system", fake_system)
+    monkeypatch.setattr(benchgpu, "_vocab", lambda model: 1000)
+    monkeypatch.setattr(benchgpu, "setup_logging", lambda settings: None)
+    monkeypatch.setattr(benchgpu.signal, "signal", lambda *_: None)
+    out = tmp_path / "rows.json"
+    argv = ["--model", str(tmp_path), "--schema-compare", "2", "--min-tokens-compare", "2,4"]
+    argv += ["--rounds", "2", "--new-tokens", "16", "--json-out", str(out)]
+    argv += ["--logs", str(tmp_path / "logs")]
+    assert benchgpu.main(argv) == 0
+    runs = [(label, c) for label, c, _ in calls if label not in ("warm-up", "closed")]
+    assert runs == [
+        ("system, plain", 2), ("system, schema", 2), ("system, min_tokens", 2),  # round 0
+        ("system, min_tokens", 4), ("system, plain", 4),
+        ("system, schema", 2), ("system, min_tokens", 2), ("system, plain", 2),  # round 1
+        ("system, plain", 4), ("system, min_tokens", 4),
+    ]  # fmt: skip
+    bodies = {label: body for label, _, body in calls}
+    assert bodies["system, min_tokens"] == {"min_tokens": 16}
+    assert bodies["system, schema"] == {"json_schema": benchgpu.BENCH_SCHEMA}
+    assert calls[-1][0] == "closed"
+    rows = json.loads(out.read_text())
+    medians = {(r["streams"], r["run"]): r for r in rows if "median" in r["run"]}
+    assert set(medians) == {
+        (2, "ratio schema/plain, median of the rounds"),
+        (2, "ratio min_tokens/plain, median of the rounds"),
+        (4, "ratio min_tokens/plain, median of the rounds"),
+    }
+    assert (
+        medians[2, "ratio min_tokens/plain, median of the rounds"]["tokens_per_s"]["median"] == 0.97
+    )
+
+
+def test_the_first_burst_runs_a_fresh_bare_loop_then_a_fresh_system_per_level(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    events: list[str] = []
+
+    class FakeBare:
+        def __init__(self, settings: Settings, probe: bool = False) -> None:
+            events.append("bare loaded")
+
+        def run(self, jobs: list[Job], streams: int, arrivals: Any = None) -> dict:
+            assert len(jobs) == streams and arrivals is None  # one burst, all at once
+            events.append(f"bare {streams}")
+            return {"run": "bare generator", "streams": streams, "tokens_per_s": 100.0,
+                    "ttft_ms_p50": 200.0, "ttft_ms_p99": 300.0}  # fmt: skip
+
+        def close(self) -> None:
+            events.append("bare closed")
+
+    class FakeSystem:
+        def __init__(self, *_: Any) -> None:
+            events.append("system started")
+
+        def wait_ready(self, workers: int) -> None:
+            pass
+
+        def close(self) -> None:
+            events.append("system closed")
+
+    def fake_system(system: Any, jobs: list[Job], streams: int, label: str, *_: Any) -> dict:
+        assert len(jobs) == streams
+        events.append(f"{label} {streams}")
+        return {"run": label, "streams": streams, "tokens_per_s": 96.0, "ttft_ms_p50": 250.0,
+                "ttft_ms_p99": 320.0}  # fmt: skip
+
+    monkeypatch.setattr(benchgpu, "Bare", FakeBare)
+    monkeypatch.setattr(benchgpu, "System", FakeSystem)
+    monkeypatch.setattr(benchgpu, "run_system", fake_system)
+    monkeypatch.setattr(benchgpu, "_vocab", lambda model: 1000)
+    monkeypatch.setattr(benchgpu, "setup_logging", lambda settings: None)
+    monkeypatch.setattr(benchgpu.signal, "signal", lambda *_: None)
+    out = tmp_path / "rows.json"
+    argv = ["--model", str(tmp_path), "--first-burst", "2,4", "--json-out", str(out)]
+    argv += ["--logs", str(tmp_path / "logs")]
+    assert benchgpu.main(argv) == 0
+    one = ["bare loaded", "bare {n}", "bare closed", "system started"]
+    one += ["system, first burst {n}", "system closed"]
+    assert events == [e.format(n=n) for n in (2, 4) for e in one]
+    ratios = [r for r in json.loads(out.read_text()) if r["run"].startswith("ratio")]
+    assert [r["run"] for r in ratios] == ["ratio system/bare, first burst"] * 2
+    assert ratios[0]["tokens_per_s"] == 0.96 and ratios[0]["ttft_p50_overhead_ms"] == 50.0
+    assert ratios[0]["ttft_p99_overhead_ms"] == 20.0

@@ -2,7 +2,8 @@
 matcher each job gets at `add` and its replay, the rows a step masks, the masks llguidance
 writes for them, the token fed back, and a job whose token its grammar refused. Real
 llguidance over the sim engine's tokenizer; the generators are the engines' CPU-test fakes,
-whose jobs feed their tokens to `take_token` as genq's job classes do in `receive_sample`.
+whose jobs hand their tokens to the masks (`StepMasks.take`) as genq's job classes do in
+`receive_sample`.
 The masking on the device needs torch (the last test here, and tests/gpu/)."""
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from worker.dyngen.masks import (
     constrained_rows,
     fill_masks,
     mask_words,
-    take_token,
 )
 from worker.engine import EngineJob, StepOutput
 from worker.exl2.engine import ExLlamaV2Engine
@@ -64,23 +64,30 @@ def real_text(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Exl2Generator(exl2_fakes.FakeGenerator):
-    """The fake exllamav2 generator with genq's hook installed (`genq_masks`): each job feeds
-    the token it samples to its matcher first, as `gpu_sampling.job_class()` does."""
+    """The fake exllamav2 generator with genq's hook installed (`genq_masks`): each job hands
+    the token it samples to the masks first (consumed after the step), as
+    `gpu_sampling.job_class()` does."""
 
-    genq_masks = object()
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.genq_masks = StepMasks(LOGITS, threads=2)
+        self.genq_edits = object()
 
     def _sample(self, job: Any) -> dict[str, Any]:
         job.new_tokens = job.new
-        take_token(job, job.script[job.new])
+        self.genq_masks.take(job, job.script[job.new])
         return super()._sample(job)
 
 
 class Exl3Generator(exl3_fakes.FakeGenerator):
-    genq_masks = object()
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.genq_masks = StepMasks(LOGITS, threads=2)
+        self.genq_edits = object()
 
     def _sample(self, job: Any) -> dict[str, Any]:
         job.new_tokens = job.new
-        take_token(job, job.script[job.new])
+        self.genq_masks.take(job, job.script[job.new])
         return super()._sample(job)
 
 
@@ -259,14 +266,56 @@ class HostToken:
         return self.value
 
 
-def test_take_token_skips_healing_steps_and_takes_host_tensors_as_ints() -> None:
+def test_take_skips_healing_steps_and_takes_host_tensors_as_ints() -> None:
     m = Grammars(TOKENIZER_JSON, [EOS_ID]).matcher(GRAMMAR)
+    masks = StepMasks(LOGITS, threads=1)
     healing = SimpleNamespace(genq_matcher=m, new_tokens=-1)
-    take_token(healing, ids("x")[0])  # the prompt's last token, rewritten: not output
+    masks.take(healing, ids("x")[0])  # the prompt's last token, rewritten: not output
     job = SimpleNamespace(genq_matcher=m, new_tokens=0)
-    take_token(job, HostToken(ids("{")[0]))
-    assert not getattr(job, "genq_failed", None)
+    masks.take(job, HostToken(ids("{")[0]))
+    masks.consume()
+    assert not getattr(job, "genq_failed", None) and masks.consumed == 1
     assert allowed_ids(m.allowed_bits(), 10**6) == [ids('"')[0]]
+
+
+def test_the_steps_tokens_reach_their_matchers_together_after_the_step() -> None:
+    """`take` only queues a token; `consume` feeds every queued one to its matcher, marking
+    the job whose token its grammar refuses; a job that takes a second token before the first
+    was consumed has them consumed in order."""
+    g = Grammars(TOKENIZER_JSON, [EOS_ID], LOGITS)
+    masks = StepMasks(LOGITS, threads=2)
+    jobs = [SimpleNamespace(genq_matcher=g.matcher(GRAMMAR), new_tokens=0) for _ in range(3)]
+    brace, quote = ids("{")[0], ids('"')[0]
+    masks.take(jobs[0], brace)
+    masks.take(jobs[1], HostToken(brace))
+    masks.take(jobs[2], ids("x")[0])  # not what the grammar allows first
+    assert allowed_ids(jobs[0].genq_matcher.allowed_bits(), LOGITS) == [brace]  # not yet
+    masks.consume()
+    assert masks.consumed == 3 and masks.profile()["consumed"] == 3
+    for j in jobs[:2]:
+        assert allowed_ids(j.genq_matcher.allowed_bits(), LOGITS) == [quote]
+        assert not getattr(j, "genq_failed", None)
+    assert "not one its constraint allows" in jobs[2].genq_failed
+    masks.take(jobs[0], quote)
+    masks.take(jobs[0], ids("n")[0])  # the same job again: its first token goes in first
+    masks.consume()
+    assert not getattr(jobs[0], "genq_failed", None)
+    assert allowed_ids(jobs[0].genq_matcher.allowed_bits(), LOGITS) == [quote]
+    masks.take(jobs[2], brace)  # a failed job takes nothing more
+    masks.take(SimpleNamespace(genq_matcher=g.matcher(GRAMMAR), new_tokens=-1), brace)  # healing
+    masks.consume()
+    assert masks.consumed == 5
+
+
+def test_the_engine_consumes_the_steps_tokens_before_its_outputs_go_out() -> None:
+    h = exl2()
+    h.engine.add(cjob("c"))
+    h.engine.add(cjob("d"))
+    h.engine.step()
+    masks = h.engine._gen.genq_masks
+    assert masks.consumed == 2 and not masks._taken
+    assert all(not j.genq_matcher.accepting for j in h.jobs)
+    assert h.engine.profile()["consumed"] == 2
 
 
 # ---- a step's rows and masks --------------------------------------------------------------

@@ -46,3 +46,32 @@ def test_quick_steps_share_a_message_slow_ones_do_not(monkeypatch: pytest.Monkey
     assert [o.job_id for o in channel.sent[-1].outputs] == ["d"]
     outbox.send(now=True)
     assert len(channel.sent) == 3  # nothing pending, nothing sent
+
+
+def test_the_step_profile_logs_each_intervals_steps_and_counter_differences(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """GENQ_STEP_PROFILE_S: a line per interval, with the engine's `profile()` counters as
+    differences since the last line."""
+    clock = [0.0]
+    monkeypatch.setattr(engine_process.time, "perf_counter", lambda: clock[0])
+    engine = SimEngine()
+    counters = {"consumed": 0, "consume_s": 0.0}
+    engine.profile = lambda: dict(counters)  # type: ignore[attr-defined]
+    core = EngineCore(engine)
+    profile = engine_process._Profile(engine, every_s=5.0)
+    with caplog.at_level("INFO", logger="worker.engine_process"):
+        for _ in range(3):
+            clock[0] += 1.0
+            counters["consumed"] += 10
+            counters["consume_s"] += 0.5
+            core.last_step_s = 0.02
+            profile.stepped(core, [StepOutput("a", token_ids=[1, 2])])
+        assert not caplog.records  # within the interval: nothing yet
+        clock[0] += 2.5
+        profile.stepped(core, [StepOutput("a", token_ids=[3])])
+    [line] = caplog.records
+    assert line.msg == "engine profile"
+    fields = line.__dict__
+    assert (fields["steps"], fields["tokens"], fields["consumed"]) == (4, 7, 30)
+    assert fields["consume_s"] == 1.5 and fields["step_ms"] == 20.0

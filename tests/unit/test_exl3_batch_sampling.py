@@ -236,3 +236,33 @@ def test_seeded_draws_follow_the_distribution() -> None:
         gen.model.forward(input_ids=None, params={"pinned_staging": True})
         ones += int(take(jobs[0]))
     assert 0.72 < ones / 2000 < 0.78
+
+
+def test_the_masks_of_a_decode_pass_start_before_it_and_are_applied_after_it() -> None:
+    """exllamav3's decode pass: genq's hook starts the constrained rows' masks (on their
+    thread) before the model's forward, then edits and masks the logits it returns."""
+    events: list[str] = []
+
+    class Recorder:
+        def start(self, jobs: Any) -> None:
+            events.append("start")
+
+        def apply(self, logits: Any, jobs: Any) -> None:
+            events.append("apply")
+
+    class Model(StandInModel):
+        def forward(self, input_ids: Any = None, params: Any = None) -> Any:
+            events.append("forward")
+            return self.logits
+
+    logits = SimpleNamespace(dim=lambda: 3, shape=(0, 1, 4))
+    gen = stand_in_generator([], logits, 4)
+    gen.model = Model(logits)
+    sampler = install(gen)
+    assert sampler is not None and gen.genq_edits is sampler.edits
+    sampler.masks = Recorder()  # type: ignore[assignment]
+    gen.model.forward(input_ids=None, params={"pinned_staging": True})
+    assert events == ["start", "forward", "apply"]
+    events.clear()
+    gen.model.forward(input_ids=None, params={"last_tokens_only": 1})  # not a decode pass
+    assert events == ["forward"]

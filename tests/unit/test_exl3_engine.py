@@ -759,17 +759,45 @@ def test_chunks_fit_the_cache_and_the_sequence_length_leaves_exllamav3_its_token
 
 
 def test_warm_up_runs_each_batch_size_and_a_long_prefill() -> None:
-    s = Settings(max_batch=8, cache_tokens=64 * PAGE, max_chunk_size=512)
+    s = Settings(max_batch=24, cache_tokens=64 * PAGE, max_chunk_size=512)
     shape = loader.shape_for(s, 4096)
-    gen = FakeGenerator(64, 8)
+    gen = FakeGenerator(64, 24)
     made: list[FakeJob] = []
 
     def make_job(ids, max_new, sampling, seed, stops, identifier):  # type: ignore[no-untyped-def]
         made.append(FakeJob(ids, max_new, sampling, seed, stops, identifier, list(range(max_new))))
         return made[-1]
 
-    loader.warm_up(gen, make_job, shape, vocab=4096)
-    sizes = [j.identifier.split("-")[1] for j in made]
-    assert sizes.count("1") == 1 and sizes.count("8") == 8 and sizes[-1] == "long"
+    loader.warm_up(gen, make_job, shape, vocab=4096, min_jobs=16)
+    runs: dict[str, int] = {}
+    for j in made:
+        label = j.identifier.split("-")[1]
+        runs[label] = runs.get(label, 0) + 1
+    graphs = {f"graph{n}": n for n in range(1, loader.GRAPH_BATCHES + 1)}
+    assert runs == {**graphs, "batch16": 16, "batch24": 24, "plain": 16, "burst": 24, "long": 1}
     assert len(made[-1].ids) == 2 * 512 and not gen.num_remaining_jobs()
-    assert all(any(j.sampling == s for j in made) for s in loader.WARMUP_SAMPLINGS)
+    library = [loader.for_library(s) for s in loader.WARMUP_SAMPLINGS]
+    assert all(any(j.sampling == s for j in made) for s in library)
+    # genq's edits get their jobs too, the library neither the bias nor the minimum
+    edited = [j for j in made if getattr(j, "genq_min_tokens", 0)]
+    assert edited and all(j.sampling.min_tokens == 0 and not j.sampling.logit_bias for j in edited)
+    assert all(j.genq_bias == ([loader.WARMUP_LOWEST_TOKEN], [1.0]) for j in edited)
+    lengths = {len(j.ids) for j in made if j.identifier.startswith("warmup-burst")}
+    assert lengths == set(loader.WARMUP_PROMPTS)
+
+
+def test_the_warm_up_plan_meets_every_size_and_prompt_the_first_burst_does() -> None:
+    shape = loader.shape_for(Settings(max_batch=256, max_chunk_size=2048), 8192)
+    plan = loader.warmup_plan(shape, min_jobs=16)
+    sizes = [r.jobs for r in plan]
+    assert sizes[: loader.GRAPH_BATCHES] == list(range(1, loader.GRAPH_BATCHES + 1))
+    assert {16, 32, 64, 128, 256} <= set(sizes) and max(sizes) == 256
+    burst = next(r for r in plan if r.label == "burst")
+    assert burst.jobs == 256 and any(n % 16 for n in burst.prompts)
+    assert any(n % 16 == 0 for n in burst.prompts)
+    plain = next(r for r in plan if r.label == "plain")
+    assert plain.jobs >= 16 and plain.samplings == (Sampling(),)  # the pass, untruncated
+    assert plan[-1].prompts == (2 * 2048,)
+    small = loader.warmup_plan(loader.shape_for(Settings(max_batch=4, cache_tokens=1024), 300))
+    assert [r.jobs for r in small][:4] == [1, 2, 3, 4] and max(r.jobs for r in small) == 4
+    assert all(n + loader.WARMUP_NEW_TOKENS <= 300 for r in small for n in r.prompts)

@@ -165,6 +165,7 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     torch.tensor = lambda data, dtype=None: data  # type: ignore[attr-defined]
     torch.threads = []  # type: ignore[attr-defined]
     torch.set_num_threads = torch.threads.append  # type: ignore[attr-defined]
+    torch.cuda = types.SimpleNamespace(is_available=lambda: False)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "exllamav3", stand_in(log))
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setenv("TRITON_CACHE_DIR", "the environment's")  # restored after the test
@@ -212,8 +213,10 @@ def test_the_cache_comes_before_the_weights_and_the_warm_up_before_generators(
     }
     assert events[4][1:] == (2048, 2048, 3)
     warmed = backend.make_generator()
-    # 1 job, then 8 (max_batch), then the long prefill: all run to the end before ready
-    assert warmed.enqueued == 1 + 8 + 1 and not warmed.num_remaining_jobs()
+    # each size 1..8 (max_batch), 8 neutral jobs, a burst of 8, the long prefill: all run to
+    # the end before ready
+    assert warmed.enqueued == sum(range(1, 9)) + 8 + 8 + 1
+    assert not warmed.num_remaining_jobs()
     assert backend.make_generator() is not warmed  # later ones are new, over the same cache
     assert card.engine == "exllamav3" and card.max_seq_len == 4096
     assert card.eos_token_ids == [EOS_ID] and card.max_batch == 8

@@ -94,3 +94,28 @@ def test_the_wire_carries_every_sampling_field() -> None:
 def test_commands_round_trip() -> None:
     commands = [Cancel("j", 2, Stop("expired")), Close()]
     assert Frames(to_engine).feed(b"".join(frame(c) for c in commands)) == commands
+
+
+def test_the_engine_reads_a_frame_begun_to_its_end_before_it_steps() -> None:
+    """The worker writes a turn's commands at once; what the engine process reads without
+    waiting is whole frames: the rest of one begun is waited for (it is on its way), not left
+    for after the next step."""
+    import socket
+    import threading
+
+    from worker.wire import Channel
+
+    ours, theirs = socket.socketpair()
+    channel = Channel(theirs)
+    add = frame(add_message(EngineJob("a", list(range(300)), 8, Sampling(), 1), 1))
+    ours.sendall(add[:100])
+    rest = threading.Timer(0.05, ours.sendall, args=(add[100:],))
+    rest.start()
+    try:
+        got = channel.receive(wait=False)
+        assert got is not None and [type(m) for m in got] == [Add]
+        assert engine_job(got[0]).input_ids == list(range(300))
+    finally:
+        rest.join()
+        ours.close()
+        theirs.close()

@@ -12,6 +12,10 @@ dropped (`_drop_generator`, `_close_generator`).
 Admission is the worker's (worker/admission.py): the engine reports its free pages after each
 call that changes them (`free_pages`).
 
+A job's `logit_bias` and `min_tokens` are applied by genq's hook on the step's logits, for
+every row at once, where the generator has it (`genq_edits`): the library's job gets neither
+(worker/dyngen/edits.py), so neither takes the job off genq's batched sampling pass.
+
 Constrained jobs (`EngineJob.grammar`): `add` gives the library's job an llguidance matcher
 (`genq_matcher`, from the engine's `Grammars`: its tokenizer, the card's EOS ids, the model's
 logits width) advanced over the tokens an earlier attempt generated; the generator's hook masks
@@ -30,6 +34,7 @@ from typing import Any
 from shared.schemas import ModelCard
 from worker.constraint import ConstraintError, Grammars, JobMatcher
 from worker.dyngen.backend import Backend
+from worker.dyngen.edits import attach, for_library
 from worker.engine import EngineJob, StepOutput
 
 UNCONSTRAINED_ONLY = ("min_tokens", "banned_strings")
@@ -123,14 +128,19 @@ class DynamicEngine(ABC):
                 StepOutput(job.id, finish_reason="stop", prompt_tokens=len(job.input_ids))
             )
             return
-        stops: list[int | str] = [*self.card.eos_token_ids, *job.sampling.stop_token_ids]
+        stop_ids = [*self.card.eos_token_ids, *job.sampling.stop_token_ids]
+        stops: list[int | str] = [*stop_ids]
         if job.text:  # else the worker matches stop strings in the text it makes
             stops += job.sampling.stop
         sampling = job.sampling
         if sampling.min_tokens and job.resume_ids:  # counted from the job's first token
             left = max(sampling.min_tokens - len(job.resume_ids), 0)
             sampling = sampling.model_copy(update={"min_tokens": left})
-        handle = self._backend.make_job(ids, remaining, sampling, job.seed, stops, job.id)
+        edited = getattr(self._gen, "genq_edits", None) is not None
+        library = for_library(sampling) if edited else sampling
+        handle = self._backend.make_job(ids, remaining, library, job.seed, stops, job.id)
+        if library is not sampling:  # genq's hook applies the bias and the minimum
+            attach(handle, sampling, stop_ids, self._backend.vocab_size)
         if matcher is not None:
             handle.genq_matcher = matcher
             self._constrained.add(job.id)
@@ -153,10 +163,22 @@ class DynamicEngine(ABC):
         outputs, self._ready = self._ready, []
         if self._jobs:
             results = self._gen.iterate()
+            if self._constrained:  # the step's tokens into their matchers, before outputs go out
+                self._gen.genq_masks.consume()
             outputs += [o for r in results if (o := self._result(r)) is not None]
             if self._constrained:
                 outputs = self._fail_refused(outputs)
         return outputs
+
+    def profile(self) -> dict[str, float | int]:
+        """The current generator's hook counters (totals so far): what genq's edits, masks
+        and batched pass cost its steps; empty without the hook."""
+        out: dict[str, float | int] = {}
+        for name in ("genq_edits", "genq_masks", "genq_sampler"):
+            part = getattr(getattr(self._gen, name, None), "profile", None)
+            if callable(part):
+                out.update(part())
+        return out
 
     def active(self) -> int:
         return len(self._jobs) + len(self._ready)

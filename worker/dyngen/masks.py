@@ -19,11 +19,18 @@ the forward pass (exllamav2's `forward_chunk`, exllamav3's decode `forward`):
    after the hook: penalties, top logprobs), exllamav3's own per-job sampler (a job's first
    token, penalties, logprobs, steps below GENQ_BATCHED_SAMPLING_MIN_JOBS) alike. Reported
    probabilities are those of the masked distribution.
-4. When the token is known, the job's `receive_sample` feeds it to its matcher (`take_token`).
-   A matcher whose grammar is complete allows only EOS, which the job's stop conditions hold
-   (the card's EOS ids): the next step ends the job with `stop`. A token the matcher refuses
-   (it cannot come from a masked row) marks the job `genq_failed`, and the engine fails it
-   before its output goes out (`DynamicEngine`).
+4. When the token is known, the job's `receive_sample` queues it for its matcher
+   (`StepMasks.take`); after the generator's step the engine has every queued token consumed
+   (`StepMasks.consume`, which the next step's masks also do first, and which counts their
+   time for the step profile). A matcher whose grammar is complete allows only EOS, which the
+   job's stop conditions hold (the card's EOS ids): the next step ends the job with `stop`. A
+   token the matcher refuses (it cannot come from a masked row) marks the job `genq_failed`,
+   and the engine fails it before its output goes out (`DynamicEngine`).
+
+Both engines start a step's masks on a thread of their own just before the forward pass
+(`StepMasks.start`), so that llguidance computes them while the pass is launched and runs;
+`apply` takes them when the step's rows are those. `StepMasks.profile()` says where a
+constrained step's host time went (the masks' wait, the copy's launch, the consumes).
 
 The host buffer is reused every step: the copy that read it last was queued before the last
 step's tokens were read back to the host, which waits for it.
@@ -102,19 +109,6 @@ def _same(a: MaskRows, b: MaskRows) -> bool:
     )
 
 
-def take_token(job: Any, token: Any) -> None:
-    """Feed the token a job just sampled (an int or a one-element tensor on the host) to its
-    matcher; a token the grammar refuses marks the job `genq_failed` (the engine fails it).
-    Nothing for a job without a matcher, for a token-healing step (`new_tokens` < 0, which
-    rewrites the prompt's last token) or a job that failed already."""
-    m: JobMatcher | None = getattr(job, "genq_matcher", None)
-    if m is None or job.new_tokens < 0 or getattr(job, "genq_failed", None):
-        return
-    token_id = int(token)
-    if not m.consume(token_id):
-        job.genq_failed = f"token {token_id} is not one its constraint allows: {m.error}"
-
-
 class StepMasks:
     """One generator's mask step (installed with its sampling hook); counts what it did."""
 
@@ -133,8 +127,63 @@ class StepMasks:
         """Host time in `apply` (mostly llguidance's, while the forward pass runs)."""
         self.prefetched = 0
         """Steps whose masks were computed while the forward pass was being launched."""
+        self.wait_s = 0.0
+        """Of `seconds`: waiting for the masks started ahead, or computing them in `apply`."""
+        self.launch_s = 0.0
+        """Of `seconds`: launching the copy to the device and the masking there."""
+        self.start_s = 0.0
+        """Host time in `start` (handing the masks to their thread)."""
+        self.consumed = 0
+        self.consume_s = 0.0
+        """Host time feeding the sampled tokens to the matchers (`consume`)."""
         self._ahead: tuple[MaskRows, Any] | None = None
         self._filler: Any = None
+        self._taken: list[tuple[Any, JobMatcher, int]] = []
+        """(job, its matcher, its token) sampled since the last `consume`."""
+        self._taken_ids: set[int] = set()
+
+    def take(self, job: Any, token: Any) -> None:
+        """The token a job just sampled (an int or a one-element tensor on the host), for its
+        matcher at the next `consume`; nothing for a job without a matcher, for a
+        token-healing step (`new_tokens` < 0, which rewrites the prompt's last token) or a job
+        that failed already."""
+        m: JobMatcher | None = getattr(job, "genq_matcher", None)
+        if m is None or job.new_tokens < 0 or getattr(job, "genq_failed", None):
+            return
+        if id(m) in self._taken_ids:  # a second token before the first was consumed: in order
+            self.consume()
+        self._taken.append((job, m, int(token)))
+        self._taken_ids.add(id(m))
+
+    def consume(self) -> None:
+        """Feed every token `take`n since the last call to its matcher, in order; a job whose
+        token its grammar refuses is marked `genq_failed` (the engine fails it before its
+        output goes out). One call per job on this thread: llguidance's parallel
+        `consume_token_par` measured 10-40 x slower for 64-256 matchers (tests.bench.masks)."""
+        taken = self._taken
+        if not taken:
+            return
+        started = time.perf_counter()
+        self._taken, self._taken_ids = [], set()
+        for job, m, token_id in taken:
+            if not m.consume(token_id):
+                job.genq_failed = f"token {token_id} is not one its constraint allows: {m.error}"
+        self.consumed += len(taken)
+        self.consume_s += time.perf_counter() - started
+
+    def profile(self) -> dict[str, float | int]:
+        """The counters, for a profile of constrained steps (their totals so far)."""
+        return {
+            "mask_steps": self.steps,
+            "masked_rows": self.masked_rows,
+            "mask_prefetched": self.prefetched,
+            "mask_apply_s": round(self.seconds, 6),
+            "mask_wait_s": round(self.wait_s, 6),
+            "mask_launch_s": round(self.launch_s, 6),
+            "mask_start_s": round(self.start_s, 6),
+            "consumed": self.consumed,
+            "consume_s": round(self.consume_s, 6),
+        }
 
     def start(self, active_jobs: Iterable[Any]) -> None:
         """Before a forward pass: compute this step's masks on a thread of their own while
@@ -142,7 +191,9 @@ class StepMasks:
         exllamav2's, would otherwise compute them after the pass, on the step's critical
         path). `apply` takes them if its rows are these; nothing here for a step without
         constrained rows, nor before `apply` has made buffers of the size needed."""
+        self.consume()
         self._settle()
+        began = time.perf_counter()
         plan = constrained_rows(active_jobs)
         host = self._host
         if not plan.rows or host is None or host.shape[0] < len(plan.rows):
@@ -154,6 +205,7 @@ class StepMasks:
         pool, words, rows = self._pool(), self.words, host.shape[0]
         future = self._filler.submit(fill_masks, pool, plan.matchers, host.data_ptr(), words, rows)
         self._ahead = (plan, future)
+        self.start_s += time.perf_counter() - began
 
     def _settle(self) -> tuple[MaskRows, Any] | None:
         """The masks started ahead, once written (None: none were)."""
@@ -166,17 +218,20 @@ class StepMasks:
         """Mask the constrained rows of `logits` (rows × 1 × vocabulary, on the device) in
         place. A pass that is not one decode position per row, or whose rows are not the
         plan's, is left alone: a token sampled there that the grammar refuses fails its job."""
+        self.consume()
+        started = time.perf_counter()
         ahead = self._settle()
         plan = constrained_rows(active_jobs)
         if not plan.rows or plan.total_rows != logits.shape[0] or logits.shape[1] != 1:
             return
-        started = time.perf_counter()
         n = len(plan.rows)
         host, device = self._buffers(n, logits.device)
         if ahead is not None and _same(ahead[0], plan):
             self.prefetched += 1
         else:
             fill_masks(self._pool(), plan.matchers, host.data_ptr(), self.words, host.shape[0])
+        masked = time.perf_counter()
+        self.wait_s += masked - started
         device = device[:n]
         device.copy_(host[:n], non_blocking=True)
         blocked = self._blocked(device, logits.shape[-1])
@@ -186,9 +241,30 @@ class StepMasks:
             self._mask_some(logits, plan.rows, blocked)
         self.masked_rows += n
         self.steps += 1
-        self.seconds += time.perf_counter() - started
+        done = time.perf_counter()
+        self.launch_s += done - masked
+        self.seconds += done - started
+
+    def warm_up(self, logits: Any) -> None:
+        """The masking's kernels once, every row and some rows of `logits` (rows × 1 ×
+        vocabulary, on the device; overwritten), and llguidance's threads started: before the
+        first constrained step, not during it. Counts nothing."""
+        n = int(logits.shape[0])
+        host, device = self._buffers(n, logits.device)
+        host[:n].fill_(-1)  # every bit set: every token allowed
+        self._pool()
+        if self._filler is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="genq-masks")
+        bits = device[:n]
+        bits.copy_(host[:n], non_blocking=True)
+        blocked = self._blocked(bits, logits.shape[-1])
+        logits[:, 0, :].masked_fill_(blocked, MASKED)
+        self._mask_some(logits, list(range(0, n, 2)), blocked[: (n + 1) // 2])
 
     def close(self) -> None:
+        self._taken, self._taken_ids = [], set()
         self._settle()
         if self._filler is not None:
             self._filler.shutdown(wait=True)
@@ -234,3 +310,24 @@ class StepMasks:
         some = logits.index_select(0, index)
         some[:, 0, :].masked_fill_(blocked, MASKED)
         logits.index_copy_(0, index, some)
+
+
+def warm_hook(gen: Any, rows: int, width: int) -> None:
+    """genq's hook on `gen` (its edits and masks), run once over dummy logits of `rows` ×
+    `width` in each dtype a model may give, on the GPU, before the worker reports ready;
+    nothing without a GPU or without the hook."""
+    edits, masks = getattr(gen, "genq_edits", None), getattr(gen, "genq_masks", None)
+    if edits is None and masks is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    device = torch.device("cuda", torch.cuda.current_device())
+    for dtype in (torch.float32, torch.float16):
+        logits = torch.zeros((rows, 1, width), dtype=dtype, device=device)
+        if edits is not None:
+            edits.warm_up(logits)
+        if masks is not None:
+            masks.warm_up(logits)
+    torch.cuda.synchronize(device)

@@ -23,8 +23,11 @@ hands each job its token:
 
 What stays on exllamav2's CPU sampler (per job, `job_params()` is None): repetition,
 presence and frequency penalties, top logprobs (`return_top_tokens`), filters, CFG, token
-healing, logit bias (`token_bias`), banned strings, a minimum of new tokens, and any sampler
-setting besides temperature, top_k, top_p and min_p.
+healing, banned strings, and any sampler setting besides temperature, top_k, top_p and min_p
+(the engine's `SamplingSupport.per_job` names the request's settings among them). A job's
+logit bias and minimum of new tokens are not handed to exllamav2 (`token_bias`,
+`min_new_tokens` would send it there too): the same hook applies them to the logits on the
+device first (worker/dyngen/edits.py).
 
 Semantics, both paths: one uniform draw from the job's own seeded RNG per token; temperature
 below 0.01 or top_k = 1 is greedy (argmax); otherwise softmax(logits / temperature), then
@@ -53,7 +56,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from worker.dyngen.batch_pass import ModelProxy, Plan, RowParams, pick_on_device, plan_rows
-from worker.dyngen.masks import StepMasks, take_token
+from worker.dyngen.edits import StepEdits
+from worker.dyngen.masks import StepMasks
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +136,14 @@ class GpuSampler:
     """Installed on one generator by `install`; counts what it sampled. `sample` False: the
     hook masks constrained rows (`masks`) and leaves every job to the CPU sampler."""
 
-    def __init__(self, generator: Any, masks: StepMasks, sample: bool = True) -> None:
+    def __init__(
+        self, generator: Any, masks: StepMasks, sample: bool = True, edits: StepEdits | None = None
+    ) -> None:
         import torch
 
         self.gen = generator
         self.masks = masks
+        self.edits = edits or StepEdits()
         self.sample = sample
         self.vocab = int(generator.tokenizer.get_vocab_size())
         self._full = generator.logits_pinned
@@ -148,6 +155,9 @@ class GpuSampler:
         self.cpu_steps = 0
         """Decode steps in which some job still needed the CPU sampler."""
 
+    def profile(self) -> dict[str, float | int]:
+        return {"gpu_tokens": self.gpu_tokens, "cpu_steps": self.cpu_steps, "passes": self.step}
+
     def before_forward(self) -> None:
         self.masks.start(self.gen.active_jobs)
 
@@ -158,6 +168,7 @@ class GpuSampler:
         self.step += 1
         if logits is None or logits.dim() != 3 or logits.shape[1] != 1:
             return out
+        self.edits.apply(logits, gen.active_jobs)
         self.masks.apply(logits, gen.active_jobs)
         if not self.sample:
             return out
@@ -200,9 +211,10 @@ _GENERATOR_NEEDS = ("logits_pinned", "min_sampling_threads", "active_jobs", "mod
 
 
 def install(generator: Any, vocab_size: int, sample: bool = True) -> GpuSampler | None:
-    """Mask constrained jobs' rows (`vocab_size`: the model's logits width, the matchers'
-    vocabulary) and, with `sample`, sample `generator`'s GPU-eligible jobs on the GPU; the
-    generator's `genq_masks` and (with `sample`) `genq_sampler`. None (and a warning) when this
+    """Apply jobs' logit biases and minimums and mask constrained jobs' rows (`vocab_size`:
+    the model's logits width, the matchers' vocabulary) and, with `sample`, sample
+    `generator`'s GPU-eligible jobs on the GPU; the generator's `genq_edits`, `genq_masks` and
+    (with `sample`) `genq_sampler`. None (and a warning) when this
     exllamav2 lacks what the hook relies on: the CPU sampler carries on alone, and the engine
     refuses constrained jobs."""
     missing = [a for a in _GENERATOR_NEEDS if not hasattr(generator, a)]
@@ -216,6 +228,7 @@ def install(generator: Any, vocab_size: int, sample: bool = True) -> GpuSampler 
     sampler = GpuSampler(generator, masks, sample)
     generator.model = _SamplingModel(generator.model, sampler)
     generator.genq_masks = masks
+    generator.genq_edits = sampler.edits
     if sample:
         generator.genq_sampler = sampler
     return sampler
@@ -231,6 +244,8 @@ def job_class() -> type:
     class GenqJob(ExLlamaV2DynamicJob):  # type: ignore[misc]
         genq_matcher: Any = None
         genq_failed: str | None = None
+        genq_bias: tuple[list[int], list[float]] | None = None
+        genq_min_tokens = 0
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -246,8 +261,8 @@ def job_class() -> type:
             return picked[1], none_tensor, none_tensor, picked[2], False
 
         def receive_sample(self, logits: Any, next_token: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.genq_matcher is not None:
-                take_token(self, next_token)
+            if self.genq_matcher is not None:  # consumed after the step, with the others'
+                self.generator.genq_masks.take(self, next_token)
             return super().receive_sample(logits, next_token, *args, **kwargs)
 
     return GenqJob

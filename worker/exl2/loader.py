@@ -23,6 +23,7 @@ from worker.dyngen.backend import (
     round_up,
 )
 from worker.dyngen.card import build_card, eos_ids
+from worker.dyngen.masks import warm_hook
 from worker.engine import SamplingSupport
 from worker.exl2 import gpu_sampling
 
@@ -110,6 +111,19 @@ def job_fields(s: Sampling) -> dict[str, Any]:
     return {"min_new_tokens": s.min_tokens, "banned_strings": s.banned_strings or None}
 
 
+PER_JOB = {
+    "repetition_penalty": "exllamav2's CPU sampler penalises over the job's context, which "
+    "only the library holds (on the host, per job)",
+    "presence_penalty": "as repetition_penalty",
+    "frequency_penalty": "as repetition_penalty",
+    "logprobs": "top logprobs (logprobs > 0): exllamav2's CPU sampler sorts the job's row for "
+    "them (logprobs 0, the sampled token's own, stays on the pass)",
+    "banned_strings": "exllamav2 rewinds the job to a checkpoint and samples again with the "
+    "tokens it tried blocked: per job by nature",
+}
+"""Settings that leave a job to exllamav2's CPU sampler (`gpu_sampling.job_params` is None):
+a step with one such job copies every row's logits to the host (docs/performance.md)."""
+
 SAMPLING_SUPPORT = SamplingSupport(
     sampler=frozenset(
         {
@@ -127,10 +141,14 @@ SAMPLING_SUPPORT = SamplingSupport(
         "stop": "the engine's `add`: stop conditions (the worker matches them without `job.text`)",
         "stop_token_ids": "the engine's `add`: stop conditions",
         "logprobs": "`make_job`: return_probs and return_top_tokens",
-        "logit_bias": "`make_job`: the sampler's token_bias, a vector over the logits' row",
-        "min_tokens": "`job_fields`: min_new_tokens (less what an earlier attempt sent)",
+        "logit_bias": "genq's hook (worker/dyngen/edits.py): added to the job's row of the "
+        "logits on the device (without the hook: the sampler's token_bias, `make_job`)",
+        "min_tokens": "genq's hook (worker/dyngen/edits.py): the stop tokens masked in the job's "
+        "row until then (without the hook: `job_fields`' min_new_tokens); less what an "
+        "earlier attempt sent",
         "banned_strings": "`job_fields`: banned_strings",
     },
+    per_job=PER_JOB,
 )
 """Where the exllamav2 engine honours each sampler setting: `sampler_fields` maps the rest."""
 
@@ -165,8 +183,10 @@ def max_seq_len(settings: EngineSettings) -> int | None:
 
 def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
     """Load the model, cache and tokenizer; a factory for generators over them; the card."""
+    import torch
     from exllamav2 import ExLlamaV2Tokenizer
 
+    torch.set_num_threads(settings.torch_threads)
     assert settings.model_dir is not None
     model_dir = Path(settings.model_dir)
     paged = _paged_attention()
@@ -286,16 +306,35 @@ def _warm_generator_factory(
 
     warmed = build_generator()
     warmed.warmup()
+    warm_hook(warmed, shape.max_batch, round_up(vocab, LOGITS_ALIGN))
     return first_warmed(warmed, build_generator)
 
 
 def _job_factory(logits_width: int) -> Callable[..., Any]:
-    """`Backend.make_job`: exllamav2 jobs of genq's class (`gpu_sampling.job_class`: it takes
-    GPU-sampled tokens when GPU sampling is on, and feeds its constraint's matcher)."""
+    """`Backend.make_job` over exllamav2's classes: jobs of genq's class
+    (`gpu_sampling.job_class`: it takes GPU-sampled tokens when GPU sampling is on, and feeds
+    its constraint's matcher)."""
     import torch
     from exllamav2.generator import ExLlamaV2Sampler
 
-    job_cls = gpu_sampling.job_class()
+    def as_ids(ids: list[int]) -> Any:
+        return torch.tensor([ids], dtype=torch.long)
+
+    def bias(logit_bias: dict[str, float]) -> Any:
+        return token_bias(logit_bias, logits_width)
+
+    return job_factory(gpu_sampling.job_class(), ExLlamaV2Sampler.Settings, as_ids, bias)
+
+
+def job_factory(
+    job_cls: Callable[..., Any],
+    settings_cls: Callable[..., Any],
+    as_ids: Callable[[list[int]], Any],
+    bias: Callable[[dict[str, float]], Any],
+) -> Callable[..., Any]:
+    """(ids, max_new, sampling, seed, stops, identifier) → a `job_cls` job with explicit
+    sampler settings (`settings_cls`); the library's classes and tensors come as arguments,
+    so CPU tests hand stand-ins."""
 
     def make_job(
         ids: list[int],
@@ -308,11 +347,11 @@ def _job_factory(logits_width: int) -> Callable[..., Any]:
         n = sampling.logprobs
         fields = sampler_fields(sampling)
         if sampling.logit_bias:
-            fields["token_bias"] = token_bias(sampling.logit_bias, logits_width)
+            fields["token_bias"] = bias(sampling.logit_bias)
         return job_cls(
-            input_ids=torch.tensor([ids], dtype=torch.long),
+            input_ids=as_ids(ids),
             max_new_tokens=max_new,
-            gen_settings=ExLlamaV2Sampler.Settings(**fields),
+            gen_settings=settings_cls(**fields),
             seed=seed,
             stop_conditions=stops or None,
             decode_special_tokens=False,

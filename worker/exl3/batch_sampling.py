@@ -20,7 +20,8 @@ token:
   returns that token instead of launching its sampler.
 
 What stays on exllamav3's own sampler (per job): repetition, presence and frequency
-penalties, top logprobs, and every job's first token (exllamav3 checks the first logits for
+penalties, logprobs, banned strings (the engine's `SamplingSupport.per_job` names them), and
+every job's first token (exllamav3 checks the first logits for
 NaN and infinity there; token healing and forced tokens happen there too). So does every job
 of a decode pass that would serve fewer than `min_jobs` of them (`GENQ_BATCHED_SAMPLING_MIN_JOBS`,
 default 16): the pass's host time is mostly fixed (0.54 ms a step at one stream, 1.47
@@ -37,11 +38,18 @@ otherwise temperature, then top_k, then top_p, then min_p, then the draw: the sa
 distribution on either engine. exllamav3's own ComboSampler truncates by min_p before top_k
 and top_p, so with min_p and one of the others set the two can keep different tokens.
 
+A job's logit bias and minimum of new tokens are not handed to exllamav3 (its `ComboSampler`'s
+`logit_bias` and the job's `min_new_tokens` would keep it off this pass): the same hook adds
+the bias and masks the stop tokens of the rows still short of their minimum on the device,
+for every row at once, before anything samples them (worker/dyngen/edits.py).
+
 Constrained jobs (worker/dyngen/masks.py): the same hook masks their rows of the logits on the
 device first, whether or not this pass then samples them (exllamav3's own sampler reads the
-same, masked, logits); it is installed with batched sampling off too (`install(...,
-batched=False)`), masking alone. The job feeds each token it takes to its matcher in
-`receive_sample`, after the generator's synchronize.
+same, masked, logits); their masks are started just before the decode pass
+(`StepMasks.start`), so llguidance computes them while the pass is launched and runs. The
+hook is installed with batched sampling off too (`install(..., batched=False)`), editing and
+masking alone. The job queues each token it takes for its matcher in `receive_sample`, after
+the generator's synchronize; the engine has them consumed after the step.
 
 This module imports torch and exllamav3 only inside functions, so it loads on a CPU install;
 `row_params`, `plan` and `take` are plain Python and tested there.
@@ -57,7 +65,8 @@ from typing import Any
 
 from shared.schemas import Sampling
 from worker.dyngen.batch_pass import ModelProxy, Plan, RowParams, pick_on_device, plan_rows
-from worker.dyngen.masks import StepMasks, take_token
+from worker.dyngen.edits import StepEdits
+from worker.dyngen.masks import StepMasks
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +138,12 @@ class BatchSampler:
         min_jobs: int = 1,
         masks: StepMasks | None = None,
         batched: bool = True,
+        edits: StepEdits | None = None,
     ) -> None:
         self.gen = generator
         self.min_jobs = min_jobs
         self.masks = masks
+        self.edits = edits or StepEdits()
         self.batched = batched
         self.vocab = int(generator.tokenizer.actual_vocab_size)
         self._host: Any = None
@@ -143,6 +154,18 @@ class BatchSampler:
         self.seconds = 0.0
         """Host time in `after_decode` (the plan and the pass's launches): what the pass costs
         the step, against the per-job launches it replaces."""
+
+    def profile(self) -> dict[str, float | int]:
+        return {
+            "batched_tokens": self.batched_tokens,
+            "passes": self.step,
+            "batched_pass_s": round(self.seconds, 6),
+        }
+
+    def before_decode(self) -> None:
+        """Before the decode pass: its constrained rows' masks, on their thread meanwhile."""
+        if self.masks is not None:
+            self.masks.start(self.gen.active_jobs)
 
     def after_decode(self, logits: Any) -> None:
         started = time.perf_counter()
@@ -156,6 +179,7 @@ class BatchSampler:
         if logits.dim() != 3 or logits.shape[1] != 1:
             return
         jobs = self.gen.active_jobs
+        self.edits.apply(logits, jobs)
         if self.masks is not None:
             self.masks.apply(logits, jobs)
         if not self.batched or not serves_at_least(jobs, self.min_jobs):
@@ -187,8 +211,11 @@ class _SamplingModel(ModelProxy):
     """The generator's model, with `BatchSampler.after_decode` after each decode pass."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        decode = bool((kwargs.get("params") or {}).get("pinned_staging"))  # iterate_gen's
+        if decode:
+            self._sampler.before_decode()
         out = self._model.forward(*args, **kwargs)
-        if (kwargs.get("params") or {}).get("pinned_staging"):  # iterate_gen's decode pass
+        if decode:
             self._sampler.after_decode(out)
         return out
 
@@ -202,7 +229,8 @@ def install(
     """With `batched`, sample `generator`'s eligible jobs in one batched pass (in passes
     serving at least `min_jobs` of them: the engine passes GENQ_BATCHED_SAMPLING_MIN_JOBS);
     with `vocab_size` (the model's logits width, the matchers' vocabulary), mask constrained
-    jobs' rows: the generator's `genq_sampler` (with `batched`) and `genq_masks`. None (and a
+    jobs' rows; always, apply jobs' logit biases and minimums: the generator's `genq_sampler`
+    (with `batched`), `genq_masks` (with `vocab_size`) and `genq_edits`. None (and a
     warning) when this exllamav3 lacks what the hook relies on: each job keeps its own sampler,
     and the engine refuses constrained jobs."""
     missing = [a for a in _GENERATOR_NEEDS if not hasattr(generator, a)]
@@ -215,6 +243,7 @@ def install(
     masks = StepMasks(vocab_size) if vocab_size else None
     sampler = BatchSampler(generator, max(1, min_jobs), masks, batched)
     generator.model = _SamplingModel(generator.model, sampler)
+    generator.genq_edits = sampler.edits
     if batched:
         generator.genq_sampler = sampler
     if masks is not None:
@@ -236,6 +265,8 @@ def job_class() -> type:
         """(decode pass, token) sampled in the batch for this job."""
         genq_matcher: Any = None
         genq_failed: str | None = None
+        genq_bias: tuple[list[int], list[float]] | None = None
+        genq_min_tokens = 0
 
         def receive_logits(self, logits: Any) -> Any:
             token = take(self)
@@ -244,8 +275,8 @@ def job_class() -> type:
             return token, None, None, None
 
         def receive_sample(self, logits: Any, next_token: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.genq_matcher is not None:
-                take_token(self, next_token)
+            if self.genq_matcher is not None:  # consumed after the step, with the others'
+                self.generator.genq_masks.take(self, next_token)
             return super().receive_sample(logits, next_token, *args, **kwargs)
 
     return GenqJob

@@ -27,6 +27,8 @@ from worker.dyngen.backend import (
     round_up,
 )
 from worker.dyngen.card import build_card, eos_ids
+from worker.dyngen.edits import attach, for_library
+from worker.dyngen.masks import warm_hook
 from worker.exl3 import batch_sampling
 from worker.exl3.sampling import checked_kwargs, make_sampler
 
@@ -42,10 +44,19 @@ MAX_Q_SIZE = 8
 """Tokens per sequence per forward pass the generator allows for (its default)."""
 QUANT_CACHE_BITS = {"Q4": 4, "Q6": 6, "Q8": 8}
 """`--cache-mode` → bits of exllamav3's quantized K/V cache (keys and values alike)."""
-WARMUP_BATCHES = (1, 8, 64, 128, 256)
-"""Batch sizes run before the worker reports ready (those up to max_batch, and max_batch):
-the decode shapes genq is benchmarked at, so their kernels are compiled and tuned first."""
-WARMUP_PROMPT_TOKENS = 32
+GRAPH_BATCHES = 8
+"""exllamav3 captures its decode attention as one CUDA graph per batch size up to this many
+jobs (`exllamav3.modules.attention_fn.bc_attn.MAX_BSZ`), each at the first step of that size:
+the warm-up steps every size up to it, as a burst arriving claim by claim meets them."""
+WARMUP_BATCHES = (16, 32, 64, 128, 256)
+"""Larger batch sizes run before the worker reports ready (those below max_batch, and
+max_batch): the decode shapes genq is benchmarked at, and genq's batched pass (from
+GENQ_BATCHED_SAMPLING_MIN_JOBS jobs) at each."""
+WARMUP_PROMPTS = (32, 45, 64, 100, 257, 511)
+"""Prompt lengths the warm-up's jobs cycle through: multiples of 16 and not (Triton compiles
+a kernel again for an integer argument divisible by 16 or not), short and a few pages long,
+so the first real prompts' prefill meets kernels compiled already."""
+WARMUP_PROMPT_TOKENS = WARMUP_PROMPTS[0]
 WARMUP_NEW_TOKENS = 4
 LONG_PREFILL_CHUNKS = 2
 """The warm-up's long prompt: this many prefill chunks (within the sequence length)."""
@@ -58,8 +69,44 @@ WARMUP_SAMPLINGS = (
     Sampling(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05),
     Sampling(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5),
     Sampling(logprobs=5),
+    Sampling(min_tokens=2, logit_bias={str(WARMUP_LOWEST_TOKEN): 1.0}),
 )
-"""Warm-up jobs cycle through these: each of the sampler's kernel paths runs once."""
+"""Warm-up jobs cycle through these: each of the sampler's kernel paths runs once (exllamav3's
+own, genq's batched pass with and without truncation, genq's edits)."""
+
+
+@dataclass(frozen=True)
+class WarmRun:
+    """One warm-up run: `jobs` dummy jobs enqueued at once, run to their end."""
+
+    label: str
+    jobs: int
+    samplings: tuple[Sampling, ...] = WARMUP_SAMPLINGS
+    """Cycled through by the jobs."""
+    prompts: tuple[int, ...] = (WARMUP_PROMPT_TOKENS,)
+    """Prompt lengths, cycled through by the jobs."""
+    new_tokens: int = WARMUP_NEW_TOKENS
+
+
+def warmup_plan(shape: Shape, min_jobs: int = 1) -> list[WarmRun]:
+    """What the warm-up runs, in order: each batch size up to `GRAPH_BATCHES`; each of
+    `WARMUP_BATCHES` below max_batch and max_batch, their prompts of every length of
+    `WARMUP_PROMPTS`; a batch of neutral jobs (genq's batched pass without truncation, from
+    `min_jobs` jobs: GENQ_BATCHED_SAMPLING_MIN_JOBS); a burst of max_batch jobs of every
+    prompt length (the first traffic's prefill: several jobs per pass); one long prefill."""
+    top = shape.max_batch
+    room = shape.max_seq_len - WARMUP_NEW_TOKENS
+    prompts = tuple(n for n in WARMUP_PROMPTS if n <= room) or (max(1, room),)
+    short = (prompts[0],)
+    runs = [WarmRun(f"graph{n}", n, prompts=short) for n in range(1, min(GRAPH_BATCHES, top) + 1)]
+    sizes = sorted({b for b in WARMUP_BATCHES if GRAPH_BATCHES < b < top} | {top})
+    runs += [WarmRun(f"batch{n}", n, prompts=prompts) for n in sizes if n > GRAPH_BATCHES]
+    plain = min(top, max(min_jobs, GRAPH_BATCHES))
+    runs.append(WarmRun("plain", plain, samplings=(Sampling(),), prompts=short))
+    runs.append(WarmRun("burst", top, samplings=(Sampling(),), prompts=prompts))
+    long = min(LONG_PREFILL_CHUNKS * shape.chunk, room)
+    runs.append(WarmRun("long", 1, samplings=(Sampling(),), prompts=(long,)))
+    return runs
 
 
 @dataclass(frozen=True)
@@ -225,7 +272,15 @@ def load_backend(settings: EngineSettings) -> tuple[Backend, ModelCard, str]:
     build = generator_builder(
         ex.Generator, generator_kwargs(model, cache, tokenizer, shape), install
     )
-    warmed = _warm(model, cache, build, make_job, shape, int(tokenizer.actual_vocab_size))
+    warmed = _warm(
+        model,
+        cache,
+        build,
+        make_job,
+        shape,
+        int(tokenizer.actual_vocab_size),
+        settings.batched_sampling_min_jobs if batched else 1,
+    )
     tokenizer_json = (model_dir / "tokenizer.json").read_text()
     eos = eos_ids(model_dir, config.eos_token_id_list)
     card = build_card(
@@ -280,6 +335,7 @@ def _warm(
     make_job: Callable[..., Any],
     shape: Shape,
     vocab: int,
+    min_jobs: int,
 ) -> Any:
     """The model's own warm-up passes (before any generator: they write the cache), then a
     generator, warmed up with dummy jobs; returns that generator."""
@@ -288,37 +344,34 @@ def _warm(
     if failed:
         log.warning("exllamav3 warm-up passes failed", extra={"passes": failed})
     gen = build()
-    warm_up(gen, make_job, shape, vocab)
+    warm_up(gen, make_job, shape, vocab, min_jobs)
     log.info("exllamav3 warmed up", extra={"seconds": round(time.monotonic() - started, 1)})
     return gen
 
 
-def warm_up(gen: Any, make_job: Callable[..., Any], shape: Shape, vocab: int) -> None:
-    """Dummy jobs through the generator before the worker reports ready: each batch size of
-    `WARMUP_BATCHES` it can run, then one long prefill, so Triton compiles and the decode
-    paths are captured before the first real job, not during it."""
+def warm_up(
+    gen: Any, make_job: Callable[..., Any], shape: Shape, vocab: int, min_jobs: int = 1
+) -> None:
+    """Dummy jobs through the generator before the worker reports ready (`warmup_plan`), so
+    Triton compiles and the decode paths are captured before the first real job, not during
+    it; then genq's hook's own kernels (its masks and edits) once, at the largest batch."""
     rng = random.Random(0)
     low = min(WARMUP_LOWEST_TOKEN, vocab - 1)
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(low, vocab) for _ in range(n)]
 
-    batches = sorted({b for b in WARMUP_BATCHES if b < shape.max_batch} | {shape.max_batch})
-    for size in batches:
-        jobs = [
-            make_job(
-                ids(WARMUP_PROMPT_TOKENS),
-                WARMUP_NEW_TOKENS,
-                WARMUP_SAMPLINGS[i % len(WARMUP_SAMPLINGS)],
-                i,
-                [],
-                f"warmup-{size}-{i}",
-            )
-            for i in range(size)
-        ]
+    for run in warmup_plan(shape, min_jobs):
+        jobs = []
+        for i in range(run.jobs):
+            s = run.samplings[i % len(run.samplings)]
+            n = run.prompts[i % len(run.prompts)]
+            job = make_job(ids(n), run.new_tokens, for_library(s), i, [], f"warmup-{run.label}-{i}")
+            if s.min_tokens or s.logit_bias:  # genq's edits, as the engine attaches them
+                attach(job, s, [low], vocab)
+            jobs.append(job)
         _run(gen, jobs)
-    long = min(LONG_PREFILL_CHUNKS * shape.chunk, shape.max_seq_len - WARMUP_NEW_TOKENS)
-    _run(gen, [make_job(ids(long), WARMUP_NEW_TOKENS, Sampling(), 0, [], "warmup-long")])
+    warm_hook(gen, shape.max_batch, vocab)
 
 
 def _run(gen: Any, jobs: list[Any]) -> None:

@@ -7,7 +7,8 @@ or renamed argument (exllamav2's `gen_settings=`) leaves a job with exllamav3's
 refuses any keyword its callee does not name.
 
 What exllamav3 does with them (its `ComboSampler`, on the GPU, one fused kernel per job):
-the logit bias first, then penalties (repetition, then presence and frequency, over the whole
+the logit bias first (genq applies it itself on the logits where its hook is installed:
+worker/dyngen/edits.py), then penalties (repetition, then presence and frequency, over the whole
 context, prompt included), then greedy (argmax) when temperature is 0 or top_k is 1, else
 temperature, min_p, top_k, top_p and a draw from the job's own seeded RNG. Top logprobs are of
 the model's own distribution (softmax of the logits, before temperature and truncation).
@@ -39,7 +40,6 @@ SAMPLING_SUPPORT = SamplingSupport(
             "repetition_penalty",
             "presence_penalty",
             "frequency_penalty",
-            "logit_bias",
         }
     ),
     elsewhere={
@@ -47,8 +47,22 @@ SAMPLING_SUPPORT = SamplingSupport(
         "stop": "the engine's `add`: stop conditions (the worker matches them without `job.text`)",
         "stop_token_ids": "the engine's `add`: stop conditions",
         "logprobs": "`job_args`: return_top_tokens and return_probs",
-        "min_tokens": "`job_args`: min_new_tokens (less what an earlier attempt sent)",
+        "logit_bias": "genq's hook (worker/dyngen/edits.py): added to the job's row of the "
+        "logits on the device (without the hook: `combo_args`' logit_bias)",
+        "min_tokens": "genq's hook (worker/dyngen/edits.py): the stop tokens masked in the job's "
+        "row until then (without the hook: `job_args`' min_new_tokens); less what an earlier "
+        "attempt sent",
         "banned_strings": "`job_args`: banned_strings",
+    },
+    per_job={
+        "repetition_penalty": "exllamav3's ComboSampler penalises over the job's context, "
+        "which only the library holds per job",
+        "presence_penalty": "as repetition_penalty",
+        "frequency_penalty": "as repetition_penalty",
+        "logprobs": "exllamav3 reports probabilities of the model's own distribution, a "
+        "softmax (and, for top logprobs, a sort) of the job's row: per job",
+        "banned_strings": "exllamav3 rewinds the job to a checkpoint and samples again with the "
+        "tokens it tried blocked: per job by nature",
     },
 )
 """Where the exllamav3 engine honours each sampler setting: `combo_args` maps the rest."""
