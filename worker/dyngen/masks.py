@@ -22,8 +22,8 @@ the forward pass (exllamav2's `forward_chunk`, exllamav3's decode `forward`):
 4. When the token is known, the job's `receive_sample` feeds it to its matcher (`take_token`).
    A matcher whose grammar is complete allows only EOS, which the job's stop conditions hold
    (the card's EOS ids): the next step ends the job with `stop`. A token the matcher refuses
-   (it cannot come from a masked row) marks the job `genq_failed`, and the engine fails it
-   before its output goes out (`DynamicEngine`).
+   (from a masked row only when the matcher failed: its mask is then EOS alone) marks the job
+   `genq_failed`, and the engine fails it before its output goes out (`DynamicEngine`).
 
 The host buffer is reused every step: the copy that read it last was queued before the last
 step's tokens were read back to the host, which waits for it.
@@ -112,7 +112,7 @@ def take_token(job: Any, token: Any) -> None:
         return
     token_id = int(token)
     if not m.consume(token_id):
-        job.genq_failed = f"token {token_id} is not one its constraint allows: {m.error}"
+        job.genq_failed = f"at token {token_id}: {m.error or 'a token it does not allow'}"
 
 
 class StepMasks:
