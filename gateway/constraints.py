@@ -1,10 +1,10 @@
 """The gateway's check of a job's constraint, before the job exists.
 
 A constraint (shared/constraints.py) is compiled into an llguidance grammar and that grammar
-built into a matcher over the model's tokenizer, exactly as a worker will build it: whatever
-fails here is a 400 naming the field and the problem, and nothing that passes can fail on the
-worker for a reason the client could have been told. What a hostile constraint may cost is
-bounded before any work and while it is done:
+built into a matcher over the model's tokenizer, exactly as a worker will build it, and walked
+a few steps: whatever fails here is a 400 naming the field and the problem (gateway/
+constraint_errors.py words it). What a hostile constraint may cost is bounded before any work
+and while it is done:
 
 - size: the constraint's JSON (`GENQ_MAX_CONSTRAINT_BYTES`) and a schema's nesting
   (`GENQ_MAX_CONSTRAINT_DEPTH`) are checked before anything is compiled;
@@ -12,8 +12,17 @@ bounded before any work and while it is done:
   grammar whose lexer or parser would grow without end, with an error the 400 carries;
 - emptiness: a grammar must admit some output (its first step allows a token, or it accepts
   the empty output), and a Lark grammar must be able to finish (shared/lark_check.py);
+- running: a grammar whose lexer builds but blows up on the first characters of output (a
+  regex such as `a{1000}{1000}`: llguidance gives up, over its limits, at the first `a`) is
+  found by walking its first `PROBE_STEPS` steps, as a model would, taking the lowest allowed
+  token other than EOS each step; a schema's regexes (`pattern`, `patternProperties`), which
+  that walk seldom reaches, are built and walked together too, and where that fails each on
+  its own, so the 400 names the one at fault (`….properties.code.pattern`). What such a
+  walk cannot reach, the worker finds as the output grows, and fails the job with
+  `constraint_failed` (never retried elsewhere);
 - time: compiling runs off the event loop (`JobService.off_loop`), in threads that release the
-  GIL.
+  GIL (all but the walk's `consume_token`: microseconds, tens of milliseconds where a lexer
+  gives up).
 
 Checked constraints are cached by their canonical text and the tokenizer
 (`GENQ_CONSTRAINT_CACHE_SIZE` entries): a schema sent again costs a dictionary lookup.
@@ -22,12 +31,14 @@ Checked constraints are cached by their canonical text and the tokenizer
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import llguidance
 
+from gateway.constraint_errors import patterns, reason
 from gateway.registry import LoadedCard
 from shared.constraints import (
     LIMITS,
@@ -35,6 +46,7 @@ from shared.constraints import (
     ConstraintKind,
     canonical,
     grammar_of,
+    llg_error,
     llg_tokenizer,
     ref_loop,
 )
@@ -48,6 +60,18 @@ OffLoop = Callable[[Callable[[], T], int | None], Awaitable[T]]
 
 TOKENIZERS_KEPT = 8
 """llguidance tokenizers kept per gateway process (one per model tokenizer in use)."""
+PROBE_STEPS = 8
+"""Most steps of a grammar the check walks (a lexer that blows up does so on its first
+characters; each step is one mask, tens of microseconds for an ordinary grammar)."""
+PROBE_BUDGET_S = 0.05
+"""The walk takes no further step once it has run this long: a grammar whose every mask is
+slow (`a{100000}`, a tenth of a second a mask) costs the check a step or two, not eight."""
+LEXER_LIMIT = "lexer error"
+"""How llguidance's message starts where its lexer hit a limit (fuel, states) computing a mask
+(a mask that finds no token for an empty language fails otherwise)."""
+PATTERNS_CHECKED = 64
+"""Most distinct regexes of one schema checked apart from the schema (past them, only the
+whole schema's walk and the worker can find a regex that cannot run)."""
 
 
 class ConstraintChecker:
@@ -82,7 +106,8 @@ class ConstraintChecker:
             return Constraint(type=kind, value=value, grammar=grammar, origin=origin)
         self.misses += 1
         tokenizer = await self._tokenizer(loaded, off_loop)
-        grammar = await off_loop(lambda: _compile(tokenizer, kind, value, param), None)
+        made = origin is not None and origin != "response_format"  # a grammar genq wrote
+        grammar = await off_loop(lambda: _compile(tokenizer, kind, value, param, made), None)
         self._checked[key] = grammar
         while len(self._checked) > self.settings.constraint_cache_size:
             self._checked.popitem(last=False)
@@ -122,50 +147,117 @@ class ConstraintChecker:
         return tok
 
 
-def _compile(tokenizer: Any, kind: ConstraintKind, value: Any, param: str) -> str:
-    """The constraint's grammar, built into a matcher as a worker will build it; BadRequest
-    for what cannot run."""
+def _compile(
+    tokenizer: Any, kind: ConstraintKind, value: Any, param: str, made: bool = False
+) -> str:
+    """The constraint's grammar, built into a matcher as a worker will build it and walked a
+    few steps; BadRequest for what cannot run. `made`: a grammar genq wrote from the request
+    (tool calls), whose lines and columns mean nothing to the client."""
+    what = "the grammar genq makes of them" if made else f"this {_WHAT[kind]}"
     try:
         grammar = grammar_of(kind, value)
     except ValueError as exc:
-        raise _invalid(param, kind, str(exc)) from None
+        raise _invalid(param, what, reason(kind, str(exc), not made)) from None
     if kind == "grammar":
         why = unfinishable(value)
         if why is not None:
-            raise _invalid(param, kind, why)
+            raise _invalid(param, what, why)
     if kind == "json_schema":
         loop = ref_loop(value)
         if loop is not None:
-            raise _invalid(param, kind, f"its $ref {loop!r} leads back to itself (no value ends)")
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
-    if matcher.is_error():
-        raise _invalid(param, kind, _first_line(matcher.get_error()))
-    if not matcher.is_accepting() and not _allows_more_than_eos(matcher, tokenizer):
-        raise _invalid(param, kind, "it admits no output at all (nothing can be generated)")
+            raise _invalid(param, what, f"its $ref {loop!r} leads back to itself (no value ends)")
+        _check_patterns(tokenizer, value, param)
+    why = _fault(tokenizer, grammar, kind, not made)
+    if why is not None:
+        raise _invalid(param, what, why)
     return grammar
 
 
-def _allows_more_than_eos(matcher: Any, tokenizer: Any) -> bool:
-    """Whether the first step allows a token other than EOS (llguidance allows EOS alone where
-    a grammar can go no further, as in one whose language is empty)."""
-    bits = bytearray(matcher.compute_bitmask())
-    for eos in tokenizer.eos_tokens:
-        if eos // 8 < len(bits):
-            bits[eos // 8] &= ~(1 << (eos % 8)) & 0xFF
-    return any(bits)
+def _check_patterns(tokenizer: Any, schema: Any, param: str) -> None:
+    """A schema's regexes, built and walked together as JSON strings (the walk of the whole
+    schema reaches only the first of them); where that fails, each alone: BadRequest naming
+    the first that cannot run, at its path in the schema."""
+    paths: dict[str, str] = {}
+    for path, pattern in patterns(schema):
+        if len(paths) == PATTERNS_CHECKED:
+            break
+        paths.setdefault(pattern, path)
+    if not paths:
+        return
+    every = grammar_of("json_schema", {"anyOf": [_string(p) for p in paths]})
+    why = _fault(tokenizer, every, "regex")
+    if why is None:
+        return
+    if len(paths) == 1:
+        raise _invalid(f"{param}.{next(iter(paths.values()))}", "this regex", why)
+    for pattern, path in paths.items():  # which one (a second build of the one at fault)
+        why = _fault(tokenizer, grammar_of("json_schema", _string(pattern)), "regex")
+        if why is not None:
+            raise _invalid(f"{param}.{path}", "this regex", why)
 
 
-def _invalid(param: str, kind: ConstraintKind, why: str) -> BadRequest:
-    what = {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}[kind]
-    return BadRequest(
-        f"{param}: this {what} cannot be used: {why}", param=param, code="invalid_constraint"
+def _string(pattern: str) -> dict[str, Any]:
+    return {"type": "string", "pattern": pattern}
+
+
+def _fault(
+    tokenizer: Any, grammar: str, kind: ConstraintKind, positions: bool = True
+) -> str | None:
+    """Why `grammar` cannot run, found by building its matcher and walking its first
+    `PROBE_STEPS` steps (the lowest allowed token other than EOS each step; the first two
+    always, the rest within `PROBE_BUDGET_S`); None if nothing went wrong there. `positions`:
+    say where in the grammar (see `reason`)."""
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
+    if matcher.is_error():
+        return reason(kind, matcher.get_error(), positions)
+    until = time.monotonic() + PROBE_BUDGET_S
+    for step in range(PROBE_STEPS):
+        if step > 1 and time.monotonic() > until:
+            return None
+        bits = bytearray(matcher.compute_bitmask())
+        for eos in tokenizer.eos_tokens:
+            if eos // 8 < len(bits):
+                bits[eos // 8] &= ~(1 << (eos % 8)) & 0xFF
+        token = _lowest(bits)
+        if token is None:  # the end, no output at all, or a mask that failed (EOS alone)
+            error = llg_error(matcher.get_error()) if matcher.is_error() else ""
+            if error.startswith(LEXER_LIMIT) or (error and step > 0):
+                return _gave_up(error)
+            if step == 0 and not matcher.is_accepting():
+                return "it admits no output at all (nothing can be generated)"
+            return None
+        if not matcher.consume_token(token) or matcher.is_error():
+            return _gave_up(llg_error(matcher.get_error()))
+    return None
+
+
+def _lowest(bits: bytes | bytearray) -> int | None:
+    """The lowest token id set in a mask (bit i of byte i // 8), or None."""
+    rest = bytes(bits).lstrip(b"\0")
+    if not rest:
+        return None
+    low = rest[0] & -rest[0]
+    return (len(bits) - len(rest)) * 8 + low.bit_length() - 1
+
+
+def _gave_up(error: str) -> str:
+    return (
+        f"llguidance gives up on the first tokens of output ({error}): it grows past the limits "
+        "on what a constraint may cost"
     )
 
 
-def _first_line(error: str) -> str:
-    """llguidance's error, without the grammar excerpt it may append (bounded)."""
-    line = error.strip().splitlines()[0] if error.strip() else "invalid"
-    return line[:500]
+_WHAT: dict[ConstraintKind, str] = {
+    "json_schema": "JSON schema",
+    "regex": "regex",
+    "grammar": "grammar",
+}
+
+
+def _invalid(param: str, what: str, why: str) -> BadRequest:
+    return BadRequest(
+        f"{param}: {what} cannot be used: {why}", param=param, code="invalid_constraint"
+    )
 
 
 def check_compatible(sampling: Sampling, param: str) -> None:

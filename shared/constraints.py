@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 ConstraintKind = Literal["json_schema", "regex", "grammar"]
 CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = ("json_schema", "regex", "grammar")
 """The native API's constraint fields, in the order they are documented: one at most."""
+CONSTRAINT_FAILED = "constraint_failed"
+"""The error code of a job whose constraint could not run on the worker (the matcher failed
+as the output grew, a replay did not fit it, its grammar did not build there). That is the
+request's fault, not the worker's: the job fails at once, is never tried again elsewhere, and
+the OpenAI APIs answer it as an `invalid_request_error` naming the field."""
 
 JSON_COMPILE_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "lenient": False}
 """How a JSON schema is compiled: compact JSON (`{"a":1}`, no whitespace between tokens: a
@@ -60,6 +65,11 @@ class Constraint(BaseModel):
     """What made it, when not the native field itself: `response_format` (json_object or
     json_schema) or `tools` (a tool-call grammar)."""
 
+    @property
+    def field(self) -> str:
+        """The request field it came from: the native field, `response_format` or `tools`."""
+        return self.origin.partition(":")[0] if self.origin else self.type
+
     def shown(self) -> dict[str, Any]:
         """As `GET /v1/jobs/{id}` shows it: the type and the value, not the compiled grammar."""
         out: dict[str, Any] = {"type": self.type, self.type: self.value}
@@ -80,6 +90,13 @@ def grammar_of(kind: ConstraintKind, value: Any) -> str:
     if kind == "regex":
         return str(llguidance.LLMatcher.grammar_from_regex(value))
     return str(llguidance.LLMatcher.grammar_from_lark(value))
+
+
+def llg_error(error: str) -> str:
+    """llguidance's error message on one line, without the marker it adds where
+    `verbose_errors` is off."""
+    lines = [line.strip() for line in error.splitlines()]
+    return "; ".join(line for line in lines if line and line != "<non-verbose/>")
 
 
 def canonical(kind: str, value: Any) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -322,10 +323,18 @@ class JobCreate(Sampling):
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:
         if (self.prompt is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of `prompt` and `input_ids`")
+            param = "prompt" if self.prompt is None else "input_ids"
+            raise PydanticCustomError(
+                "one_input", "give exactly one of `prompt` and `input_ids`", {"param": param}
+            )
         given = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
-            raise ValueError(f"give one constraint at most, not {' and '.join(given)}")
+            both = "both" if len(given) == 2 else "all"
+            raise PydanticCustomError(
+                "one_constraint",
+                "give one constraint at most: {fields} were {both} given",
+                {"param": given[-1], "fields": _and(given), "both": both},
+            )
         return self
 
     def constraint(self) -> tuple[ConstraintKind, Any] | None:
@@ -335,6 +344,11 @@ class JobCreate(Sampling):
             if value is not None:
                 return kind, value
         return None
+
+
+def _and(names: Sequence[str]) -> str:
+    """`a and b`, `a, b and c`."""
+    return " and ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0]
 
 
 class JobSpec(BaseModel):

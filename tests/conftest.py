@@ -101,11 +101,15 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def running_stack(
-    settings: Settings, redis: aioredis.Redis, **engine_options: object
+    settings: Settings,
+    redis: aioredis.Redis,
+    engine: type[SimEngine] = SimEngine,
+    **engine_options: object,
 ) -> AsyncIterator[Stack]:
+    """The gateway and one worker of `engine` (the sim, or a test's variant of it)."""
     options: dict = {"step_ms": settings.sim_step_ms, "max_batch": settings.max_batch}
     options.update(engine_options)
-    worker = Worker(settings, SimEngine(**options), redis=redis)
+    worker = Worker(settings, engine(**options), redis=redis)
     task = asyncio.create_task(worker.run())
     raw_pubsub = not isinstance(redis, fakeredis.FakeAsyncRedis)  # real Redis: genq's own reader
     app = create_app(settings, redis=redis, raw_pubsub=raw_pubsub)

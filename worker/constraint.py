@@ -19,14 +19,19 @@ from typing import Any
 
 import llguidance
 
-from shared.constraints import LIMITS, llg_tokenizer
+from shared.constraints import CONSTRAINT_FAILED, LIMITS, llg_error, llg_tokenizer
+from worker.engine import JobRefused
 
 GRAMMARS_KEPT = 256
 """Compiled grammars an engine keeps (each job of one gets a copy of its first matcher)."""
 
 
-class ConstraintError(ValueError):
-    """A job's grammar cannot run here, or its tokens left it (a replay that does not fit)."""
+class ConstraintError(JobRefused):
+    """A job's grammar cannot run here, or its tokens left it (a replay that does not fit):
+    the job's own fault, the same on every worker (it fails with `CONSTRAINT_FAILED`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, CONSTRAINT_FAILED)
 
 
 class JobMatcher:
@@ -40,15 +45,17 @@ class JobMatcher:
     def replay(self, token_ids: Sequence[int]) -> None:
         """Advance over tokens an earlier attempt generated (and sent); ConstraintError if
         they do not fit the grammar (they always do, unless the grammar changed)."""
-        if token_ids and not self.m.consume_tokens(list(token_ids)):
+        if token_ids and not (self.m.consume_tokens(list(token_ids)) and not self.failed):
             raise ConstraintError(
-                f"the tokens already generated leave the constraint: {self.error}"
+                f"the {len(token_ids)} tokens an earlier attempt generated do not fit the "
+                f"constraint: {self.error}"
             )
 
     def consume(self, token_id: int) -> bool:
-        """Take the sampled token; False if the grammar does not allow it (the matcher is
-        then in error: the job cannot go on)."""
-        return bool(self.m.consume_token(token_id))
+        """Take the sampled token; False if the grammar does not allow it, or the matcher
+        failed (it is then in error: the job cannot go on). A failed matcher takes EOS, as
+        a complete one does: only `failed` tells them apart."""
+        return bool(self.m.consume_token(token_id)) and not self.failed
 
     def allowed_bits(self) -> bytes:
         """The next-token mask: bit i of the little-endian 32-bit words set when token i may
@@ -61,16 +68,24 @@ class JobMatcher:
 
     @property
     def stopped(self) -> bool:
-        """The grammar is complete and admits nothing more: the job ends here."""
-        return bool(self.m.is_stopped())
+        """The grammar is complete and admits nothing more: the job ends here. (llguidance
+        calls a failed matcher stopped too; this does not.)"""
+        return bool(self.m.is_stopped()) and not self.failed
 
     @property
     def accepting(self) -> bool:
         return bool(self.m.is_accepting())
 
     @property
+    def failed(self) -> bool:
+        """The matcher is in error (a token it refused, or a limit its lexer or parser hit
+        while computing a mask): its masks allow EOS alone, and the job cannot go on."""
+        return bool(self.m.is_error())
+
+    @property
     def error(self) -> str:
-        return str(self.m.get_error()) if self.m.is_error() else ""
+        """Why it failed, in llguidance's words ('' when it has not)."""
+        return llg_error(str(self.m.get_error())) if self.failed else ""
 
 
 class Grammars:
@@ -90,7 +105,8 @@ class Grammars:
         if first is None:
             first = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
             if first.is_error():
-                raise ConstraintError(f"the job's constraint does not build: {first.get_error()}")
+                why = llg_error(str(first.get_error()))
+                raise ConstraintError(f"the constraint does not build on this worker: {why}")
             self._kept[grammar] = first
             while len(self._kept) > GRAMMARS_KEPT:
                 self._kept.popitem(last=False)

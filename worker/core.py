@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from worker.engine import Engine, EngineJob, StepOutput, Stop
+from worker.engine import Engine, EngineJob, JobRefused, StepOutput, Stop
 
 log = logging.getLogger(__name__)
 FAILURE_BACKOFF_S = 0.05
@@ -70,6 +70,10 @@ class EngineCore:
         try:
             self.engine.sampling_support.check(c.job.sampling)
             self.engine.add(c.job)
+        except JobRefused as exc:  # the job's own fault: it fails at once, here
+            del self._attempts[job_id]
+            log.info("engine refused job", extra={"job_id": job_id, "error": str(exc)})
+            return [StepOutput(job_id, error=str(exc), attempt=c.attempt, error_code=exc.code)]
         except Exception as exc:  # a job the engine refuses fails alone
             del self._attempts[job_id]
             log.warning("engine refused job", extra={"job_id": job_id, "error": str(exc)})

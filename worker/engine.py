@@ -22,6 +22,11 @@ How an engine plugs in:
    and failures are handled around it. `step` may raise: every job is failed (handed back
    for another attempt) and `reset` is called.
 
+A job that fails in the engine is handed back for another attempt (on any worker), unless
+the failure is the job's own: `add` raising `JobRefused`, or an output whose `error_code` is
+set (its constraint cannot run: the same on every worker). Such a job fails at once with that
+code; nothing is counted against this worker.
+
 Jobs arrive with `EngineJob.text`: when False the worker makes the job's text from its token
 ids and matches its stop strings itself (GENQ_DETOKENIZE=worker); the engine emits token ids
 only, ignores `sampling.stop`, and stops on stop tokens and lengths alone.
@@ -101,6 +106,16 @@ class SamplingSupport:
 # so the collector need not track the thousands a busy step makes.
 
 
+class JobRefused(ValueError):
+    """An engine's refusal of a job for what the job itself asks, not for this worker's state
+    (its constraint does not build, or its tokens do not fit it): the job fails at once with
+    `code`, and no other worker tries it."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class Stop(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Why the worker stops a job in the engine. It travels with the cancel command and comes
     back on the job's last output, so the job ends the way it was stopped."""
@@ -122,13 +137,17 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False):
     finish_reason: FinishReason | None = None
     """Set when the job finished in the engine (stop token or string, or max tokens)."""
     error: str | None = None
-    """Set when the engine failed this job; the job ends (or is retried) with an error."""
+    """Set when the engine failed this job: it is handed back for another attempt, unless
+    `error_code` is set too."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
     attempt: int = 0
     """The attempt this output belongs to (set around the engine, not by it)."""
     stopped: Stop | None = None
     """Set on the output that confirms a cancel (set around the engine, not by it)."""
+    error_code: str | None = None
+    """With `error`: the failure is the job's own (`shared.constraints.CONSTRAINT_FAILED`: its
+    constraint cannot run), so the job fails at once with this code, on no other worker."""
 
 
 class Engine(Protocol):

@@ -87,7 +87,9 @@ class Flusher:
             if out.prompt_tokens:
                 run.prompt_tokens = out.prompt_tokens
                 run.cached_tokens = out.cached_tokens
-            if out.error is not None:
+            if out.error is not None and out.error_code is not None:  # the job's own fault
+                run.fail("failed", out.error_code, _own_fault(run, out.error))
+            elif out.error is not None:
                 run.retry_error = out.error  # handed back after its tokens are flushed
             elif out.stopped is not None:
                 self._stopped(run, out.stopped)
@@ -269,3 +271,11 @@ class Flusher:
             except (RedisError, OSError) as exc:  # still ours in the PEL: reclaimed later
                 log.warning("hand-back failed", extra={"job_id": run.id, "error": str(exc)})
         st.room.set()
+
+
+def _own_fault(run: RunningJob, error: str) -> str:
+    """An engine's error about what the job itself asked, naming the request field it is
+    about (`regex`, `json_schema`, `grammar`, `response_format`, `tools`)."""
+    constraint = run.spec.constraint
+    field = constraint.field if constraint is not None else "the request"
+    return f"{field}: {error} (not retried: any worker would fail it the same way)"

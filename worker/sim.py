@@ -47,7 +47,8 @@ it may end, after a few tokens; then a closing `"`, `)`, `]` or `}` half the tim
 the output is long (and then other punctuation, which moves a pattern on); otherwise its own
 next word when allowed, or some allowed plain token. Where the grammar offers a tool call at
 the start (`<tool_call>`, a special token of its tokenizer), it takes it unless the job's
-seed is odd.
+seed is odd. A matcher that fails (a limit llguidance hits as the output grows) fails the job
+with `constraint_failed`, the job's own fault, as the GPU engines do.
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from shared.constraints import CONSTRAINT_FAILED
 from shared.pages import PAGE_TOKENS, page_hashes, shared_pages
 from shared.schemas import ModelCard
 from worker.constraint import (
-    ConstraintError,
     Grammars,
     JobMatcher,
     MaskBatch,
@@ -293,11 +294,8 @@ class SimEngine:
             weights=self._weights(job.sampling.logit_bias),
             banned=tuple(b.lower() for b in job.sampling.banned_strings),
         )
-        if job.grammar is not None:
-            try:
-                sim.matcher = self._grammar_set().matcher(job.grammar, job.resume_ids)
-            except ConstraintError as exc:
-                raise ValueError(str(exc)) from None
+        if job.grammar is not None:  # ConstraintError (the job's fault) if it cannot run
+            sim.matcher = self._grammar_set().matcher(job.grammar, job.resume_ids)
         if job.resume_ids:
             self._resume(sim)
         self._jobs[job.id] = sim
@@ -458,11 +456,13 @@ class SimEngine:
         job = s.job
         row = s.mask if s.mask is not None else memoryview(m.allowed_bits())
         s.mask = None
+        if m.failed:  # its mask failed (a limit of llguidance's): EOS alone is no end
+            return self._constraint_failed(s, m)
         x = _mix(s.base, s.position)
         long = s.position >= CONSTRAINED_BUDGET
         token_id = self._constrained_choice(s, row, x, long)
         if token_id is None:
-            return StepOutput(job.id, error=f"sim engine: the constraint allows nothing: {m.error}")
+            return self._constraint_failed(s, m)
         if token_id == self._eos_id:
             return StepOutput(
                 job.id,
@@ -471,8 +471,14 @@ class SimEngine:
                 cached_tokens=s.cached,
             )
         if not m.consume(token_id):
-            return StepOutput(job.id, error=f"sim engine: token {token_id} left the constraint")
+            return self._constraint_failed(s, m)
         return token_id, self._token_texts[token_id]
+
+    def _constraint_failed(self, s: _SimJob, m: JobMatcher) -> StepOutput:
+        """The job's end when its matcher failed: the job's own fault (`CONSTRAINT_FAILED`)."""
+        why = m.error or "it allows no token"
+        error = f"the constraint failed after {s.position} generated tokens: {why}"
+        return StepOutput(s.job.id, error=error, error_code=CONSTRAINT_FAILED)
 
     def _constrained_choice(self, s: _SimJob, row: memoryview, x: int, long: bool) -> int | None:
         """The rule of the module's docstring, testing single bits first: the whole list of

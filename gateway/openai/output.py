@@ -29,7 +29,7 @@ from gateway.openai.protocol import (
     UsageInfo,
 )
 from gateway.openai.toolcalls import CallDelta, ToolCallReader, ToolFormat, tool_format_of
-from shared.constraints import Constraint
+from shared.constraints import CONSTRAINT_FAILED, Constraint
 from shared.events import CancelledEvent, DoneEvent, ErrorEvent, Event, TokenEvent
 from shared.schemas import Usage
 
@@ -46,6 +46,9 @@ class ChoiceState:
     finish_reason: str | None = None
     usage: Usage | None = None
     failure: ErrorDetail | None = None
+    constraint_param: str | None = None
+    """The request field its job's constraint came from (`regex`, `response_format`, …): the
+    `param` of the error when that constraint could not run."""
 
     @property
     def ended(self) -> bool:
@@ -58,6 +61,13 @@ class ChoiceState:
                 self.logprobs = (self.logprobs or []) + ev.logprobs
         elif isinstance(ev, DoneEvent):
             self.finish_reason, self.usage = ev.finish_reason, ev.usage
+        elif isinstance(ev, ErrorEvent) and ev.code == CONSTRAINT_FAILED:  # the request's fault
+            self.failure = ErrorDetail(
+                message=ev.message,
+                type="invalid_request_error",
+                param=self.constraint_param,
+                code=ev.code,
+            )
         elif isinstance(ev, ErrorEvent):
             self.failure = ErrorDetail(message=ev.message, type="server_error", code=ev.code)
         elif isinstance(ev, CancelledEvent):

@@ -222,7 +222,8 @@ async def prepare_jobs(
                     ),
                 )
             )
-            run.choices.append(ChoiceState(index, job_id, i))
+            param = spec.constraint.field if spec.constraint is not None else None
+            run.choices.append(ChoiceState(index, job_id, i, constraint_param=param))
     return run, jobs
 
 
@@ -240,6 +241,10 @@ async def _constrained(
         tok = loaded.tokenizer
         special = frozenset(m for m in MARKERS if tok.token_to_id(m) is not None)
         check_compatible(spec.sampling, "tools")
+        for i, fn in enumerate(tools.functions):  # a 400 names the tool and what is wrong
+            if tools.choice in ("auto", "required", fn["name"]):  # those the grammar holds
+                param, schema = f"tools.{i}.function.parameters", fn["parameters"]
+                await jobs.constraints.check(loaded, "json_schema", schema, param, jobs.off_loop)
         lark = grammar_for(FORMATS[family], tools, special)
         constraint = await jobs.constraints.check(
             loaded, "grammar", lark, "tools", jobs.off_loop, origin=f"{TOOLS_ORIGIN}{family}"
@@ -498,9 +503,12 @@ class OpenAIServing:
                 for ev in _output_events(batch):
                     run.choices[index].apply(ev)
         for c in run.choices:
-            if c.failure is not None:
-                cls = Conflict if c.failure.code == "cancelled" else GenqError
-                raise cls(c.failure.message, code=c.failure.code)
+            f = c.failure
+            if f is not None and f.type == "invalid_request_error":  # its constraint: a 400
+                raise BadRequest(f.message, param=f.param, code=f.code)
+            if f is not None:
+                cls = Conflict if f.code == "cancelled" else GenqError
+                raise cls(f.message, code=f.code)
             if not c.ended:
                 raise GenqError(f"job {c.job_id} ended without a result", code="job_lost")
 
@@ -686,8 +694,9 @@ def _job_body(
         return JobCreate(**fields)
     except ValidationError as exc:
         e = exc.errors()[0]
-        loc = [str(x) for x in e.get("loc", ())]
-        param = prompt_param if loc and loc[0] in ("prompt", "input_ids") else ".".join(loc)
+        named = (e.get("ctx") or {}).get("param")  # a check of several fields names its own
+        loc = [str(x) for x in e.get("loc", ())] or [str(named or "body")]
+        param = prompt_param if loc[0] in ("prompt", "input_ids") else ".".join(loc)
         raise Unprocessable(f"{param}: {e.get('msg', 'invalid')}", param=param) from None
 
 

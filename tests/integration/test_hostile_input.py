@@ -226,7 +226,7 @@ async def test_without_max_tokens_a_long_prompt_gets_what_the_context_leaves(
         ("/v1/jobs", {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
         ("/v1/jobs", {"input_ids": [True]}, "input_ids.0"),
         ("/v1/jobs", {"prompt": ""}, "prompt"),
-        ("/v1/jobs", {"prompt": None, "input_ids": None}, "body"),
+        ("/v1/jobs", {"prompt": None, "input_ids": None}, "prompt"),
         ("/v1/completions", {"prompt": [[False]]}, "prompt"),
         ("/v1/completions", {"prompt": "x", "temperature": True}, "temperature"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 1}]}, "messages"),

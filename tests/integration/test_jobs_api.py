@@ -104,7 +104,7 @@ async def test_idempotency_key_returns_the_same_job(stack: Stack) -> None:
         ({"model": "sim", "prompt": "x", "priority": "now"}, 422, "priority", ["batch"]),
         ({"model": "sim", "prompt": "x", "stop": "a"}, 422, "stop", ["list"]),
         ({"model": "sim", "prompt": "x", "bogus": 1}, 422, "bogus", ["not permitted"]),
-        ({"model": "sim"}, 422, "body", ["exactly one"]),
+        ({"model": "sim"}, 422, "prompt", ["exactly one"]),
         ({"model": "sim", "input_ids": [1, 10**9]}, 400, "input_ids", ["vocabulary"]),
         ({"model": "sim", "prompt": "x", "logit_bias": {"4096": 1}}, 400, "logit_bias", ["4096"]),
         ({"model": "sim", "prompt": "x", "logit_bias": {"1e3": 1}}, 422, "logit_bias.1e3", ["id"]),

@@ -53,6 +53,13 @@ STRICT = {
     "additionalProperties": False,
 }
 
+UNRUNNABLE = {
+    "type": "object",
+    "properties": {"s": {"type": "string", "pattern": "^a{1000}{1000}$"}},
+    "required": ["s"],
+}
+"""A schema whose `pattern`'s lexer gives up (over llguidance's limits) at the first `a`."""
+
 
 @pytest.mark.parametrize("seed", range(3))
 def test_parse_with_a_pydantic_model(client: openai.OpenAI, seed: int) -> None:
@@ -127,6 +134,10 @@ def test_json_object_and_a_strict_schema_streamed_and_not(
             {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
             "response_format.json_schema.schema",
         ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": UNRUNNABLE}},
+            "response_format.json_schema.schema.properties.s.pattern",
+        ),
     ],
 )
 def test_a_response_format_that_cannot_run_is_a_400_naming_the_field(
@@ -135,3 +146,4 @@ def test_a_response_format_that_cannot_run_is_a_400_naming_the_field(
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=CHAT, messages=ASK, response_format=fmt)  # type: ignore[arg-type]
     assert e.value.body["param"] == param  # type: ignore[index]
+    assert e.value.body["message"].startswith(param)  # type: ignore[index]

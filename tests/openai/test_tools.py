@@ -200,6 +200,31 @@ def test_bad_tools_are_400(client: openai.OpenAI, kwargs: dict, param: str) -> N
     assert e.value.param == param
 
 
+@pytest.mark.parametrize(
+    ("parameters", "why"),
+    [
+        ({"type": "objekt"}, "Invalid type: objekt"),
+        (
+            {"type": "object", "properties": {"zip": {"type": "string", "pattern": "[0-9"}}},
+            "unclosed character class at column 1 (`[0-9`)",
+        ),
+    ],
+)
+def test_a_tool_whose_parameters_cannot_run_is_named_with_the_reason(
+    client: openai.OpenAI, parameters: dict, why: str
+) -> None:
+    broken: ChatCompletionToolParam = {
+        "type": "function",
+        "function": {"name": "broken", "parameters": parameters},
+    }
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=TOOLS, messages=ASK, tools=[*THREE[:2], broken])
+    message = e.value.body["message"]  # type: ignore[index]
+    assert e.value.param is not None and e.value.param.startswith("tools.2.function.parameters")
+    assert message.startswith(f"{e.value.param}: ") and why in message
+    assert "grammar" not in message
+
+
 def test_the_reader_holds_a_marker_split_across_pieces() -> None:
     text = (
         'hi <tool_call>\n{"name":"add","arguments":{"a":1,"b":[2,"}"]}}\n</tool_call>\n'

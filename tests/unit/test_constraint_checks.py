@@ -1,13 +1,18 @@
-"""The checks genq adds to llguidance's: Lark grammars that can never end, `$ref` loops; and
-the worker's batched masks agreeing with one matcher's own."""
+"""The checks genq adds to llguidance's: Lark grammars that can never end, `$ref` loops, where
+a schema's regexes are; the worker's batched masks agreeing with one matcher's own; and a
+matcher that fails telling the job so (never a quiet end)."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.constraints import grammar_of, ref_loop
+from gateway.constraint_errors import patterns
+from shared.constraints import CONSTRAINT_FAILED, grammar_of, ref_loop
 from shared.lark_check import unfinishable
-from worker.constraint import Grammars, MaskBatch, allowed_ids, allows
+from shared.schemas import Sampling
+from worker.constraint import ConstraintError, Grammars, MaskBatch, allowed_ids, allows
+from worker.core import AddCommand, EngineCore
+from worker.engine import EngineJob
 from worker.sim import SimEngine
 
 
@@ -69,3 +74,62 @@ def test_batched_masks_equal_each_matchers_own() -> None:
         ids = allowed_ids(row, grammars.vocab_size)
         assert ids and all(allows(row, t) for t in ids)
         assert not allows(row, max(set(range(grammars.vocab_size)) - set(ids)))
+
+
+def test_patterns_are_found_with_their_path_in_the_schema() -> None:
+    schema = {
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{2}$"},
+            "pattern": {"type": "string"},  # a property named so: no regex
+            "tags": {"items": [{"pattern": "a"}, {"anyOf": [{"pattern": "b"}]}]},
+        },
+        "patternProperties": {"^x-": {"pattern": "c"}},
+        "$defs": {"d": {"additionalProperties": {"pattern": "d"}}},
+        "enum": [{"pattern": "not a schema"}],
+    }
+    assert list(patterns(schema, "json_schema")) == [
+        ("json_schema.patternProperties.^x-", "^x-"),
+        ("json_schema.patternProperties.^x-.pattern", "c"),
+        ("json_schema.properties.code.pattern", "^[A-Z]{2}$"),
+        ("json_schema.properties.tags.items.0.pattern", "a"),
+        ("json_schema.properties.tags.items.1.anyOf.0.pattern", "b"),
+        ("json_schema.$defs.d.additionalProperties.pattern", "d"),
+    ]
+
+
+def test_a_failed_matcher_is_neither_stopped_nor_takes_eos() -> None:
+    """llguidance calls a failed matcher stopped and takes EOS from it (its mask is EOS
+    alone); genq's `JobMatcher` says it failed."""
+    sim = SimEngine()
+    grammars = Grammars(sim.tokenizer_json, sim.card.eos_token_ids)
+    m = grammars.matcher(grammar_of("regex", "abc"))
+    assert not m.consume(grammars.tokenizer.tokenize_str("x")[0])
+    assert m.failed and not m.stopped and m.error
+    assert not m.consume(sim.card.eos_token_ids[0])
+
+
+def test_a_sim_job_whose_matcher_failed_ends_with_the_error_not_stop() -> None:
+    sim = SimEngine(step_ms=0)
+    sim.add(EngineJob("j", [5, 6], 40, Sampling(), 7, grammar=grammar_of("regex", "[a-z]{20}")))
+    sim.step()
+    sim._jobs["j"].matcher.m.consume_token(sim.card.eos_token_ids[0])  # as a limit would
+    [out] = sim.step()
+    assert out.finish_reason is None and out.error_code == CONSTRAINT_FAILED
+    assert "after 1 generated tokens" in (out.error or "") and not sim.active()
+
+
+@pytest.mark.parametrize(
+    ("grammar", "resume"), [("start: %%%", []), (grammar_of("regex", "ab"), [99, 98, 97])]
+)
+def test_a_constraint_that_cannot_run_at_add_is_the_jobs_own_fault(
+    grammar: str, resume: list[int]
+) -> None:
+    """A grammar that does not build on this worker, or a replay that does not fit: the
+    engine refuses the job as its own fault (`constraint_failed`), not as a worker's."""
+    core = EngineCore(SimEngine())
+    job = EngineJob("j", [5, 6], 8, Sampling(), 7, resume_ids=resume, grammar=grammar)
+    [out] = core.apply([AddCommand(job, attempt=1)])
+    assert out.error_code == CONSTRAINT_FAILED and out.attempt == 1 and out.error
+    assert core.failures == 0 and not core.engine.active()
+    with pytest.raises(ConstraintError):
+        Grammars(SimEngine().tokenizer_json, [1]).matcher(grammar, resume)

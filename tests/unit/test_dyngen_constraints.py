@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from shared.constraints import grammar_of
+from shared.constraints import CONSTRAINT_FAILED, grammar_of
 from shared.schemas import ModelCard, Sampling
 from tests.unit import test_exl2_engine as exl2_fakes
 from tests.unit import test_exl3_engine as exl3_fakes
@@ -28,7 +28,7 @@ from worker.dyngen.masks import (
     fill_masks,
     mask_words,
 )
-from worker.engine import EngineJob, StepOutput
+from worker.engine import EngineJob, JobRefused, StepOutput
 from worker.exl2.engine import ExLlamaV2Engine
 from worker.exl3.engine import ExLlamaV3Engine
 from worker.sim import EOS, build_tokenizer
@@ -154,19 +154,21 @@ def test_a_replay_that_completes_the_grammar_ends_the_job_with_stop() -> None:
 @pytest.mark.parametrize(
     ("grammar", "resume", "why"),
     [
-        (GRAMMAR, ids('{"x'), "the tokens already generated leave the constraint"),
+        (GRAMMAR, ids('{"x'), "tokens an earlier attempt generated do not fit the constraint"),
         ("start: %%%", [], "does not build"),
     ],
 )
 def test_a_job_that_cannot_run_its_constraint_fails_alone_at_add(
     grammar: str, resume: list[int], why: str
 ) -> None:
+    """The job's own fault (`JobRefused` with `constraint_failed`): it fails, not retried."""
     h = exl2()
     h.engine.add(cjob("ok"))
     bad = cjob("bad", grammar=grammar)
     bad.resume_ids = resume
-    with pytest.raises(ValueError, match=why):
+    with pytest.raises(JobRefused, match=why) as refused:
         h.engine.add(bad)
+    assert refused.value.code == CONSTRAINT_FAILED
     assert [j.identifier for j in h.jobs] == ["ok"] and h.engine.active() == 1
 
 
@@ -179,7 +181,7 @@ def test_settings_that_rewind_or_block_eos_are_refused_with_a_constraint(
     h = exl2()
     j = cjob("c")
     j.sampling = Sampling(**setting)
-    with pytest.raises(ValueError, match=f"{name}.* cannot be combined with a constraint"):
+    with pytest.raises(JobRefused, match=f"{name}.* cannot be combined with a constraint"):
         h.engine.add(j)
     assert not h.jobs
     h.engine.add(EngineJob("plain", [5, 6], 8, Sampling(**setting), 7))  # without: fine
@@ -223,10 +225,23 @@ def test_a_token_the_grammar_refuses_fails_that_job_before_its_output_goes_out()
     out = run(h.engine)
     texts = "".join(o.text for o in out["bad"])
     assert '{"n":4' in texts and "x" not in texts
-    assert out["bad"][-1].error is not None and "left its constraint" in out["bad"][-1].error
+    last = out["bad"][-1]
+    assert last.error is not None and "the constraint failed" in last.error
+    assert last.error_code == CONSTRAINT_FAILED
     assert "bad" in h.engine._gen.cancelled
     assert "".join(o.text for o in out["good"]) == DOC and out["good"][-1].finish_reason == "stop"
     assert not h.engine._constrained
+
+
+def test_eos_from_a_matcher_that_failed_fails_the_job_rather_than_ending_it() -> None:
+    """A failed matcher's mask is EOS alone, and llguidance takes EOS from it as from a
+    complete one: the step that samples it ends the job in the generator, and the job still
+    fails (never a `stop` with the output cut short)."""
+    h = exl2({"cut": [*ids('{"n":4'), EOS_ID]})
+    h.engine.add(cjob("cut"))
+    out = run(h.engine)["cut"]
+    assert out[-1].finish_reason is None and out[-1].error_code == CONSTRAINT_FAILED
+    assert not any(o.finish_reason for o in out) and not h.engine._constrained
 
 
 def test_a_cancelled_constrained_job_is_forgotten() -> None:
@@ -252,7 +267,8 @@ def test_the_exllamav3_engine_fails_a_refused_job_by_its_serial() -> None:
     engine.add(cjob("bad"))
     engine.add(cjob("good"))
     out = run(engine)
-    assert out["bad"][-1].error is not None and "q" not in "".join(o.text for o in out["bad"])
+    assert out["bad"][-1].error_code == CONSTRAINT_FAILED
+    assert "q" not in "".join(o.text for o in out["bad"])
     assert "".join(o.text for o in out["good"]) == DOC
 
 
@@ -295,7 +311,7 @@ def test_the_steps_tokens_reach_their_matchers_together_after_the_step() -> None
     for j in jobs[:2]:
         assert allowed_ids(j.genq_matcher.allowed_bits(), LOGITS) == [quote]
         assert not getattr(j, "genq_failed", None)
-    assert "not one its constraint allows" in jobs[2].genq_failed
+    assert jobs[2].genq_failed.startswith(f"at token {ids('x')[0]}: ")
     masks.take(jobs[0], quote)
     masks.take(jobs[0], ids("n")[0])  # the same job again: its first token goes in first
     masks.consume()

@@ -20,8 +20,10 @@ Constrained jobs (`EngineJob.grammar`): `add` gives the library's job an llguida
 (`genq_matcher`, from the engine's `Grammars`: its tokenizer, the card's EOS ids, the model's
 logits width) advanced over the tokens an earlier attempt generated; the generator's hook masks
 each step's logits and the job feeds its matcher (worker/dyngen/masks.py). A job whose token
-its grammar refused (`genq_failed`) is failed by `step` before that step's output of it goes
-out.
+its grammar refused (`genq_failed`; a matcher that failed allows EOS alone, and refuses it) is
+failed by `step` before that step's output of it goes out, even where that token ended it in
+the generator: with `constraint_failed`, the job's own fault, as is a constraint that does not
+build or replay at `add`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
+from shared.constraints import CONSTRAINT_FAILED
 from shared.schemas import ModelCard
 from worker.constraint import ConstraintError, Grammars, JobMatcher
 from worker.dyngen.backend import Backend
@@ -64,8 +67,8 @@ class DynamicEngine(ABC):
         self._ready: list[StepOutput] = []
         self._grammars: Grammars | None = None
         """Built at the first constrained job (many workers never see one)."""
-        self._constrained: set[str] = set()
-        """Ids of the tracked jobs with a matcher."""
+        self._constrained: dict[str, Any] = {}
+        """The tracked jobs with a matcher: id → the library's job."""
 
     # ---- what a subclass says -----------------------------------------------------------
 
@@ -143,7 +146,7 @@ class DynamicEngine(ABC):
             attach(handle, sampling, stop_ids, self._backend.vocab_size)
         if matcher is not None:
             handle.genq_matcher = matcher
-            self._constrained.add(job.id)
+            self._constrained[job.id] = handle
         key = self._enqueue(handle, job.id)
         self._jobs[key] = Tracked(job, handle, len(job.input_ids))
         self._keys[job.id] = key
@@ -155,19 +158,20 @@ class DynamicEngine(ABC):
             self._ready = [o for o in self._ready if o.job_id != job_id]
             return len(self._ready) < before
         tracked = self._jobs.pop(key)
-        self._constrained.discard(job_id)
+        self._constrained.pop(job_id, None)
         self._gen.cancel(tracked.handle)
         return True
 
     def step(self) -> list[StepOutput]:
         outputs, self._ready = self._ready, []
         if self._jobs:
+            watched = dict(self._constrained)  # a job the step ends leaves `_constrained`
             results = self._gen.iterate()
-            if self._constrained:  # the step's tokens into their matchers, before outputs go out
+            if watched:  # the step's tokens into their matchers (those of jobs it ended too)
                 self._gen.genq_masks.consume()
             outputs += [o for r in results if (o := self._result(r)) is not None]
-            if self._constrained:
-                outputs = self._fail_refused(outputs)
+            if watched:
+                outputs = self._fail_refused(outputs, watched)
         return outputs
 
     def profile(self) -> dict[str, float | int]:
@@ -215,11 +219,13 @@ class DynamicEngine(ABC):
     def _forget(self, tracked: Tracked) -> None:
         """A job that ended in the generator: no longer tracked."""
         del self._jobs[self._keys.pop(tracked.job.id)]
-        self._constrained.discard(tracked.job.id)
+        self._constrained.pop(tracked.job.id, None)
 
     def _matcher(self, job: EngineJob) -> JobMatcher | None:
         """The job's matcher, replayed over its `resume_ids`, or None for a job without a
-        constraint; ValueError (the job fails alone) for one that cannot run here."""
+        constraint. ValueError (handed back: another worker may) where this worker cannot
+        apply constraints; ConstraintError (the job's fault: it fails) where the job's
+        constraint cannot run."""
         if job.grammar is None:
             return None
         if getattr(self._gen, "genq_masks", None) is None:
@@ -228,30 +234,30 @@ class DynamicEngine(ABC):
             raise ValueError("this worker cannot apply constraints: its model names no EOS token")
         clash = [name for name in UNCONSTRAINED_ONLY if name in job.sampling.changed()]
         if clash:
-            raise ValueError(f"{' and '.join(clash)} cannot be combined with a constraint here")
+            raise ConstraintError(f"{' and '.join(clash)} cannot be combined with a constraint")
         if self._grammars is None:
             eos = self.card.eos_token_ids
             self._grammars = Grammars(self.tokenizer_json, eos, self._backend.vocab_size)
-        try:
-            return self._grammars.matcher(job.grammar, job.resume_ids)
-        except ConstraintError as exc:
-            raise ValueError(str(exc)) from None
+        return self._grammars.matcher(job.grammar, job.resume_ids)
 
-    def _fail_refused(self, outputs: list[StepOutput]) -> list[StepOutput]:
-        """Fail the jobs whose last token their grammar refused (`genq_failed`): out of the
-        generator, their outputs of this step replaced by the error."""
+    def _fail_refused(self, outputs: list[StepOutput], watched: dict[str, Any]) -> list[StepOutput]:
+        """Fail the jobs (of `watched`: the constrained ones before the step) whose last token
+        their grammar refused (`genq_failed`): out of the generator if the step left them
+        there, their outputs of this step replaced by the error."""
         failed: dict[str, str] = {}
-        for job_id in list(self._constrained):
-            tracked = self._jobs[self._keys[job_id]]
-            why = getattr(tracked.handle, "genq_failed", None)
-            if why:
-                self._gen.cancel(tracked.handle)
-                self._forget(tracked)
-                failed[job_id] = why
+        for job_id, handle in watched.items():
+            why = getattr(handle, "genq_failed", None)
+            if not why:
+                continue
+            key = self._keys.get(job_id)
+            if key is not None and self._jobs[key].handle is handle:
+                self._gen.cancel(handle)
+                self._forget(self._jobs[key])
+            failed[job_id] = why
         if not failed:
             return outputs
         kept = [o for o in outputs if o.job_id not in failed]
         return kept + [
-            StepOutput(job_id, error=f"the job's output left its constraint: {why}")
+            StepOutput(job_id, error=f"the constraint failed: {why}", error_code=CONSTRAINT_FAILED)
             for job_id, why in failed.items()
         ]

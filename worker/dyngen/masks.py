@@ -24,8 +24,9 @@ the forward pass (exllamav2's `forward_chunk`, exllamav3's decode `forward`):
    (`StepMasks.consume`, which the next step's masks also do first, and which counts their
    time for the step profile). A matcher whose grammar is complete allows only EOS, which the
    job's stop conditions hold (the card's EOS ids): the next step ends the job with `stop`. A
-   token the matcher refuses (it cannot come from a masked row) marks the job `genq_failed`,
-   and the engine fails it before its output goes out (`DynamicEngine`).
+   token the matcher refuses (from a masked row only when the matcher failed: its mask is
+   then EOS alone) marks the job `genq_failed`, and the engine fails it before its output
+   goes out (`DynamicEngine`).
 
 Both engines start a step's masks on a thread of their own just before the forward pass
 (`StepMasks.start`), so that llguidance computes them while the pass is launched and runs;
@@ -167,7 +168,7 @@ class StepMasks:
         self._taken, self._taken_ids = [], set()
         for job, m, token_id in taken:
             if not m.consume(token_id):
-                job.genq_failed = f"token {token_id} is not one its constraint allows: {m.error}"
+                job.genq_failed = f"at token {token_id}: {m.error or 'a token it does not allow'}"
         self.consumed += len(taken)
         self.consume_s += time.perf_counter() - started
 
