@@ -361,7 +361,9 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    """A chunk's delta: only what it carries (`{"role": …}`, `{"content": …}`, or `{}`)."""
+    """A chunk's delta: only what it carries (`{"content": …}`, `{"tool_calls": …}`, or `{}`);
+    the first, with the role, says its content as OpenAI's does: `""` before text, `null`
+    before tool calls."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
@@ -369,7 +371,10 @@ class ChatDelta(BaseModel):
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+        out = {k: v for k, v in handler(self).items() if v is not None}
+        if self.role is not None:
+            out.setdefault("content", None)
+        return out
 
 
 class ChatChunkChoice(BaseModel):
