@@ -68,7 +68,7 @@ from gateway.openai.serving import (
     refuse,
 )
 from gateway.openai.toolcalls import tool_format_of
-from gateway.streaming import EventFollower, EventStreamResponse
+from gateway.streaming import EventFollower, EventStreamResponse, sse_data
 from shared import events
 from shared.errors import BadRequest, GenqError, NotFound
 from shared.events import CancelledEvent, DoneEvent, ErrorEvent, TokenEvent
@@ -443,7 +443,8 @@ class EventNumbering:
         if number <= self.after:
             return b""
         body = {"type": kind, "sequence_number": number, **data}
-        return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+        data = sse_data(json.dumps(body, separators=(",", ":")))
+        return f"event: {kind}\ndata: {data}\n\n".encode()
 
     def created(self) -> bytes:
         return self._frame(0, "response.created", response=response_body(self.stored, self.o))

@@ -81,7 +81,7 @@ from gateway.openai.toolcalls import (
 )
 from gateway.registry import LoadedCard
 from gateway.state import GatewayState
-from gateway.streaming import EventFollower, EventStreamResponse
+from gateway.streaming import EventFollower, EventStreamResponse, sse_data
 from shared import events
 from shared.constraints import CONSTRAINT_KINDS, Constraint
 from shared.errors import (
@@ -574,7 +574,7 @@ def _output_events(batch: Batch) -> list[Any]:
 
 
 def _frame(chunk: BaseModel) -> bytes:
-    return b"data: " + chunk.model_dump_json().encode() + b"\n\n"
+    return b"data: " + sse_data(chunk.model_dump_json()).encode() + b"\n\n"
 
 
 def _refuse_unsupported(req: SamplingParams) -> None:
