@@ -443,8 +443,8 @@ class EventNumbering:
         if number <= self.after:
             return b""
         body = {"type": kind, "sequence_number": number, **data}
-        data = sse_data(json.dumps(body, separators=(",", ":")))
-        return f"event: {kind}\ndata: {data}\n\n".encode()
+        text = sse_data(json.dumps(body, separators=(",", ":")))
+        return f"event: {kind}\ndata: {text}\n\n".encode()
 
     def created(self) -> bytes:
         return self._frame(0, "response.created", response=response_body(self.stored, self.o))
