@@ -97,6 +97,9 @@ CONSTRAINED_BUDGET = 24
 SIM_MAX_CALLS = 3
 """Most tool calls in one reply, where the grammar allows several (each job: 1 to this many,
 from its seed)."""
+_LOW_BITS = 32
+"""Bits of `_mix` a constrained pick drops: its low bits barely change with the position (one
+multiply carries only upwards), so a choice made from them was the same all through a job."""
 _CALLS_BITS = 40
 """Where in the job's random base the number of its tool calls is read."""
 _UTF8_MAX_BYTES = 4
@@ -491,7 +494,7 @@ class SimEngine:
         job = s.job
         row = s.mask if s.mask is not None else memoryview(m.allowed_bits())
         s.mask = None
-        x = _mix(s.base, s.position)
+        x = _mix(s.base, s.position) >> _LOW_BITS
         long = (s.chosen if s.calls else s.position) >= CONSTRAINED_BUDGET
         token_id = self._constrained_choice(s, row, x, long)
         if token_id is None:

@@ -133,8 +133,17 @@ def test_parallel_calls_and_one_call_only(client: openai.OpenAI) -> None:
 
 
 def test_n_choices_call_differently(client: openai.OpenAI) -> None:
+    """Choice j runs with seed + j: its arguments are its own (without a seed, each job's id
+    seeds it: they differ as often as two draws do)."""
     r = client.chat.completions.create(
-        model=TOOLS, messages=ASK, tools=THREE, tool_choice="required", max_tokens=400, n=2
+        model=TOOLS,
+        messages=ASK,
+        tools=ONE,
+        tool_choice="required",
+        max_tokens=400,
+        n=2,
+        seed=1,
+        parallel_tool_calls=False,
     )
     first, second = (calls_of(c.message) for c in r.choices)
     assert first and second and first != second
