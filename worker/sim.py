@@ -506,7 +506,8 @@ class SimEngine:
                 prompt_tokens=len(job.input_ids),
                 cached_tokens=s.cached,
             )
-        self._note_call(s, token_id, s.position, row)
+        if s.calls or token_id == self._tool_call:
+            self._note_call(s, token_id, s.position, row)
         if not m.consume(token_id):
             return StepOutput(job.id, error=f"sim engine: token {token_id} left the constraint")
         return token_id, self._whole(s, token_id)
