@@ -132,7 +132,7 @@ async def _start(
         else RedisPyPubSub(client)
     )
     keys = Keys(settings.key_prefix)
-    registry = ModelRegistry(client, keys, settings.card_cache_s)
+    registry = ModelRegistry(client, keys, settings.card_cache_s, frozenset(settings.queue_models))
     scripts = ScriptRunner(client)
     jobs = JobService(settings, client, scripts, registry)
     presence = Presence(settings, client, keys, jobs)

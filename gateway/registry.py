@@ -11,13 +11,16 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from tokenizers import Tokenizer
 
-from shared.errors import ModelNotFound, shown
+from shared.errors import ModelNotFound, Unavailable, shown
 from shared.keys import Keys
 from shared.records import Heartbeat, RecordError
 from shared.schemas import ModelCard
 
 log = logging.getLogger(__name__)
 _TOKENIZERS_KEPT = 16
+STARTING_RETRY_S = 2
+"""`Retry-After` of the 503 for a configured model no worker has registered yet: a worker
+registers at once when its model is loaded."""
 
 
 @dataclass(slots=True)
@@ -27,21 +30,40 @@ class LoadedCard:
 
 
 class ModelRegistry:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: float) -> None:
+    """`expected`: the models this gateway is configured to serve (`queue_models`): one no
+    worker has registered yet is starting (503), not unknown (404)."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        ttl_s: float,
+        expected: frozenset[str] = frozenset(),
+    ) -> None:
         self._redis = redis
         self._keys = keys
         self._ttl_s = ttl_s
+        self._expected = expected
         self._cards: dict[str, tuple[float, ModelCard]] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
         self._lock = asyncio.Lock()
 
     async def get(self, model: str) -> LoadedCard:
-        """The card of `model` with its tokenizer; ModelNotFound if no worker ever served it."""
+        """The card of `model` with its tokenizer; ModelNotFound if no worker ever served it
+        (Unavailable if it is an expected one)."""
         hit = self._cards.get(model)
         if hit is not None and time.monotonic() - hit[0] < self._ttl_s:
             card = hit[1]
         else:
             raw = await self._redis.hget(self._keys.model_card(model), "card")
+            if raw is None and model in self._expected:
+                raise Unavailable(
+                    f"model {shown(model)} is starting: no worker of it has registered yet; "
+                    "retry shortly",
+                    param="model",
+                    code="model_starting",
+                    retry_after_s=STARTING_RETRY_S,
+                )
             if raw is None:
                 known = sorted(await self._redis.smembers(self._keys.models()))
                 raise ModelNotFound(

@@ -21,7 +21,7 @@ from typing import IO, Any
 import httpx
 from tqdm import tqdm
 
-from genq.client import DEFAULT_URL, add_api_key_flag, auth_headers, fail, one_line_errors
+from genq.client import add_api_key_flag, add_url_flag, auth_headers, fail, one_line_errors
 
 DEFAULT_ENDPOINT = "/v1/chat/completions"
 POLL_S = 1.0
@@ -41,7 +41,7 @@ def add_parser(sub: Any) -> None:
         c: argparse.ArgumentParser = commands.add_parser(
             name, help=help_, description=f"{help_[0].upper()}{help_[1:]}."
         )
-        c.add_argument("--url", default=DEFAULT_URL, help="the gateway")
+        add_url_flag(c)
         add_api_key_flag(c)
         return c
 

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from pydantic_core import PydanticUndefined
 
 from genq import batch as batch_cli
-from genq.client import DEFAULT_URL, add_api_key_flag
+from genq.client import add_api_key_flag, add_url_flag
 from shared import __version__, logs
 from shared.settings import GatewaySettings, LogLevel, RedisSettings, Settings, WorkerSettings
 
@@ -280,7 +280,7 @@ def _listen_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _client_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--url", default=DEFAULT_URL, help="the gateway")
+    add_url_flag(p)
     p.add_argument("--model", default="sim", help="model name")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens per request")
     p.add_argument(

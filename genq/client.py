@@ -1,5 +1,6 @@
-"""What the client commands (`submit`, `bench`, `batch`) share: the API key flag, read from
-GENQ_API_KEY too, and their failures as one line on stderr instead of a traceback."""
+"""What the client commands (`submit`, `bench`, `batch`) share: the gateway's address and the
+API key flags, read from GENQ_URL and GENQ_API_KEY too, and their failures as one line on
+stderr instead of a traceback."""
 
 from __future__ import annotations
 
@@ -14,6 +15,17 @@ API_KEY_ENV = "GENQ_API_KEY"
 """The variable a client command reads its API key from when `--api-key` is not given: a key
 on the command line lands in the shell's history and in `ps`."""
 DEFAULT_URL = "http://127.0.0.1:8000"
+URL_ENV = "GENQ_URL"
+"""The variable a client command reads the gateway's address from when `--url` is not given:
+set once for a gateway on another host or port (`genq serve --port`)."""
+
+
+def add_url_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--url",
+        default=os.environ.get(URL_ENV) or DEFAULT_URL,
+        help=f"the gateway (default: ${URL_ENV}, else {DEFAULT_URL})",
+    )
 
 
 def add_api_key_flag(p: argparse.ArgumentParser) -> None:

@@ -15,7 +15,12 @@ Every process it starts (the redis-server, the worker launcher, an engine proces
 it, however it dies (shared/lifeline.py).
 
 The listening socket comes first: a busy port stops `genq serve` before Redis or any worker
-starts, and the address is printed only once it is ours.
+starts. The address and a first request to try are printed once a worker serves the model,
+so that request, sent at once, succeeds: `single` serves the port only from then on (what
+connects earlier waits in its backlog); `multi` serves it at once (health, dashboard) and its
+gateway answers a request for the model a 503 `model_starting` until a worker registered it
+(GENQ_QUEUE_MODELS names it), since a prompt cannot be tokenized before the worker has
+published the model's tokenizer, and a GPU model may take minutes to load.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -37,13 +44,16 @@ from types import FrameType
 import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI
+from redis.exceptions import RedisError
 
 from gateway.app import create_app
 from gateway.http_protocol import HTTP_PROTOCOL
+from gateway.registry import ModelRegistry
 from gateway.server import listen, run_gateway, url_of
 from genq import launcher
 from genq.embedded_redis import private_redis
 from shared import lifeline, logs, runtime
+from shared.keys import Keys
 from shared.redisconn import connect
 from shared.settings import Settings
 from worker.process import install_signals, open_engine
@@ -52,6 +62,8 @@ from worker.service import Worker
 log = logging.getLogger(__name__)
 TRY_MAX_TOKENS = 16
 """max_tokens of the curl line printed as the first thing to try."""
+SERVED_POLL_S = 0.05
+"""How often the start looks for a live worker of the model before it prints the address."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,8 @@ def serve(
     sock = listen(host, port)
     url = url_of(sock)
     plan = plan_serve(settings, gpus, procs_per_gpu)
+    expected = sorted({*settings.queue_models, served_model(settings)})
+    settings = settings.model_copy(update={"queue_models": expected})
     with sock, contextlib.ExitStack() as stack:
         if not settings.redis_configured and (
             redis_url := stack.enter_context(private_redis(data_dir, data_dir_chosen))
@@ -113,6 +127,40 @@ def _announce(url: str, what: str, model: str) -> None:
         f"-d {shlex.quote(body)}",
         flush=True,
     )
+
+
+async def _until_served(
+    client: aioredis.Redis, settings: Settings, model: str, alive: Callable[[], bool]
+) -> bool:
+    """Wait until a live worker serves `model` (its card written, its heartbeat fresh: what
+    the gateway asks before it takes a request for it); False once `alive()` is not."""
+    keys = Keys(settings.key_prefix)
+    registry = ModelRegistry(client, keys, settings.card_cache_s)
+    while alive():
+        with contextlib.suppress(RedisError, OSError):
+            beats = await registry.live_workers()
+            if any(b.model == model and not b.draining for b in beats):
+                if await client.exists(keys.model_card(model)):
+                    return True
+        await asyncio.sleep(SERVED_POLL_S)
+    return False
+
+
+def _announce_when_served(
+    settings: Settings, url: str, what: str, model: str, alive: Callable[[], bool]
+) -> None:
+    """`_announce` once a worker serves `model` (a thread of its own: the gateway's uvicorn
+    holds the main one)."""
+
+    async def wait() -> bool:
+        client = connect(settings)
+        try:
+            return await _until_served(client, settings, model, alive)
+        finally:
+            await client.aclose()
+
+    if runtime.run(wait()):
+        _announce(url, what, model)
 
 
 def _client(settings: Settings) -> aioredis.Redis:
@@ -145,9 +193,11 @@ async def _serve_single(
         worker.stop()
 
     install_signals(stop)  # uvicorn restores (and re-raises into) these after its own
-    server_task = asyncio.create_task(server.serve(sockets=[sock]))
     model = worker.st.model
-    _announce(url, f"model '{model}' ({worker.st.engine.card.engine} engine)", model)
+    served = await _until_served(client, settings, model, lambda: not worker_task.done())
+    server_task = asyncio.create_task(server.serve(sockets=[sock]))
+    if served:
+        _announce(url, f"model '{model}' ({worker.st.engine.card.engine} engine)", model)
     await asyncio.wait({server_task, worker_task}, return_when=asyncio.FIRST_COMPLETED)
     stop()
     await asyncio.gather(server_task, worker_task, return_exceptions=True)
@@ -199,7 +249,13 @@ def _serve_multi(settings: Settings, sock: socket.socket, url: str, plan: ServeP
     )
     model = served_model(settings)
     where = f"{plan.procs_per_gpu} worker process(es) per GPU on GPU(s) {','.join(plan.gpus)}"
-    _announce(url, f"model '{model}' ({where})", model)
+    print(f"genq starting model '{model}' ({where}) on {url}", flush=True)
+    threading.Thread(
+        target=_announce_when_served,
+        args=(settings, url, f"model '{model}' ({where})", model, lambda: workers.poll() is None),
+        name="announce",
+        daemon=True,
+    ).start()
 
     signals = 0
 

@@ -329,11 +329,8 @@ class JobCreate(Sampling):
             )
         given = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
-            both = "both" if len(given) == 2 else "all"
             raise PydanticCustomError(
-                "one_constraint",
-                "give one constraint at most: {fields} were {both} given",
-                {"param": given[-1], "fields": _and(given), "both": both},
+                "one_constraint", "{message}", {"param": given[-1], "message": one_only(given)}
             )
         return self
 
@@ -344,6 +341,12 @@ class JobCreate(Sampling):
             if value is not None:
                 return kind, value
         return None
+
+
+def one_only(given: Sequence[str]) -> str:
+    """What a request that gives several constraints is told (they name the fields given)."""
+    both = "both" if len(given) == 2 else "all"
+    return f"give one constraint at most: {_and(given)} were {both} given"
 
 
 def _and(names: Sequence[str]) -> str:

@@ -617,7 +617,9 @@ class GatewaySettings(JobSettings):
         default_factory=list,
         description="models whose queues and consumer groups the gateway creates at start, "
         "before any worker of theirs has run (JSON list): a queue autoscaler such as KEDA "
-        "scaling workers from zero reads the group, and a missing one is an error to it",
+        "scaling workers from zero reads the group, and a missing one is an error to it; a "
+        "request for one no worker has registered yet is a 503 `model_starting`, not a 404 "
+        "(`genq serve` names its model here)",
     )
 
     # streams: what one stream may hold, and when a client that stopped reading is let go

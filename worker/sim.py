@@ -47,8 +47,14 @@ it may end, after a few tokens; then a closing `"`, `)`, `]` or `}` half the tim
 the output is long (and then other punctuation, which moves a pattern on); otherwise its own
 next word when allowed, or some allowed plain token. Where the grammar offers a tool call at
 the start (`<tool_call>`, a special token of its tokenizer), it takes it unless the job's
-seed is odd. A matcher that fails (a limit llguidance hits as the output grows) fails the job
-with `constraint_failed`, the job's own fault, as the GPU engines do.
+seed is odd. Each call it opens gets a budget of its own, counted in the tokens it chose (those
+the grammar forces, such as the call's keys, cost none), so arguments differ from seed to
+seed. Where the grammar allows another call after one (`parallel_tool_calls` not false), the
+sim makes 1 to `SIM_MAX_CALLS` calls, as the job's seed says, while `max_tokens` leaves room
+for one more as long as the longest so far. A character of several bytes (a constraint can
+force one) is emitted whole, once its last byte's token is generated.
+A matcher that fails (a limit llguidance hits as the output grows) fails the job with
+`constraint_failed`, the job's own fault, as the GPU engines do.
 """
 
 from __future__ import annotations
@@ -88,8 +94,18 @@ SPECIAL_TOKENS = (TOOL_CALL, TOOL_CALL_END)
 """Added after training (ids after the trained vocabulary): the tool-call markers of the
 sim's chat template, one token each as in Hermes/Qwen tokenizers."""
 CONSTRAINED_BUDGET = 24
-"""Tokens into a constraint after which the sim closes what it can (a quote, a bracket, the
-end) rather than open more."""
+"""Tokens into a constraint (or chosen in a tool call) after which the sim closes what it can
+(a quote, a bracket, the end) rather than open more."""
+SIM_MAX_CALLS = 3
+"""Most tool calls in one reply, where the grammar allows several (each job: 1 to this many,
+from its seed)."""
+_LOW_BITS = 32
+"""Bits of `_mix` a constrained pick drops: its low bits barely change with the position (one
+multiply carries only upwards), so a choice made from them was the same all through a job."""
+_CALLS_BITS = 40
+"""Where in the job's random base the number of its tool calls is read."""
+_UTF8_MAX_BYTES = 4
+"""The most bytes of one character: a held sequence this long is emitted as it decodes."""
 _CLOSERS = ('"', ")", "]", "}")
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -160,6 +176,16 @@ class _SimJob:
     tail: str = ""
     """The end of the text generated, lower-cased: as much as a banned string can reach back
     from a new word."""
+    calls: int = 0
+    """Tool calls opened (`<tool_call>` emitted)."""
+    call_from: int = 0
+    """The position of the current call's `<tool_call>`."""
+    longest_call: int = 0
+    """Tokens the longest finished call took, its `<tool_call>` to the next one's."""
+    chosen: int = 0
+    """Tokens of the current call the sim chose among several (its budget)."""
+    pending: list[int] = field(default_factory=list)
+    """Tokens holding the first bytes of a character not yet whole."""
 
 
 class SimEngine:
@@ -215,7 +241,6 @@ class SimEngine:
         self._tokenizer = build_tokenizer()
         self.tokenizer_json = self._tokenizer.to_str()
         self._words = self._single_token_words()
-        self._pieces = dict(self._words)
         eos_id = self._tokenizer.token_to_id(EOS)
         assert eos_id is not None  # a special token of the trainer
         self._eos_id: int = eos_id
@@ -236,6 +261,9 @@ class SimEngine:
         self._specials = [
             t for name in SPECIAL_TOKENS if (t := self._tokenizer.token_to_id(name)) is not None
         ]
+        self._tool_call = self._tokenizer.token_to_id(TOOL_CALL)
+        self._partial = frozenset(i for i, t in enumerate(self._token_texts) if "\ufffd" in t)
+        """Tokens of some bytes of a character, not all (byte-level BPE): held until whole."""
         self.card = ModelCard(
             name=model_name,
             engine="sim",
@@ -295,10 +323,23 @@ class SimEngine:
             banned=tuple(b.lower() for b in job.sampling.banned_strings),
         )
         if job.grammar is not None:  # ConstraintError (the job's fault) if it cannot run
-            sim.matcher = self._grammar_set().matcher(job.grammar, job.resume_ids)
+            self._replay(sim)
         if job.resume_ids:
             self._resume(sim)
         self._jobs[job.id] = sim
+
+    def _replay(self, s: _SimJob) -> None:
+        """The job's matcher, over the tokens an earlier attempt generated; token by token when
+        they hold a tool call, so that its calls are counted as an undisturbed run counts them."""
+        job = s.job
+        assert job.grammar is not None
+        if self._tool_call not in job.resume_ids:
+            s.matcher = self._grammar_set().matcher(job.grammar, job.resume_ids)
+            return
+        m = s.matcher = self._grammar_set().matcher(job.grammar)
+        for position, token_id in enumerate(job.resume_ids):
+            self._note_call(s, token_id, position, m.allowed_bits() if s.calls else b"")
+            m.replay([token_id])
 
     def _cached_prefix(self, ids: list[int]) -> int:
         """Tokens of `ids` the prefix cache holds (whole leading pages), and every full page of
@@ -346,16 +387,12 @@ class SimEngine:
         attempt sent (all but what it held back as a possible stop-string start), so stop
         strings spanning the resume point are found and held-back text is not lost; and the
         text a banned string could reach back into."""
-        text = "".join(self._piece(t) for t in s.job.resume_ids)
+        text = "".join(self._whole(s, t) for t in s.job.resume_ids)  # leaves `pending` as it was
         s.tail = _tail(text.lower(), s.banned)
         if s.job.text:
             s.text = text
             stops = s.job.sampling.stop
             s.sent_chars = len(s.text) - (held_back(s.text, stops) if stops else 0)
-
-    def _piece(self, token_id: int) -> str:
-        piece = self._pieces.get(token_id)
-        return piece if piece is not None else self._token_texts[token_id]
 
     def _is_poisoned(self, job: EngineJob) -> bool:
         if self._poison_marker is None:
@@ -458,8 +495,8 @@ class SimEngine:
         s.mask = None
         if m.failed:  # its mask failed (a limit of llguidance's): EOS alone is no end
             return self._constraint_failed(s, m)
-        x = _mix(s.base, s.position)
-        long = s.position >= CONSTRAINED_BUDGET
+        x = _mix(s.base, s.position) >> _LOW_BITS
+        long = (s.chosen if s.calls else s.position) >= CONSTRAINED_BUDGET
         token_id = self._constrained_choice(s, row, x, long)
         if token_id is None:
             return self._constraint_failed(s, m)
@@ -470,9 +507,41 @@ class SimEngine:
                 prompt_tokens=len(job.input_ids),
                 cached_tokens=s.cached,
             )
+        if s.calls or token_id == self._tool_call:
+            self._note_call(s, token_id, s.position, row)
         if not m.consume(token_id):
             return self._constraint_failed(s, m)
-        return token_id, self._token_texts[token_id]
+        return token_id, self._whole(s, token_id)
+
+    def _note_call(self, s: _SimJob, token_id: int, position: int, row: bytes | memoryview) -> None:
+        """Count the tool calls the job opened, and the tokens it chose in the current one
+        (`row`: the mask it chose from; a forced token costs the budget nothing)."""
+        if token_id == self._tool_call:
+            if s.calls:
+                s.longest_call = max(s.longest_call, position - s.call_from)
+            s.calls += 1
+            s.call_from, s.chosen = position, 0
+        elif s.calls and int.from_bytes(row, "little").bit_count() > 1:
+            s.chosen += 1
+
+    def _another_call(self, s: _SimJob) -> bool:
+        """After a tool call: whether the job makes another (its seed wants more, and
+        `max_tokens` leaves room for one as long as the longest so far)."""
+        wanted = 1 + (s.base >> _CALLS_BITS) % SIM_MAX_CALLS
+        room = s.job.max_tokens - s.position
+        return s.calls < wanted and room > max(s.longest_call, s.position - s.call_from)
+
+    def _whole(self, s: _SimJob, token_id: int) -> str:
+        """The token's text, once its character is whole: a token of a character's first
+        bytes is held (text ''), then the character comes with its last byte's token."""
+        if not s.pending and token_id not in self._partial:
+            return self._token_texts[token_id]
+        s.pending.append(token_id)
+        text = self._tokenizer.decode(s.pending, skip_special_tokens=False)
+        if text.endswith("\ufffd") and len(s.pending) < _UTF8_MAX_BYTES:
+            return ""
+        s.pending.clear()
+        return text
 
     def _constraint_failed(self, s: _SimJob, m: JobMatcher) -> StepOutput:
         """The job's end when its matcher failed: the job's own fault (`CONSTRAINT_FAILED`)."""
@@ -483,8 +552,12 @@ class SimEngine:
     def _constrained_choice(self, s: _SimJob, row: memoryview, x: int, long: bool) -> int | None:
         """The rule of the module's docstring, testing single bits first: the whole list of
         allowed tokens is made only when none of the sim's preferred ones is allowed."""
-        if allows(row, self._eos_id) and (long or (s.position > 0 and x % 4 == 0)):
-            return self._eos_id
+        if allows(row, self._eos_id):
+            if s.calls:  # after a tool call: another, or the end
+                if not self._another_call(s):
+                    return self._eos_id
+            elif long or (s.position > 0 and x % 4 == 0):
+                return self._eos_id
         if s.position == 0 and s.job.seed % 2 == 0:
             special = next((t for t in self._specials if allows(row, t)), None)
             if special is not None:

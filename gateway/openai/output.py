@@ -166,12 +166,12 @@ class ChatFormat:
         return ChatCompletionChunk(id=run.id, created=run.created, model=run.model, choices=choices)
 
     def opening(self, run: RequestState) -> list[BaseModel]:
-        """The role delta, first, for every choice."""
+        """The role delta, first, for every choice: content `""` (OpenAI's before text), or
+        under tools `null` (OpenAI's before tool calls; text that comes instead follows it)."""
+        content = None if self.tools is not None else ""
+        delta = ChatDelta(role="assistant", content=content)
         return [
-            self._chunk(
-                run, [ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))]
-            )
-            for c in run.choices
+            self._chunk(run, [ChatChunkChoice(index=c.index, delta=delta)]) for c in run.choices
         ]
 
     def token_chunk(

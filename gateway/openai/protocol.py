@@ -159,7 +159,23 @@ else:
     )
 
 
-class CompletionRequest(SamplingParams):
+class NativeConstraints(OpenAIRequest):
+    """genq's own constraint fields, as the native API takes them (one at most)."""
+
+    json_schema: dict[str, Any] | None = Field(
+        default=None, description="genq: constrain the output to JSON valid under this schema"
+    )
+    regex: str | None = Field(
+        default=None, min_length=1, description="genq: constrain the output to this regex"
+    )
+    grammar: str | None = Field(
+        default=None,
+        min_length=1,
+        description="genq: constrain the output to this Lark grammar (llguidance's dialect)",
+    )
+
+
+class CompletionRequest(NativeConstraints, SamplingParams):
     """Body of `POST /v1/completions`: one prompt or several, as text or token ids."""
 
     model_config = ConfigDict(json_schema_extra=ONE_CONSTRAINT)
@@ -174,17 +190,6 @@ class CompletionRequest(SamplingParams):
     )
     suffix: str | None = Field(
         default=None, json_schema_extra={"maxLength": 0}, description=_NOT_SUPPORTED
-    )
-    json_schema: dict[str, Any] | None = Field(
-        default=None, description="genq: constrain the output to JSON valid under this schema"
-    )
-    regex: str | None = Field(
-        default=None, min_length=1, description="genq: constrain the output to this regex"
-    )
-    grammar: str | None = Field(
-        default=None,
-        min_length=1,
-        description="genq: constrain the output to this Lark grammar (llguidance's dialect)",
     )
 
 
@@ -203,10 +208,11 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(SamplingParams):
-    """Body of `POST /v1/chat/completions`."""
+class ChatCompletionRequest(NativeConstraints, SamplingParams):
+    """Body of `POST /v1/chat/completions`: the native constraint fields too (a reply under
+    one of them is plain content, as under `response_format`)."""
 
-    model_config = ConfigDict(json_schema_extra=_TOP_LOGPROBS_NEED_LOGPROBS)
+    model_config = ConfigDict(json_schema_extra={**_TOP_LOGPROBS_NEED_LOGPROBS, **ONE_CONSTRAINT})
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_completion_tokens: MaxTokens | None = None
@@ -355,7 +361,9 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    """A chunk's delta: only what it carries (`{"role": …}`, `{"content": …}`, or `{}`)."""
+    """A chunk's delta: only what it carries (`{"content": …}`, `{"tool_calls": …}`, or `{}`);
+    the first, with the role, says its content as OpenAI's does: `""` before text, `null`
+    before tool calls."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
@@ -363,7 +371,10 @@ class ChatDelta(BaseModel):
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+        out = {k: v for k, v in handler(self).items() if v is not None}
+        if self.role is not None:
+            out.setdefault("content", None)
+        return out
 
 
 class ChatChunkChoice(BaseModel):

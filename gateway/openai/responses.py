@@ -55,24 +55,26 @@ from gateway.openai.protocol import (
     MAX_NAME_CHARS,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    NativeConstraints,
     OpenAIRequest,
 )
 from gateway.openai.serving import (
     CLIENT_CLOSED_REQUEST,
     OpenAIServing,
     Sender,
+    check_one_constraint,
     plan,
     prepare_jobs,
     refuse,
 )
 from gateway.openai.toolcalls import tool_format_of
-from gateway.streaming import EventFollower, EventStreamResponse
+from gateway.streaming import EventFollower, EventStreamResponse, sse_data
 from shared import events
 from shared.errors import BadRequest, GenqError, NotFound
 from shared.events import CancelledEvent, DoneEvent, ErrorEvent, TokenEvent
 from shared.keys import Priority
 from shared.records import JOB_ID
-from shared.schemas import JobView, MaxTokens, TimeoutS, Usage
+from shared.schemas import ONE_CONSTRAINT, JobView, MaxTokens, TimeoutS, Usage
 
 RESPONSE_PREFIX = "resp_"
 MAX_METADATA_PAIRS = 16
@@ -134,11 +136,13 @@ _BACKGROUND_IS_STORED: dict[str, Any] = {
 """The document says what the 400 says: a background response is stored."""
 
 
-class ResponsesRequest(OpenAIRequest):
+class ResponsesRequest(NativeConstraints):
     """Body of `POST /v1/responses`. Fields genq does not know are ignored (as the chat
-    endpoint does); `reasoning`, `include`, `truncation` and built-in tools are not served."""
+    endpoint does); `reasoning`, `include`, `truncation` and built-in tools are not served.
+    genq's own constraint fields (`json_schema`, `regex`, `grammar`) are served as on the chat
+    endpoint."""
 
-    model_config = ConfigDict(json_schema_extra=_BACKGROUND_IS_STORED)
+    model_config = ConfigDict(json_schema_extra={**_BACKGROUND_IS_STORED, **ONE_CONSTRAINT})
 
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     input: str | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)] = (
@@ -439,7 +443,8 @@ class EventNumbering:
         if number <= self.after:
             return b""
         body = {"type": kind, "sequence_number": number, **data}
-        return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+        text = sse_data(json.dumps(body, separators=(",", ":")))
+        return f"event: {kind}\ndata: {text}\n\n".encode()
 
     def created(self) -> bytes:
         return self._frame(0, "response.created", response=response_body(self.stored, self.o))
@@ -593,10 +598,14 @@ class ResponsesServing(OpenAIServing):
             "prompt_cache_key": req.prompt_cache_key,
             "priority": req.priority,
             "timeout_s": req.timeout_s,
+            "json_schema": req.json_schema,
+            "regex": req.regex,
+            "grammar": req.grammar,
         }
         chat = ChatCompletionRequest.model_validate(
             {k: v for k, v in fields.items() if v is not None}, strict=False
         )
+        check_one_constraint(chat, {"response_format": "text.format"})
         p = plan(chat)
         refuse(p)
         run, jobs = await prepare_jobs(self.state, p, loaded, chat.priority)

@@ -35,7 +35,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -81,7 +81,7 @@ from gateway.openai.toolcalls import (
 )
 from gateway.registry import LoadedCard
 from gateway.state import GatewayState
-from gateway.streaming import EventFollower, EventStreamResponse
+from gateway.streaming import EventFollower, EventStreamResponse, sse_data
 from shared import events
 from shared.constraints import CONSTRAINT_KINDS, Constraint
 from shared.errors import (
@@ -94,7 +94,7 @@ from shared.errors import (
 )
 from shared.events import TokenEvent
 from shared.keys import Priority
-from shared.schemas import MAX_SEED, JobCreate, JobSpec
+from shared.schemas import MAX_SEED, JobCreate, JobSpec, one_only
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,7 @@ def plan(req: OpenAIBody) -> Plan:
 def refuse(p: Plan) -> None:
     """400 for what no model could run: parameters genq cannot honour."""
     _refuse_unsupported(p.req)
+    check_one_constraint(p.req)
     req = p.req
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -581,7 +582,7 @@ def _output_events(batch: Batch) -> list[Any]:
 
 
 def _frame(chunk: BaseModel) -> bytes:
-    return b"data: " + chunk.model_dump_json().encode() + b"\n\n"
+    return b"data: " + sse_data(chunk.model_dump_json()).encode() + b"\n\n"
 
 
 def _refuse_unsupported(req: SamplingParams) -> None:
@@ -607,6 +608,25 @@ def _refuse_unsupported(req: SamplingParams) -> None:
             raise BadRequest(
                 f"'{param}' is not supported by genq", param=param, code="unsupported_parameter"
             )
+
+
+def check_one_constraint(req: OpenAIBody, names: Mapping[str, str] | None = None) -> None:
+    """One constraint at most: a native field (`json_schema`, `regex`, `grammar`), or for a
+    chat a JSON `response_format` or `tools` (unless tool_choice is none); a 400 naming the
+    fields given, as `names` calls them (the Responses API's own names)."""
+    given: list[str] = [k for k in CONSTRAINT_KINDS if getattr(req, k) is not None]
+    if not given:  # the other pairs are the chat path's own to judge (_refuse_unsupported)
+        return
+    if isinstance(req, ChatCompletionRequest):
+        if response_schema(req.response_format) is not None:
+            given.append("response_format")
+        tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        if tools is not None and tools.constrained:
+            given.append("tools")
+    if len(given) > 1:  # the param: genq's own field given last, as the native API names it
+        shown_as = [(names or {}).get(g, g) for g in given]
+        native = [g for g in shown_as if g in CONSTRAINT_KINDS]
+        raise BadRequest(one_only(shown_as), param=native[-1])
 
 
 def _completion_prompts(req: CompletionRequest) -> list[Prompt]:
@@ -670,7 +690,7 @@ _PASSED_ON = (*AS_IS, "timeout_s")
 
 
 def _job_body(
-    req: SamplingParams,
+    req: OpenAIBody,
     prompt: Prompt,
     max_tokens: int | None,
     logprobs: int | None,
@@ -685,8 +705,7 @@ def _job_body(
         "logprobs": logprobs,
     }
     fields["prompt" if isinstance(prompt, str) else "input_ids"] = prompt
-    names = (*_PASSED_ON, *CONSTRAINT_KINDS) if isinstance(req, CompletionRequest) else _PASSED_ON
-    for name in names:
+    for name in (*_PASSED_ON, *CONSTRAINT_KINDS):
         value = getattr(req, name)
         if value is not None:
             fields[name] = value

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -139,6 +140,41 @@ def test_genq_serve_prints_its_url_and_a_curl_line_that_works(serve: tuple[str, 
     assert command.startswith(f"curl -s {url}/v1/completions") and '"model": "sim"' in command
     r = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and '"text_completion"' in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("flags", [[], ["--procs-per-gpu", "2"]], ids=["serve", "serve-multi"])
+def test_the_suggested_request_sent_the_moment_it_is_printed_succeeds(
+    env: dict[str, str], tmp_path: Path, flags: list[str]
+) -> None:
+    """No wait for /v1/models first, as a new user does not wait: the address is printed
+    once a worker serves the model (multi: worker processes that take seconds to start)."""
+    port = free_port()
+    command = [sys.executable, "-m", "genq", "serve", "--port", str(port), "--ephemeral", *flags]
+    with open(tmp_path / "serve.err", "wb") as err:
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=err, text=True, env=env, bufsize=1
+        )
+    watchdog = threading.Timer(SERVE_START_S, proc.kill)  # a banner never printed: EOF
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        lines = iter(proc.stdout.readline, "")
+        try_line = next((line for line in lines if line.startswith("try: ")), "")
+        watchdog.cancel()
+        assert try_line, (tmp_path / "serve.err").read_text()[-2000:]
+        r = subprocess.run(
+            try_line.removeprefix("try: "), shell=True, capture_output=True, text=True, timeout=30
+        )
+        assert '"text_completion"' in r.stdout, r.stdout
+        # how it stops is test_serve_ctrl_c's (multi: a worker process may still be starting)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(SERVE_START_S)
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
 
 
 @pytest.mark.parametrize(

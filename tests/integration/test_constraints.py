@@ -189,8 +189,8 @@ async def test_two_constraints_on_completions_name_the_fields(stack: Stack) -> N
     assert 400 <= r.status_code < 500
     err = r.json()["error"]
     assert err["param"] == "regex"
-    assert err["message"] == (
-        "regex: give one constraint at most: json_schema and regex were both given"
+    assert err["message"].endswith(
+        "give one constraint at most: json_schema and regex were both given"
     )
 
 

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tests.conftest import Stack, parse_sse, running_stack
+from gateway.registry import STARTING_RETRY_S
+from tests.conftest import Stack, gateway_only, parse_sse, running_stack
 
 
 async def test_job_runs_to_completion_and_reports_result(stack: Stack) -> None:
@@ -229,6 +230,18 @@ async def test_models_health_and_readiness(stack: Stack) -> None:
     assert (await stack.client.get("/v1/models/other")).status_code == 404
     assert (await stack.client.get("/healthz")).json() == {"status": "ok"}
     assert (await stack.client.get("/readyz")).json()["status"] == "ready"
+
+
+async def test_a_configured_model_not_registered_yet_is_a_503_starting(settings, redis) -> None:  # type: ignore[no-untyped-def]
+    """GENQ_QUEUE_MODELS names a model that is starting (`genq serve` names its own): until a
+    worker registers it, a request for it is a 503 to retry, not a 404 calling it unknown."""
+    settings.queue_models = ["starting"]
+    async with gateway_only(settings, redis) as client:
+        r = await client.post("/v1/jobs", json={"model": "starting", "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_starting"
+        assert r.headers["Retry-After"] == str(STARTING_RETRY_S)
+        other = await client.post("/v1/jobs", json={"model": "other", "prompt": "x"})
+        assert other.status_code == 404
 
 
 async def test_api_keys_are_enforced(settings, redis) -> None:  # type: ignore[no-untyped-def]

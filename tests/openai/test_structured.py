@@ -5,6 +5,7 @@ objects, arrays, enums and anyOf), streamed and not. Every reply validates."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 import httpx
@@ -13,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.openai.conftest import API_KEY, CHAT, GenqServer
+from tests.openai.conftest import API_KEY, CHAT, TOOLS, GenqServer
 
 ASK = [{"role": "user", "content": "Describe a person."}]
 
@@ -115,6 +116,63 @@ def test_json_object_and_a_strict_schema_streamed_and_not(
         "json_schema": STRICT,
         "origin": "response_format",
     }
+
+
+NATIVE_PATTERN = "(yes|no)-[0-9]{3}"
+
+
+def test_native_constraint_fields_are_served_on_chat_and_responses(client: openai.OpenAI) -> None:
+    """`regex`, `grammar` and `json_schema` (genq's own fields, sent in `extra_body`) hold a
+    chat reply and a response as they hold a completion, streamed and not."""
+    extra = {"regex": NATIVE_PATTERN}
+    whole = client.chat.completions.create(
+        model=CHAT, messages=ASK, max_tokens=30, seed=2, extra_body=extra
+    )
+    assert re.fullmatch(NATIVE_PATTERN, whole.choices[0].message.content or "")
+    pieces = client.chat.completions.create(
+        model=CHAT, messages=ASK, max_tokens=30, seed=2, extra_body=extra, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+    assert text == whole.choices[0].message.content
+    schema = client.chat.completions.create(
+        model=CHAT, messages=ASK, max_tokens=400, seed=5, extra_body={"json_schema": STRICT}
+    )
+    jsonschema.validate(json.loads(schema.choices[0].message.content or ""), STRICT)
+    lark = client.chat.completions.create(
+        model=CHAT, messages=ASK, max_tokens=30, extra_body={"grammar": 'start: "up" | "down"'}
+    )
+    assert lark.choices[0].message.content in ("up", "down")
+    response = client.responses.create(
+        model=CHAT, input="Hi", max_output_tokens=30, extra_body=extra
+    )
+    assert re.fullmatch(NATIVE_PATTERN, response.output_text)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"response_format": {"type": "json_object"}}, "regex and response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "regex and tools"),
+        ({"extra_body": {"regex": "a", "grammar": 'start: "a"'}}, "regex and grammar"),
+    ],
+)
+def test_a_native_constraint_with_another_is_a_400_naming_both(
+    client: openai.OpenAI, kwargs: dict, named: str
+) -> None:
+    kwargs.setdefault("extra_body", {"regex": NATIVE_PATTERN})
+    model = TOOLS if "tools" in kwargs else CHAT
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=5, **kwargs)
+    param = named.split(" and ")[-1] if "grammar" in named else "regex"  # genq's own, last
+    assert e.value.body["param"] == param and named in e.value.message  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model=CHAT,
+            input="Hi",
+            text={"format": {"type": "json_object"}},
+            extra_body={"regex": NATIVE_PATTERN},
+        )
+    assert "regex and text.format" in e.value.message
 
 
 @pytest.mark.parametrize(

@@ -97,32 +97,56 @@ def test_auto_calls_or_answers_and_none_answers(client: openai.OpenAI) -> None:
     assert none.choices[0].finish_reason == "length"
 
 
+def calls_of(message: object) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]  # type: ignore[attr-defined]
+
+
 def test_parallel_calls_and_one_call_only(client: openai.OpenAI) -> None:
-    many = [
-        client.chat.completions.create(
-            model=TOOLS,
-            messages=ASK,
-            tools=THREE,
-            tool_choice="required",
-            max_tokens=400,
-            seed=s,
+    """The sim makes several calls where the grammar allows them (1 to 3, as the seed says),
+    the same ones for the same seed; `parallel_tool_calls: false` makes one."""
+
+    def ask(seed: int, **kwargs: object) -> object:
+        return (
+            client.chat.completions.create(  # type: ignore[call-overload]
+                model=TOOLS,
+                messages=ASK,
+                tools=THREE,
+                tool_choice="required",
+                max_tokens=400,
+                seed=seed,
+                **kwargs,
+            )
+            .choices[0]
+            .message
         )
-        .choices[0]
-        .message
-        for s in range(6)
-    ]
+
+    many = [ask(s) for s in range(6)]
     for m in many:
         check_calls(m, set(SCHEMAS))
-    single = client.chat.completions.create(
+    assert max(len(calls_of(m)) for m in many) >= 2
+    assert len({len(calls_of(m)) for m in many}) >= 2  # not all alike: the seed decides
+    assert calls_of(ask(0)) == calls_of(many[0])
+    for s in range(6):
+        single = ask(s, parallel_tool_calls=False)
+        check_calls(single, set(SCHEMAS))
+        assert len(calls_of(single)) == 1
+
+
+def test_n_choices_call_differently(client: openai.OpenAI) -> None:
+    """Choice j runs with seed + j: its arguments are its own (without a seed, each job's id
+    seeds it: they differ as often as two draws do)."""
+    r = client.chat.completions.create(
         model=TOOLS,
         messages=ASK,
-        tools=THREE,
+        tools=ONE,
         tool_choice="required",
         max_tokens=400,
-        seed=0,
+        n=2,
+        seed=1,
         parallel_tool_calls=False,
     )
-    assert len(single.choices[0].message.tool_calls or []) == 1
+    first, second = (calls_of(c.message) for c in r.choices)
+    assert first and second and first != second
 
 
 def test_streamed_calls_assemble_as_the_whole_answer(client: openai.OpenAI) -> None:
@@ -147,12 +171,25 @@ def test_streamed_calls_assemble_as_the_whole_answer(client: openai.OpenAI) -> N
     deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
     assert deltas[0].id and deltas[0].function.name and deltas[0].function.arguments == ""
     assert all(d.id is None and d.function.name is None for d in deltas[1:] if d.index == 0)
+    assert len({d.index for d in deltas}) >= 2  # several calls, each its own index
+    # OpenAI's shape of an answer that is only tool calls: the first delta says the role and
+    # `content: null`; no delta carries empty content
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and "content" in first.model_fields_set
+    assert first.content is None
+    assert not [c for c in chunks if c.choices and c.choices[0].delta.content == ""]
 
 
 def test_a_two_turn_tool_conversation(client: openai.OpenAI) -> None:
     first = (
         client.chat.completions.create(
-            model=TOOLS, messages=ASK, tools=ONE, tool_choice="required", max_tokens=200, seed=1
+            model=TOOLS,
+            messages=ASK,
+            tools=ONE,
+            tool_choice="required",
+            max_tokens=200,
+            seed=1,
+            parallel_tool_calls=False,
         )
         .choices[0]
         .message

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from genq.cli import build_parser
-from genq.client import API_KEY_ENV
+from genq.client import API_KEY_ENV, URL_ENV
 from shared.settings import Settings
 
 NO_HELP_NEEDED = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
@@ -51,7 +51,7 @@ def test_no_help_says_its_default_twice(name: str) -> None:
 @pytest.mark.parametrize("name", list(_parsers()))
 def test_every_variable_named_in_help_is_a_setting(name: str) -> None:
     text = _parsers()[name].format_help()
-    named = set(re.findall(r"GENQ_[A-Z0-9_]+", text)) - {API_KEY_ENV}  # the clients' own
+    named = set(re.findall(r"GENQ_[A-Z0-9_]+", text)) - {API_KEY_ENV, URL_ENV}  # clients' own
     unknown = {v for v in named if v.removeprefix("GENQ_").lower() not in Settings.model_fields}
     assert not unknown, f"{name} names {unknown}"
 
@@ -72,6 +72,15 @@ def test_flags_without_a_setting_show_their_default() -> None:
     by_flag = {s: a for a in serve._actions for s in a.option_strings}
     assert "default: 127.0.0.1" in (by_flag["--host"].help or "")
     assert "default: 8000" in (by_flag["--port"].help or "")
+
+
+CLIENTS = [n for n in _parsers() if n.split()[1:2] in (["submit"], ["bench"], ["batch"])]
+
+
+@pytest.mark.parametrize("name", [n for n in CLIENTS if n != "genq batch"])
+def test_client_commands_say_they_read_genq_url(name: str) -> None:
+    by_flag = {s: a for a in _parsers()[name]._actions for s in a.option_strings}
+    assert f"${URL_ENV}" in (by_flag["--url"].help or "")
 
 
 @pytest.mark.parametrize("command", ["serve", "gateway", "worker"])

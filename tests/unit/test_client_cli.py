@@ -1,6 +1,6 @@
 """The client commands as a user runs them (`python -m genq …` in a subprocess): a failure is
-one line on stderr, never a traceback; the API key comes from GENQ_API_KEY as well as
-`--api-key`; `genq bench` shows no empty figures."""
+one line on stderr, never a traceback; the gateway comes from GENQ_URL as well as `--url`,
+the API key from GENQ_API_KEY as well as `--api-key`; `genq bench` shows no empty figures."""
 
 from __future__ import annotations
 
@@ -94,11 +94,11 @@ def recorder() -> Iterator[tuple[str, list[str | None]]]:
         ["bench", "--requests", "1", "--concurrency", "1", "--max-tokens", "1"],
     ],
 )
-def test_client_commands_send_the_key_of_genq_api_key(
+def test_client_commands_reach_genq_url_with_the_key_of_genq_api_key(
     recorder: tuple[str, list[str | None]], command: list[str]
 ) -> None:
     url, seen = recorder
-    done = _genq(*command, "--url", url, GENQ_API_KEY=KEY)
+    done = _genq(*command, GENQ_URL=url, GENQ_API_KEY=KEY)  # no --url: the variable's gateway
     assert done.returncode == 1  # the recorder refuses every key
     assert seen and set(seen) == {f"Bearer {KEY}"}, seen
     if command[0] == "bench":
