@@ -20,7 +20,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from shared.constraints import CONSTRAINT_KINDS, Constraint, ConstraintKind
+from shared.constraints import CONSTRAINT_KINDS, Constraint, ConstraintKind, SchemaCheck
 from shared.errors import escaped
 from shared.keys import Priority
 
@@ -255,6 +255,15 @@ _ONE_INPUT: dict[str, Any] = {
 """JSON Schema for "exactly one of prompt and input_ids": the API document says it too."""
 
 
+SCHEMA_STRICT_DOC = (
+    "with json_schema: true (the default) refuses a schema keyword the grammar cannot "
+    "enforce (a 400 naming its path); false enforces the rest, lists what it leaves out in "
+    "the job's constraint (`unenforced`) and checks the finished output against the whole "
+    "schema (`schema_check`)"
+)
+"""The native `json_schema_strict` field, on every route that takes `json_schema`."""
+
+
 MAX_WEBHOOK_URL_CHARS = 2048
 JobEventType = Literal["job.succeeded", "job.failed", "job.cancelled", "job.expired"]
 
@@ -305,6 +314,7 @@ class JobCreate(Sampling):
     json_schema: dict[str, Any] | None = Field(
         default=None, description="constraint: the output is JSON valid under this schema"
     )
+    json_schema_strict: bool | None = Field(default=None, description=SCHEMA_STRICT_DOC)
     regex: str | None = Field(
         default=None, min_length=1, description="constraint: the output matches this regex"
     )
@@ -326,6 +336,8 @@ class JobCreate(Sampling):
         given = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"give one constraint at most, not {' and '.join(given)}")
+        if self.json_schema_strict is not None and self.json_schema is None:
+            raise ValueError("json_schema_strict goes with json_schema, which is not given")
         return self
 
     def constraint(self) -> tuple[ConstraintKind, Any] | None:
@@ -380,6 +392,8 @@ class JobResult(BaseModel):
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None = None
+    schema_check: SchemaCheck | None = None
+    """Under a JSON schema, once it succeeded: the output checked against the whole schema."""
 
 
 class JobView(BaseModel):
@@ -419,7 +433,13 @@ class JobView(BaseModel):
         default=None,
         description="the job's constraint, if any: `type` (json_schema, regex or grammar) "
         "and its value under that name; `origin` when an OpenAI field made it "
-        "(response_format, tools)",
+        "(response_format, tools); for a JSON schema, `strict` and `unenforced` (paths of "
+        "the keywords its grammar does not enforce)",
+    )
+    schema_check: SchemaCheck | None = Field(
+        default=None,
+        description="under a JSON schema, once the job succeeded: `valid` (the output "
+        "checked against the whole schema; null where it was not checked) and `errors`",
     )
 
 

@@ -92,7 +92,7 @@ class Flusher:
             elif out.stopped is not None:
                 self._stopped(run, out.stopped)
             elif out.finish_reason is not None:
-                run.finish(out.finish_reason)
+                run.finish(out.finish_reason, st.validators)
             if run.end is not None or run.retry_error is not None:
                 st.urgent.add(run.id)
                 freed = True

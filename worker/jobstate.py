@@ -13,6 +13,7 @@ from shared.records import JobRecord
 from shared.schemas import ErrorInfo, FinishReason, JobResult, JobSpec, Timings, Usage
 from shared.transitions import EncodedEvent
 from worker.engine import Stop
+from worker.output_check import Validators
 
 
 @dataclass(slots=True)
@@ -170,11 +171,15 @@ class RunningJob:
             self.token_ids.extend(self.acc_ids)
             self.acc_text, self.acc_ids, self.acc_logprobs = [], [], None
 
-    def finish(self, reason: FinishReason) -> None:
-        """End with 'stop' or 'length': the done event and the result go out at the next flush."""
+    def finish(self, reason: FinishReason, validators: Validators | None = None) -> None:
+        """End with 'stop' or 'length': the done event and the result go out at the next flush
+        (under a JSON schema, with the output checked against it by `validators`)."""
         self._fold_tokens()
         now = self._ended(reason)
         usage, timings = self._usage(), self._timings(now)
+        result = self._result(reason)
+        if validators is not None:
+            result.schema_check = validators.check(self.spec.constraint, result.text)
         self.seq += 1
         done = DoneEvent(
             seq=self.seq,
@@ -182,12 +187,13 @@ class RunningJob:
             finish_reason=reason,
             usage=usage,
             timings=timings,
+            schema_check=result.schema_check,
         )
         self._push(done)
         self.end = JobRecord.fields(
             status="succeeded",
             finished_at=now,
-            result=self._result(reason),
+            result=result,
             usage=usage,
             timings=timings,
         )

@@ -18,6 +18,7 @@ from worker.jobstate import Claim, FinishedJob, RunningJob
 from worker.lease import LeaseClock
 from worker.link import EngineLink
 from worker.metrics import WorkerMetrics
+from worker.output_check import Validators
 
 EARLY_CANCELS_KEPT = 1000
 EARLY_CANCEL_TTL_S = 60.0
@@ -85,6 +86,8 @@ class WorkerState:
     healthy: bool = True
     counts: StepCounts = field(default_factory=StepCounts)
     """Job steps so far (worker/joblog.py), for the summary line."""
+    validators: Validators = field(default_factory=Validators)
+    """JSON schema validators, for the outputs of jobs under one (worker/output_check.py)."""
 
     @property
     def runner(self) -> EngineLink:
