@@ -131,3 +131,16 @@ def test_a_function_tool_is_strict_or_not_by_its_own_flag(client: openai.OpenAI)
     [call] = raw.parse().choices[0].message.tool_calls or []
     jsonschema.validate(json.loads(call.function.arguments), params)
     assert raw.headers["genq-schema-unenforced"] == "uniqueItems"
+
+
+def test_responses_text_format_is_named_in_its_own_terms(client: openai.OpenAI) -> None:
+    def text(strict: bool) -> Any:
+        return {"format": {"type": "json_schema", "name": "t", "schema": REPEATS, "strict": strict}}
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=CHAT, input="Tag it.", text=text(True))
+    assert e.value.param == "text.format.schema.properties.tags.uniqueItems"
+    raw = client.responses.with_raw_response.create(model=CHAT, input="Tag it.", text=text(False))
+    assert raw.headers["genq-schema-unenforced"] == "uniqueItems"
+    assert raw.headers["genq-schema-valid"] == "false"
+    assert (raw.parse().model_extra or {})["genq_schema"]["valid"] is False
