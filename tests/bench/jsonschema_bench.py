@@ -1,0 +1,226 @@
+"""Real-world JSON schemas (JSONSchemaBench) through the openai SDK, as an app would send them:
+each schema as a chat completion's `response_format` (`json_schema`), once with `strict:
+false` and once with `strict: true`, against a running genq (the sim engine is enough: it
+emits only what the grammar allows and closes what is open when its budget runs low).
+
+    python -m tests.bench.jsonschema_bench                  # its own redis, gateway, sim worker
+    python -m tests.bench.jsonschema_bench --url http://127.0.0.1:8000 --model NAME
+    python -m tests.bench.jsonschema_bench --tarball PATH --concurrency 8 --max-tokens 4096
+
+The tarball (default ../shared/structured/jsb-dev-400.tar.xz beside the checkout) holds
+`DATASET__NAME.json` files, each `{"schema": …}`. Every output is validated client-side with
+`jsonschema` under the schema's own draft (formats checked where the library knows them),
+independently of genq's own check. Prints a table per mode and dataset, then JSON:
+
+  n           schemas
+  answered    share answered 200 with output (the coverage the target is set on)
+  valid       share whose output validates (the paper's coverage: a refusal or an invalid
+              output counts against it)
+  compliance  valid / answered (the paper's compliance)
+  4xx, 5xx    refusals by status class (4xx: a keyword strict cannot enforce, a schema
+              llguidance cannot compile even leniently)
+  length      answered, but cut by max_tokens (invalid JSON)
+  agree       answers where genq's `genq-schema-valid` says what the client's check says
+              (the rest: schemas the client's validator cannot use count as disagreeing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tarfile
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+
+from tests.procs import Cluster, redis_server
+
+DEFAULT_TARBALL = Path(__file__).resolve().parents[3] / "shared/structured/jsb-dev-400.tar.xz"
+"""`../shared/structured/…` beside the checkout (the project's shared folder)."""
+DEPLOY_REDIS_CONF = Path(__file__).resolve().parents[2] / "deploy" / "redis.conf"
+PREFIX = "benchjsb:"
+ASK = "Give an example of a JSON document for this schema."
+HTTP_TIMEOUT_S = 600.0
+MODES = ("strict false", "strict true")
+
+
+@dataclass
+class Outcome:
+    status: int
+    answered: bool = False
+    valid: bool | None = None
+    """The client's verdict; None where its validator cannot use the schema."""
+    length: bool = False
+    genq_valid: str | None = None
+    refusal: str = ""
+
+
+@dataclass
+class Tally:
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        o = self.outcomes
+        n = len(o)
+        answered = [x for x in o if x.answered]
+        valid = [x for x in answered if x.valid]
+        agree = [x for x in answered if x.genq_valid == json.dumps(x.valid)]
+        return {
+            "n": n,
+            "answered": round(len(answered) / n, 3) if n else 0.0,
+            "valid": round(len(valid) / n, 3) if n else 0.0,
+            "compliance": round(len(valid) / len(answered), 3) if answered else 0.0,
+            "4xx": sum(400 <= x.status < 500 for x in o),
+            "5xx": sum(x.status >= 500 for x in o),
+            "length": sum(x.length for x in answered),
+            "agree": len(agree),
+        }
+
+
+def load(tarball: Path) -> list[tuple[str, str, dict[str, Any]]]:
+    """(dataset, name, schema) of every schema in the tarball, in name order."""
+    out = []
+    with tarfile.open(tarball) as tar:
+        for member in sorted(tar.getmembers(), key=lambda m: m.name):
+            if not member.isfile() or not member.name.endswith(".json"):
+                continue
+            f = tar.extractfile(member)
+            assert f is not None
+            name = Path(member.name).stem
+            dataset = name.split("__", 1)[0]
+            out.append((dataset, name, json.loads(f.read())["schema"]))
+    return out
+
+
+def client_verdict(schema: dict[str, Any], instance: Any) -> bool | None:
+    """Whether `instance` is valid under `schema` (its own draft, formats checked); None where
+    the validator cannot use the schema."""
+    try:
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        cls.check_schema(schema)
+        validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        return bool(validator.is_valid(instance))
+    except Exception:  # a schema jsonschema cannot use: no verdict
+        return None
+
+
+async def one(
+    client: openai.AsyncOpenAI, model: str, schema: dict[str, Any], strict: bool, max_tokens: int
+) -> Outcome:
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": strict}}
+    try:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=model,
+            messages=[{"role": "user", "content": ASK}],
+            response_format=fmt,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+            seed=0,
+        )
+    except openai.APIStatusError as exc:
+        return Outcome(exc.status_code, refusal=f"{exc.status_code} {exc.message[:160]}")
+    r = raw.parse()
+    choice = r.choices[0]
+    text = choice.message.content or ""
+    out = Outcome(raw.status_code, answered=bool(text), length=choice.finish_reason == "length")
+    out.genq_valid = raw.headers.get("genq-schema-valid")
+    try:
+        instance = json.loads(text)
+    except ValueError:
+        out.valid = False
+        return out
+    out.valid = await asyncio.to_thread(client_verdict, schema, instance)
+    return out
+
+
+async def run(
+    args: argparse.Namespace, url: str, schemas: list[tuple[str, str, dict[str, Any]]]
+) -> dict[str, Any]:
+    gate = asyncio.Semaphore(args.concurrency)
+    tallies: dict[str, dict[str, Tally]] = {m: defaultdict(Tally) for m in MODES}
+    refusals: dict[str, Counter[str]] = {m: Counter() for m in MODES}
+    failures: dict[str, list[str]] = {m: [] for m in MODES}
+    async with openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key=args.api_key, max_retries=0, timeout=HTTP_TIMEOUT_S
+    ) as client:
+
+        async def task(mode: str, dataset: str, name: str, schema: dict[str, Any]) -> None:
+            async with gate:
+                o = await one(client, args.model, schema, mode == "strict true", args.max_tokens)
+            tallies[mode][dataset].outcomes.append(o)
+            tallies[mode]["all"].outcomes.append(o)
+            if o.refusal:
+                refusals[mode][o.refusal.split(":")[0][:120]] += 1
+            if o.answered and o.valid is False:
+                failures[mode].append(name)
+
+        started = time.monotonic()
+        await asyncio.gather(*(task(m, d, n, s) for m in MODES for d, n, s in schemas))
+        elapsed = time.monotonic() - started
+    return {
+        "schemas": len(schemas),
+        "max_tokens": args.max_tokens,
+        "seconds": round(elapsed, 1),
+        "modes": {m: {d: t.row() for d, t in sorted(tallies[m].items())} for m in MODES},
+        "refusals": {m: dict(refusals[m].most_common(12)) for m in MODES},
+        "invalid_outputs": {m: sorted(failures[m]) for m in MODES},
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    cols = ("n", "answered", "valid", "compliance", "4xx", "5xx", "length", "agree")
+    for mode, rows in result["modes"].items():
+        print(f"\n{mode}")
+        print(f"{'dataset':<18}" + "".join(f"{c:>11}" for c in cols))
+        for dataset, row in sorted(rows.items(), key=lambda kv: (kv[0] == "all", kv[0])):
+            print(f"{dataset:<18}" + "".join(f"{row[c]:>11}" for c in cols))
+
+
+@contextmanager
+def own_stack(args: argparse.Namespace) -> Iterator[str]:
+    """A redis-server, a gateway and a sim worker of this benchmark's own."""
+    with (
+        tempfile.TemporaryDirectory(prefix="genq-jsb-") as tmp,
+        redis_server(DEPLOY_REDIS_CONF) as server,
+    ):
+        cluster = Cluster(server.url, Path(tmp), PREFIX)
+        try:
+            gw = cluster.gateway()
+            cluster.worker("--step-ms", "0", "--max-batch", str(args.concurrency * 2))
+            yield gw.url
+        finally:
+            cluster.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--url", help="a running genq (default: start one with the sim engine)")
+    ap.add_argument("--model", default="sim")
+    ap.add_argument("--api-key", default="none")
+    ap.add_argument("--tarball", default=str(DEFAULT_TARBALL))
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--limit", type=int, default=0, help="only the first N schemas")
+    args = ap.parse_args()
+    if not Path(args.tarball).is_file():
+        ap.error(f"no tarball at {args.tarball}: give --tarball")
+    schemas = load(Path(args.tarball))[: args.limit or None]
+    if args.url:
+        result = asyncio.run(run(args, args.url, schemas))
+    else:
+        with own_stack(args) as url:
+            result = asyncio.run(run(args, url, schemas))
+    print_table(result)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
