@@ -5,7 +5,7 @@ emits only what the grammar allows and closes what is open when its budget runs 
 
     python -m tests.bench.jsonschema_bench                  # its own redis, gateway, sim worker
     python -m tests.bench.jsonschema_bench --url http://127.0.0.1:8000 --model NAME
-    python -m tests.bench.jsonschema_bench --tarball PATH --concurrency 8 --max-tokens 4096
+    python -m tests.bench.jsonschema_bench --tarball PATH --concurrency 8 --max-tokens 8000
 
 The tarball (default ../shared/structured/jsb-dev-400.tar.xz beside the checkout) holds
 `DATASET__NAME.json` files, each `{"schema": …}`. Every output is validated client-side with
@@ -17,9 +17,10 @@ independently of genq's own check. Prints a table per mode and dataset, then JSO
   valid       share whose output validates (the paper's coverage: a refusal or an invalid
               output counts against it)
   compliance  valid / answered (the paper's compliance)
+  invalid     answers that ended (`stop`) and do not validate: with strict true, a defect
+  length      answers cut by max_tokens (invalid JSON: the sim's walk did not end in time)
   4xx, 5xx    refusals by status class (4xx: a keyword strict cannot enforce, a schema
               llguidance cannot compile even leniently)
-  length      answered, but cut by max_tokens (invalid JSON)
   agree       answers where genq's `genq-schema-valid` says what the client's check says
               (the rest: schemas the client's validator cannot use count as disagreeing)
 """
@@ -51,6 +52,8 @@ PREFIX = "benchjsb:"
 ASK = "Give an example of a JSON document for this schema."
 HTTP_TIMEOUT_S = 600.0
 MODES = ("strict false", "strict true")
+STARTUP_S = 120.0
+"""How long the gateway and worker may take to start (a busy shared box is slow)."""
 
 
 @dataclass
@@ -79,9 +82,10 @@ class Tally:
             "answered": round(len(answered) / n, 3) if n else 0.0,
             "valid": round(len(valid) / n, 3) if n else 0.0,
             "compliance": round(len(valid) / len(answered), 3) if answered else 0.0,
+            "invalid": sum(not x.length and x.valid is False for x in answered),
+            "length": sum(x.length for x in answered),
             "4xx": sum(400 <= x.status < 500 for x in o),
             "5xx": sum(x.status >= 500 for x in o),
-            "length": sum(x.length for x in answered),
             "agree": len(agree),
         }
 
@@ -126,7 +130,9 @@ async def one(
             seed=0,
         )
     except openai.APIStatusError as exc:
-        return Outcome(exc.status_code, refusal=f"{exc.status_code} {exc.message[:160]}")
+        body = exc.body if isinstance(exc.body, dict) else {}
+        keyword = str(body.get("param") or "").rsplit(".", 1)[-1]
+        return Outcome(exc.status_code, refusal=f"{exc.status_code} {body.get('code')} {keyword}")
     r = raw.parse()
     choice = r.choices[0]
     text = choice.message.content or ""
@@ -158,9 +164,9 @@ async def run(
             tallies[mode][dataset].outcomes.append(o)
             tallies[mode]["all"].outcomes.append(o)
             if o.refusal:
-                refusals[mode][o.refusal.split(":")[0][:120]] += 1
+                refusals[mode][o.refusal] += 1
             if o.answered and o.valid is False:
-                failures[mode].append(name)
+                failures[mode].append(f"{name}{' (length)' if o.length else ''}")
 
         started = time.monotonic()
         await asyncio.gather(*(task(m, d, n, s) for m in MODES for d, n, s in schemas))
@@ -176,7 +182,7 @@ async def run(
 
 
 def print_table(result: dict[str, Any]) -> None:
-    cols = ("n", "answered", "valid", "compliance", "4xx", "5xx", "length", "agree")
+    cols = ("n", "answered", "valid", "compliance", "invalid", "length", "4xx", "5xx", "agree")
     for mode, rows in result["modes"].items():
         print(f"\n{mode}")
         print(f"{'dataset':<18}" + "".join(f"{c:>11}" for c in cols))
@@ -193,8 +199,9 @@ def own_stack(args: argparse.Namespace) -> Iterator[str]:
     ):
         cluster = Cluster(server.url, Path(tmp), PREFIX)
         try:
-            gw = cluster.gateway()
-            cluster.worker("--step-ms", "0", "--max-batch", str(args.concurrency * 2))
+            gw = cluster.gateway(ready_s=STARTUP_S)
+            batch = str(args.concurrency * 2)
+            cluster.worker("--step-ms", "0", "--max-batch", batch, ready_s=STARTUP_S)
             yield gw.url
         finally:
             cluster.close()
@@ -206,7 +213,9 @@ def main() -> None:
     ap.add_argument("--model", default="sim")
     ap.add_argument("--api-key", default="none")
     ap.add_argument("--tarball", default=str(DEFAULT_TARBALL))
-    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument(
+        "--max-tokens", type=int, default=8000, help="per answer (the sim's context is 8192)"
+    )
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--limit", type=int, default=0, help="only the first N schemas")
     args = ap.parse_args()
