@@ -15,7 +15,11 @@ bounded before any work and while it is done:
 - time: compiling runs off the event loop (`JobService.off_loop`), in threads that release the
   GIL.
 
-Checked constraints are cached by their canonical text and the tokenizer
+A JSON schema is strict (a keyword the grammar cannot enforce is a 400 naming its path) or
+lenient (`strict: false`: the grammar enforces the rest, and the constraint lists what it
+leaves out, for the answer's headers and the record; shared/schema_gaps.py).
+
+Checked constraints are cached by their canonical text, strictness and the tokenizer
 (`GENQ_CONSTRAINT_CACHE_SIZE` entries): a schema sent again costs a dictionary lookup.
 """
 

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared import events
+from shared.constraints import SchemaCheck
 from shared.events import CancelledEvent, DoneEvent, ErrorEvent, Event, StartedEvent, TokenEvent
 from shared.records import JobRecord
 from shared.schemas import ErrorInfo, FinishReason, JobResult, JobSpec, Timings, Usage
 from shared.transitions import EncodedEvent
 from worker.engine import Stop
-from worker.output_check import Validators
 
 
 @dataclass(slots=True)
@@ -104,6 +104,9 @@ class RunningJob:
     """How it ended here: its finish reason (stop, length), or cancelled, failed, expired."""
     ended_wall: float | None = None
     """When it ended here (unix time): the metrics' end-to-end and decode times end there."""
+    checking: bool = False
+    """The engine is done with it; its output is being checked against its JSON schema
+    (worker/output_check.py) before its end is written."""
 
     @property
     def id(self) -> str:
@@ -171,15 +174,19 @@ class RunningJob:
             self.token_ids.extend(self.acc_ids)
             self.acc_text, self.acc_ids, self.acc_logprobs = [], [], None
 
-    def finish(self, reason: FinishReason, validators: Validators | None = None) -> None:
+    def text(self) -> str:
+        """Everything it generated so far (earlier attempts' text too), flushed or not."""
+        return "".join(self.text_parts) + "".join(self.acc_text)
+
+    def finish(self, reason: FinishReason, schema_check: SchemaCheck | None = None) -> None:
         """End with 'stop' or 'length': the done event and the result go out at the next flush
-        (under a JSON schema, with the output checked against it by `validators`)."""
+        (under a JSON schema, with how the output stands against it)."""
         self._fold_tokens()
+        self.checking = False
         now = self._ended(reason)
         usage, timings = self._usage(), self._timings(now)
         result = self._result(reason)
-        if validators is not None:
-            result.schema_check = validators.check(self.spec.constraint, result.text)
+        result.schema_check = schema_check
         self.seq += 1
         done = DoneEvent(
             seq=self.seq,

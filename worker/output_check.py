@@ -9,15 +9,19 @@ job is at hand whichever API asked for it (streamed or not, native, OpenAI, a ba
 result goes out in the job's `done` event and its record (`SchemaCheck`).
 
 A reply of tool calls (beside a response format) is not checked against the format's schema.
-Validators are built once per schema and kept (`Validators`, an LRU).
+Validators are built once per schema and kept (`Validators`, an LRU). A check runs in a thread
+of its own, off the worker's event loop (building a large schema's validator takes tens of
+milliseconds); the job's end is written when it is done.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import json
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jsonschema
@@ -34,12 +38,26 @@ ERROR_CHARS = 300
 
 
 class Validators:
-    """A worker's validators, by schema, most recently used last."""
+    """A worker's validators, by schema, most recently used last; checks run one at a time in
+    a thread of their own (`check_off_loop`), so that the worker's event loop goes on."""
 
     def __init__(self, kept: int = VALIDATORS_KEPT) -> None:
         self._kept = kept
         self._validators: OrderedDict[str, Validator | str] = OrderedDict()
         """Schema hash → its validator, or why none could be built."""
+        self._thread: ThreadPoolExecutor | None = None
+
+    @staticmethod
+    def wanted(constraint: Constraint | None) -> bool:
+        """Whether a job under `constraint` has its output checked."""
+        return constraint is not None and constraint.output_schema() is not None
+
+    async def check_off_loop(self, constraint: Constraint | None, text: str) -> SchemaCheck | None:
+        """`check`, in the validators' thread."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="genq-schema-check")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, self.check, constraint, text)
 
     def check(self, constraint: Constraint | None, text: str) -> SchemaCheck | None:
         """How `text` stands against the job's schema; None for a job without one."""
