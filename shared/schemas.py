@@ -242,9 +242,15 @@ ONE_CONSTRAINT: dict[str, Any] = {
             {"required": [a, b], "properties": {a: _GIVEN[a], b: _GIVEN[b]}}
             for a, b in (("json_schema", "regex"), ("json_schema", "grammar"), ("regex", "grammar"))
         ]
-    }
+    },
+    "anyOf": [
+        {"not": {"required": ["json_schema_strict"]}},
+        {"properties": {"json_schema_strict": {"type": "null"}}},
+        {"required": ["json_schema"], "properties": {"json_schema": _GIVEN["json_schema"]}},
+    ],
 }
-"""JSON Schema for "one constraint at most" (a null one is none): the API document says it."""
+"""JSON Schema for "one constraint at most" and "`json_schema_strict` only beside a
+`json_schema`" (a null one is none): the API document says it."""
 _ONE_INPUT: dict[str, Any] = {
     "oneOf": [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
