@@ -6,6 +6,7 @@ emits only what the grammar allows and closes what is open when its budget runs 
     python -m tests.bench.jsonschema_bench                  # its own redis, gateway, sim worker
     python -m tests.bench.jsonschema_bench --url http://127.0.0.1:8000 --model NAME
     python -m tests.bench.jsonschema_bench --tarball PATH --concurrency 8 --max-tokens 8000
+    python -m tests.bench.jsonschema_bench --costs          # no genq: what the pieces cost
 
 The tarball (default ../shared/structured/jsb-dev-400.tar.xz beside the checkout) holds
 `DATASET__NAME.json` files, each `{"schema": …}`. Every output is validated client-side with
@@ -23,6 +24,11 @@ independently of genq's own check. Prints a table per mode and dataset, then JSO
               llguidance cannot compile even leniently)
   agree       answers where genq's `genq-schema-valid` says what the client's check says
               (the rest: schemas the client's validator cannot use count as disagreeing)
+
+--costs measures, in this process, per schema of the tarball: the gateway's plan of a strict
+and of a lenient schema (shared/schema_gaps.py: llguidance compiles without a tokenizer), and
+the worker's check of the dataset's own first valid example (worker/output_check.py): the
+first (the validator built) and the next (kept); p50, p90, p99 and max in milliseconds.
 """
 
 from __future__ import annotations
@@ -43,7 +49,10 @@ from typing import Any
 import jsonschema
 import openai
 
+from shared.constraints import Constraint
+from shared.schema_gaps import plan_schema
 from tests.procs import Cluster, redis_server
+from worker.output_check import Validators
 
 DEFAULT_TARBALL = Path(__file__).resolve().parents[3] / "shared/structured/jsb-dev-400.tar.xz"
 """`../shared/structured/…` beside the checkout (the project's shared folder)."""
@@ -207,6 +216,39 @@ def own_stack(args: argparse.Namespace) -> Iterator[str]:
             cluster.close()
 
 
+def costs(schemas: list[tuple[str, str, dict[str, Any]]], tarball: Path) -> dict[str, Any]:
+    examples: dict[str, str] = {}
+    with tarfile.open(tarball) as tar:
+        for member in tar.getmembers():
+            f = tar.extractfile(member) if member.isfile() else None
+            valid = (
+                [t for t in json.loads(f.read()).get("tests") or [] if t.get("valid")] if f else []
+            )
+            if valid:
+                examples[Path(member.name).stem] = json.dumps(valid[0]["data"])
+    timed: dict[str, list[float]] = defaultdict(list)
+    validators = Validators(len(schemas))
+    for _, name, schema in schemas:
+        for strict in (True, False):
+            t0 = time.perf_counter()
+            plan_schema(schema, strict)
+            timed[f"plan {'strict' if strict else 'lenient'}"].append(time.perf_counter() - t0)
+        if name in examples:
+            constraint = Constraint(type="json_schema", value=schema, grammar="")
+            for kind in ("check first", "check kept"):
+                t0 = time.perf_counter()
+                validators.check(constraint, examples[name])
+                timed[kind].append(time.perf_counter() - t0)
+
+    def ms(v: list[float], q: float) -> float:
+        return round(sorted(v)[min(len(v) - 1, int(len(v) * q))] * 1000, 3)
+
+    return {
+        k: {"n": len(v), "p50": ms(v, 0.5), "p90": ms(v, 0.9), "p99": ms(v, 0.99), "max": ms(v, 1)}
+        for k, v in timed.items()
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--url", help="a running genq (default: start one with the sim engine)")
@@ -218,10 +260,14 @@ def main() -> None:
     )
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--limit", type=int, default=0, help="only the first N schemas")
+    ap.add_argument("--costs", action="store_true", help="time the plan and the check only")
     args = ap.parse_args()
     if not Path(args.tarball).is_file():
         ap.error(f"no tarball at {args.tarball}: give --tarball")
     schemas = load(Path(args.tarball))[: args.limit or None]
+    if args.costs:
+        print(json.dumps(costs(schemas, Path(args.tarball)), indent=1))
+        return
     if args.url:
         result = asyncio.run(run(args, args.url, schemas))
     else:
