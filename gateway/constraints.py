@@ -24,7 +24,11 @@ and while it is done:
   GIL (all but the walk's `consume_token`: microseconds, tens of milliseconds where a lexer
   gives up).
 
-Checked constraints are cached by their canonical text and the tokenizer
+A JSON schema is strict (a keyword the grammar cannot enforce is a 400 naming its path) or
+lenient (`strict: false`: the grammar enforces the rest, and the constraint lists what it
+leaves out, for the answer's headers and the record; shared/schema_gaps.py).
+
+Checked constraints are cached by their canonical text, strictness and the tokenizer
 (`GENQ_CONSTRAINT_CACHE_SIZE` entries): a schema sent again costs a dictionary lookup.
 """
 
@@ -36,6 +40,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import jsonschema
 import llguidance
 
 from gateway.constraint_errors import patterns, reason
@@ -52,6 +57,7 @@ from shared.constraints import (
 )
 from shared.errors import BadRequest
 from shared.lark_check import unfinishable
+from shared.schema_gaps import SchemaPlan, dotted, keyword_of, plan_schema
 from shared.schemas import Sampling, json_depth
 from shared.settings import GatewaySettings
 
@@ -80,8 +86,11 @@ class ConstraintChecker:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self._tokenizers: OrderedDict[str, llguidance.LLTokenizer] = OrderedDict()
-        self._checked: OrderedDict[str, str] = OrderedDict()
-        """Hash of (tokenizer, canonical constraint) → its grammar, most recently used last."""
+        self._checked: OrderedDict[str, tuple[str, list[str]]] = OrderedDict()
+        """Hash of (tokenizer, strictness, canonical constraint) → its grammar and what that
+        leaves out, most recently used last."""
+        self._plans: OrderedDict[str, SchemaPlan] = OrderedDict()
+        """Hash of (strictness, canonical schema) → its plan (`plan`), most recently used last."""
         self.hits = 0
         self.misses = 0
 
@@ -93,25 +102,90 @@ class ConstraintChecker:
         param: str,
         off_loop: OffLoop[Any],
         origin: str | None = None,
+        strict: bool = True,
     ) -> Constraint:
         """The constraint the job record keeps, its grammar checked against `loaded`'s
-        tokenizer; BadRequest (400, naming `param`) for one that cannot run."""
+        tokenizer; BadRequest (400, naming `param`) for one that cannot run. A JSON schema
+        not `strict` is enforced where the grammar can (shared/schema_gaps.py) and the rest is
+        listed in the constraint's `unenforced`; a strict one with a keyword the grammar
+        cannot enforce is a 400 naming the keyword's path."""
         text = canonical(kind, value)
         self._check_size(kind, value, text, param)
-        key = hashlib.sha256(f"{loaded.card.tokenizer_sha}\0{text}".encode()).hexdigest()
-        grammar = self._checked.get(key)
-        if grammar is not None:
+        lenient = kind == "json_schema" and not strict
+        mode = "lenient" if lenient else "strict"
+        key = hashlib.sha256(f"{loaded.card.tokenizer_sha}\0{mode}\0{text}".encode()).hexdigest()
+        kept = self._checked.get(key)
+        if kept is not None:
             self._checked.move_to_end(key)
             self.hits += 1
-            return Constraint(type=kind, value=value, grammar=grammar, origin=origin)
-        self.misses += 1
+        else:
+            self.misses += 1
+            kept = await self._checked_grammar(
+                loaded, kind, value, param, off_loop, lenient, origin
+            )
+            self._checked[key] = kept
+            while len(self._checked) > self.settings.constraint_cache_size:
+                self._checked.popitem(last=False)
+        grammar, unenforced = kept
+        return Constraint(
+            type=kind,
+            value=value,
+            grammar=grammar,
+            origin=origin,
+            strict=not lenient,
+            unenforced=[dotted(p, param) for p in unenforced],
+        )
+
+    async def plan(
+        self, schema: dict[str, Any], strict: bool, param: str, off_loop: OffLoop[Any]
+    ) -> SchemaPlan:
+        """A JSON schema that is part of a larger grammar (a tool's parameters, a response
+        format beside tools): what its grammar is made from and what it leaves out (cached);
+        a 400 naming the keyword for a strict one the grammar cannot enforce."""
+        key = hashlib.sha256(f"{strict}\0{canonical('json_schema', schema)}".encode()).hexdigest()
+        planned = self._plans.get(key)
+        if planned is None:
+            planned = await off_loop(lambda: plan_schema(schema, strict), None)
+            self._plans[key] = planned
+            while len(self._plans) > self.settings.constraint_cache_size:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(key)
+        if planned.gap is not None:
+            raise _unenforceable(param, planned.gap)
+        return planned
+
+    async def _checked_grammar(
+        self,
+        loaded: LoadedCard,
+        kind: ConstraintKind,
+        value: Any,
+        param: str,
+        off_loop: OffLoop[Any],
+        lenient: bool,
+        origin: str | None,
+    ) -> tuple[str, list[str]]:
+        """The grammar, compiled and checked, and the paths of what it leaves out."""
         tokenizer = await self._tokenizer(loaded, off_loop)
         made = origin is not None and origin != "response_format"  # a grammar genq wrote
-        grammar = await off_loop(lambda: _compile(tokenizer, kind, value, param, made), None)
-        self._checked[key] = grammar
-        while len(self._checked) > self.settings.constraint_cache_size:
-            self._checked.popitem(last=False)
-        return Constraint(type=kind, value=value, grammar=grammar, origin=origin)
+        if not lenient:
+            try:
+                return await off_loop(
+                    lambda: _compile(tokenizer, kind, value, param, made), None
+                ), []
+            except BadRequest:
+                if kind != "json_schema" or not isinstance(value, dict):
+                    raise
+                gap = (await off_loop(lambda: plan_schema(value, True), None)).gap
+                if gap is None:
+                    raise
+                raise _unenforceable(param, gap) from None
+        if _broken(value):  # not a schema at all: what llguidance says of it strictly is the 400
+            await off_loop(lambda: _compile(tokenizer, kind, value, param, made), None)
+        planned = await off_loop(lambda: plan_schema(value, False), None)
+        grammar = await off_loop(
+            lambda: _compile(tokenizer, kind, planned.schema, param, made, lenient=True), None
+        )
+        return grammar, planned.unenforced
 
     def _check_size(self, kind: ConstraintKind, value: Any, text: str, param: str) -> None:
         s = self.settings
@@ -148,14 +222,20 @@ class ConstraintChecker:
 
 
 def _compile(
-    tokenizer: Any, kind: ConstraintKind, value: Any, param: str, made: bool = False
+    tokenizer: Any,
+    kind: ConstraintKind,
+    value: Any,
+    param: str,
+    made: bool = False,
+    lenient: bool = False,
 ) -> str:
     """The constraint's grammar, built into a matcher as a worker will build it and walked a
     few steps; BadRequest for what cannot run. `made`: a grammar genq wrote from the request
-    (tool calls), whose lines and columns mean nothing to the client."""
+    (tool calls), whose lines and columns mean nothing to the client. `lenient`: a JSON
+    schema's unimplemented keywords are left out."""
     what = "the grammar genq makes of them" if made else f"this {_WHAT[kind]}"
     try:
-        grammar = grammar_of(kind, value)
+        grammar = grammar_of(kind, value, lenient)
     except ValueError as exc:
         raise _invalid(param, what, reason(kind, str(exc), not made)) from None
     if kind == "grammar":
@@ -257,6 +337,30 @@ _WHAT: dict[ConstraintKind, str] = {
 def _invalid(param: str, what: str, why: str) -> BadRequest:
     return BadRequest(
         f"{param}: {what} cannot be used: {why}", param=param, code="invalid_constraint"
+    )
+
+
+def _broken(schema: Any) -> bool:
+    """Whether a JSON schema breaks its own meta-schema (`{"type": "objekt"}`, a `pattern`
+    that is no regex): leniency leaves out what the grammar cannot enforce, never a mistake."""
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError:
+        return True
+    return False
+
+
+def _unenforceable(param: str, gap: str) -> BadRequest:
+    """A strict schema with a keyword the grammar cannot enforce: the 400 names where it is."""
+    where = dotted(gap, param)
+    keyword = keyword_of(where)
+    return BadRequest(
+        f"{where}: `{keyword}` cannot be enforced while generating (genq's grammar does not "
+        "implement it), and a strict schema is refused rather than enforced in part; with "
+        "strict: false (natively json_schema_strict: false) genq enforces the rest and checks "
+        "the finished output against the whole schema",
+        param=where,
+        code="unenforceable_schema",
     )
 
 

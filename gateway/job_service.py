@@ -126,7 +126,10 @@ class JobService:
         if given is not None:
             kind, value = given
             check_compatible(Sampling.of(body), kind)
-            constraint = await self.constraints.check(loaded, kind, value, kind, self.off_loop)
+            strict = body.json_schema_strict is not False  # the native default: strict
+            constraint = await self.constraints.check(
+                loaded, kind, value, kind, self.off_loop, strict=strict
+            )
         now = time.time()
         return JobSpec(
             id=uuid.uuid4().hex,

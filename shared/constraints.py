@@ -20,7 +20,7 @@ import json
 from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -37,7 +37,16 @@ the OpenAI APIs answer it as an `invalid_request_error` naming the field."""
 JSON_COMPILE_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "lenient": False}
 """How a JSON schema is compiled: compact JSON (`{"a":1}`, no whitespace between tokens: a
 model cannot waste its tokens on blank lines), and a schema keyword llguidance does not
-implement is an error (the 400 names it) rather than silently ignored."""
+implement is an error (a strict schema's 400 names it) rather than silently ignored."""
+
+
+def json_options(lenient: bool) -> JsonCompileOptions:
+    """The compile options a schema is held to whatever its own `x-guidance` says (given as
+    llguidance's overrides): leniency is genq's decision (`strict`), never the schema's.
+    Lenient: a keyword llguidance does not implement is left out of the grammar (a warning,
+    shared/schema_gaps.py names it) instead of failing the compile."""
+    return {**JSON_COMPILE_OPTIONS, "lenient": lenient}
+
 
 LIMITS = llguidance.LLParserLimits(
     initial_lexer_fuel=2_000_000,
@@ -64,6 +73,25 @@ class Constraint(BaseModel):
     origin: str | None = None
     """What made it, when not the native field itself: `response_format` (json_object or
     json_schema) or `tools` (a tool-call grammar)."""
+    strict: bool = True
+    """A JSON schema held to all of its keywords (what the grammar cannot enforce was a 400),
+    or not (`strict: false`: enforced where the grammar can, the rest listed in
+    `unenforced` and checked when the job ends)."""
+    unenforced: list[str] = Field(default_factory=list)
+    """Where the grammar does not hold the output to the schema: paths to keywords, as the
+    request named them (`response_format.json_schema.schema.properties.tags.uniqueItems`)."""
+    answer_schema: dict[str, Any] | None = None
+    """Beside tools: the `response_format` schema a reply that is not tool calls is JSON of
+    (a `json_schema` constraint's schema is its `value`)."""
+    calls_start: str | None = None
+    """Beside `answer_schema`: what a reply of tool calls starts with (it is not checked
+    against the schema)."""
+
+    def output_schema(self) -> dict[str, Any] | None:
+        """The schema the finished output is checked against, if any."""
+        if self.type == "json_schema" and isinstance(self.value, dict):
+            return self.value
+        return self.answer_schema
 
     @property
     def field(self) -> str:
@@ -71,20 +99,45 @@ class Constraint(BaseModel):
         return self.origin.partition(":")[0] if self.origin else self.type
 
     def shown(self) -> dict[str, Any]:
-        """As `GET /v1/jobs/{id}` shows it: the type and the value, not the compiled grammar."""
+        """As `GET /v1/jobs/{id}` shows it: the type and the value, not the compiled grammar;
+        for a JSON schema, whether it is strict and what the grammar does not enforce."""
         out: dict[str, Any] = {"type": self.type, self.type: self.value}
         if self.origin is not None:
             out["origin"] = self.origin
+        if self.answer_schema is not None:
+            out["response_format"] = self.answer_schema
+        if self.output_schema() is not None:
+            out["strict"] = self.strict
+        if self.output_schema() is not None or self.unenforced:
+            out["unenforced"] = self.unenforced
         return out
 
 
-def grammar_of(kind: ConstraintKind, value: Any) -> str:
-    """The llguidance grammar for a constraint (not yet checked: `LLMatcher` does that).
+class SchemaCheck(BaseModel):
+    """How a finished output stands against the job's JSON schema (checked by the worker when
+    the job ends)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    valid: bool | None
+    """Whether the output is valid under the whole schema; None where it was not checked (a
+    reply of tool calls, a schema the validator cannot use: `errors` says why)."""
+    errors: list[str] = Field(default_factory=list)
+    """The first violations (`path: message`), or why it was not checked."""
+
+
+def grammar_of(kind: ConstraintKind, value: Any, lenient: bool = False) -> str:
+    """The llguidance grammar for a constraint (not yet checked: `LLMatcher` does that);
+    `lenient`: a JSON schema's keywords llguidance does not implement are left out.
     ValueError for a value that is not even of the right shape."""
     if kind == "json_schema":
         if not isinstance(value, dict):
             raise ValueError("a JSON schema is an object")
-        return str(llguidance.LLMatcher.grammar_from_json_schema(value, JSON_COMPILE_OPTIONS))
+        return str(
+            llguidance.LLMatcher.grammar_from_json_schema(
+                value, JSON_COMPILE_OPTIONS, json_options(lenient)
+            )
+        )
     if not isinstance(value, str) or not value:
         raise ValueError(f"a {kind} is a non-empty string")
     if kind == "regex":
@@ -133,7 +186,7 @@ def ref_loop(schema: Any) -> str | None:
         if pointer in done:
             return done[pointer]
         on_path.append(pointer)
-        node = _resolve(schema, pointer)
+        node = resolve_pointer(schema, pointer)
         ok = True
         if isinstance(node, dict):
             ref = node.get("$ref")
@@ -158,7 +211,7 @@ def _members(node: dict[str, Any], pointer: str, key: str) -> list[str]:
     return [f"{pointer.rstrip('/')}/{key}/{i}" for i in range(len(members))]
 
 
-def _resolve(root: Any, pointer: str) -> Any:
+def resolve_pointer(root: Any, pointer: str) -> Any:
     """The node a local JSON pointer (`#`, `#/$defs/a`) names, or None."""
     node = root
     for part in pointer.lstrip("#").split("/")[1:]:

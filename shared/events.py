@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
+from shared.constraints import SchemaCheck
 from shared.keys import Priority
 from shared.schemas import FinishReason, Timings, Usage
 
@@ -53,6 +54,8 @@ class DoneEvent(_Event):
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
+    schema_check: SchemaCheck | None = None
+    """A job under a JSON schema: whether its output is valid under the whole schema."""
 
 
 class ErrorEvent(_Event):

@@ -257,6 +257,7 @@ class JobRecord(HashModel):
             cancel_requested=self.status == "running" and self.cancel is not None,
             metadata=self.metadata,
             constraint=self.spec.constraint.shown() if self.spec.constraint else None,
+            schema_check=result.schema_check if result else None,
         )
 
 

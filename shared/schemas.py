@@ -21,7 +21,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from shared.constraints import CONSTRAINT_KINDS, Constraint, ConstraintKind
+from shared.constraints import CONSTRAINT_KINDS, Constraint, ConstraintKind, SchemaCheck
 from shared.errors import escaped
 from shared.keys import Priority
 
@@ -243,9 +243,15 @@ ONE_CONSTRAINT: dict[str, Any] = {
             {"required": [a, b], "properties": {a: _GIVEN[a], b: _GIVEN[b]}}
             for a, b in (("json_schema", "regex"), ("json_schema", "grammar"), ("regex", "grammar"))
         ]
-    }
+    },
+    "anyOf": [
+        {"not": {"required": ["json_schema_strict"]}},
+        {"properties": {"json_schema_strict": {"type": "null"}}},
+        {"required": ["json_schema"], "properties": {"json_schema": _GIVEN["json_schema"]}},
+    ],
 }
-"""JSON Schema for "one constraint at most" (a null one is none): the API document says it."""
+"""JSON Schema for "one constraint at most" and "`json_schema_strict` only beside a
+`json_schema`" (a null one is none): the API document says it."""
 _ONE_INPUT: dict[str, Any] = {
     "oneOf": [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
@@ -254,6 +260,15 @@ _ONE_INPUT: dict[str, Any] = {
     **ONE_CONSTRAINT,
 }
 """JSON Schema for "exactly one of prompt and input_ids": the API document says it too."""
+
+
+SCHEMA_STRICT_DOC = (
+    "with json_schema: true (the default) refuses a schema keyword the grammar cannot "
+    "enforce (a 400 naming its path); false enforces the rest, lists what it leaves out in "
+    "the job's constraint (`unenforced`) and checks the finished output against the whole "
+    "schema (`schema_check`)"
+)
+"""The native `json_schema_strict` field, on every route that takes `json_schema`."""
 
 
 MAX_WEBHOOK_URL_CHARS = 2048
@@ -306,6 +321,7 @@ class JobCreate(Sampling):
     json_schema: dict[str, Any] | None = Field(
         default=None, description="constraint: the output is JSON valid under this schema"
     )
+    json_schema_strict: bool | None = Field(default=None, description=SCHEMA_STRICT_DOC)
     regex: str | None = Field(
         default=None, min_length=1, description="constraint: the output matches this regex"
     )
@@ -331,6 +347,12 @@ class JobCreate(Sampling):
         if len(given) > 1:
             raise PydanticCustomError(
                 "one_constraint", "{message}", {"param": given[-1], "message": one_only(given)}
+            )
+        if self.json_schema_strict is not None and self.json_schema is None:
+            raise PydanticCustomError(
+                "strict_alone",
+                "json_schema_strict goes with json_schema, which is not given",
+                {"param": "json_schema_strict"},
             )
         return self
 
@@ -397,6 +419,8 @@ class JobResult(BaseModel):
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None = None
+    schema_check: SchemaCheck | None = None
+    """Under a JSON schema, once it succeeded: the output checked against the whole schema."""
 
 
 class JobView(BaseModel):
@@ -436,7 +460,13 @@ class JobView(BaseModel):
         default=None,
         description="the job's constraint, if any: `type` (json_schema, regex or grammar) "
         "and its value under that name; `origin` when an OpenAI field made it "
-        "(response_format, tools)",
+        "(response_format, tools); for a JSON schema, `strict` and `unenforced` (paths of "
+        "the keywords its grammar does not enforce)",
+    )
+    schema_check: SchemaCheck | None = Field(
+        default=None,
+        description="under a JSON schema, once the job succeeded: `valid` (the output "
+        "checked against the whole schema; null where it was not checked) and `errors`",
     )
 
 

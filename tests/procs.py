@@ -182,17 +182,20 @@ class Cluster:
         self.procs.append(p)
         return p
 
-    def gateway(self, processes: int = 1, **env: str) -> Proc:
+    def gateway(self, processes: int = 1, ready_s: float = 15.0, **env: str) -> Proc:
         port = free_port()
         args = ["gateway", "--port", str(port), "--workers", str(processes)]
         p = self._spawn("gateway", args, port, **env)
         wait_for(
             lambda: httpx.get(f"{p.url}/readyz", timeout=1).status_code == 200,
+            timeout=ready_s,
             what=f"gateway on {port}: {p.output()[-500:] if p.log.exists() else ''}",
         )
         return p
 
-    def worker(self, *args: str, wait_model: str | None = "sim", **env: str) -> Proc:
+    def worker(
+        self, *args: str, wait_model: str | None = "sim", ready_s: float = 15.0, **env: str
+    ) -> Proc:
         p = self._spawn("worker", ["worker", *args], **env)
         if wait_model is not None and self.procs:
             gateways = [g for g in self.procs if g.name == "gateway"]
@@ -202,6 +205,7 @@ class Cluster:
                     lambda: any(
                         m["id"] == wait_model for m in httpx.get(f"{url}/v1/models").json()["data"]
                     ),
+                    timeout=ready_s,
                     what=f"worker serving {wait_model}: {p.output()[-500:]}",
                 )
         return p

@@ -13,8 +13,10 @@ import time
 
 from redis.exceptions import RedisError
 
+from shared.constraints import SchemaCheck
 from shared.redis_health import failure_level
 from shared.redisconn import is_transient
+from shared.schemas import FinishReason
 from shared.transitions import Call, EmitReply, EncodedEvent, Fenced, LostTail
 from worker import joblog
 from worker.engine import StepOutput, Stop
@@ -33,6 +35,10 @@ Written = list[tuple[RunningJob, list[EncodedEvent]]]
 class Flusher:
     def __init__(self, st: WorkerState) -> None:
         self.st = st
+        self._checks: set[asyncio.Task[None]] = set()
+        """Output checks under way (`_finish`): kept, so that none is collected mid-way."""
+        self._ends: list[tuple[RunningJob, FinishReason, SchemaCheck | None]] = []
+        """Checked outputs whose job's end is still to be made (`_checked_ends`)."""
 
     async def loop(self) -> None:
         """Flush every `flush_interval_ms`; a job's first tokens and its end go out at once.
@@ -72,12 +78,13 @@ class Flusher:
 
     def _collect(self, outputs: list[StepOutput]) -> None:
         st = self.st
+        self._checked_ends()
         freed = False
         for out in outputs:
             run = st.running.get(out.job_id)
             if run is None or run.attempt != out.attempt:
                 continue  # an attempt this worker no longer runs
-            if run.end is not None or run.retry_error is not None:
+            if run.end is not None or run.retry_error is not None or run.checking:
                 continue
             st.metrics.output(run, out)
             if out.token_ids or out.text:
@@ -94,8 +101,8 @@ class Flusher:
             elif out.stopped is not None:
                 self._stopped(run, out.stopped)
             elif out.finish_reason is not None:
-                run.finish(out.finish_reason)
-            if run.end is not None or run.retry_error is not None:
+                self._finish(run, out.finish_reason)
+            if run.end is not None or run.retry_error is not None or run.checking:
                 st.urgent.add(run.id)
                 freed = True
             st.dirty.add(out.job_id)
@@ -105,6 +112,36 @@ class Flusher:
             log.error("engine keeps failing; stopping", extra={"worker_id": st.id})
             st.healthy = False
             st.stopping.set()
+
+    def _finish(self, run: RunningJob, reason: FinishReason) -> None:
+        """The engine ended the job: its end now, or, under a JSON schema, once its output is
+        checked (in the validators' thread: a large schema's first check takes tens of
+        milliseconds, which the flush of every other job does not wait for)."""
+        if not self.st.validators.wanted(run.spec.constraint):
+            run.finish(reason)
+            return
+        run.checking = True
+        task = asyncio.create_task(self._checked(run, reason))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _checked(self, run: RunningJob, reason: FinishReason) -> None:
+        try:
+            check = await self.st.validators.check_off_loop(run.spec.constraint, run.text())
+        except Exception as exc:  # the job still ends: a check that broke is no verdict
+            log.exception("output check failed", extra={"job_id": run.id})
+            check = SchemaCheck(valid=None, errors=[f"the output could not be checked: {exc}"])
+        # its end is made by the flush loop (`_collect`), never while a flush is in flight:
+        # that flush would take the end for written when it was not
+        self._ends.append((run, reason, check))
+        self._flush_soon(run.id)
+
+    def _checked_ends(self) -> None:
+        """The ends of jobs whose outputs were checked since the last flush."""
+        ends, self._ends = self._ends, []
+        for run, reason, check in ends:
+            if self.st.running.get(run.id) is run and run.checking:  # still ours
+                run.finish(reason, check)
 
     @staticmethod
     def _stopped(run: RunningJob, stop: Stop) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared import events
+from shared.constraints import SchemaCheck
 from shared.events import CancelledEvent, DoneEvent, ErrorEvent, Event, StartedEvent, TokenEvent
 from shared.records import JobRecord
 from shared.schemas import ErrorInfo, FinishReason, JobResult, JobSpec, Timings, Usage
@@ -103,6 +104,9 @@ class RunningJob:
     """How it ended here: its finish reason (stop, length), or cancelled, failed, expired."""
     ended_wall: float | None = None
     """When it ended here (unix time): the metrics' end-to-end and decode times end there."""
+    checking: bool = False
+    """The engine is done with it; its output is being checked against its JSON schema
+    (worker/output_check.py) before its end is written."""
 
     @property
     def id(self) -> str:
@@ -170,11 +174,19 @@ class RunningJob:
             self.token_ids.extend(self.acc_ids)
             self.acc_text, self.acc_ids, self.acc_logprobs = [], [], None
 
-    def finish(self, reason: FinishReason) -> None:
-        """End with 'stop' or 'length': the done event and the result go out at the next flush."""
+    def text(self) -> str:
+        """Everything it generated so far (earlier attempts' text too), flushed or not."""
+        return "".join(self.text_parts) + "".join(self.acc_text)
+
+    def finish(self, reason: FinishReason, schema_check: SchemaCheck | None = None) -> None:
+        """End with 'stop' or 'length': the done event and the result go out at the next flush
+        (under a JSON schema, with how the output stands against it)."""
         self._fold_tokens()
+        self.checking = False
         now = self._ended(reason)
         usage, timings = self._usage(), self._timings(now)
+        result = self._result(reason)
+        result.schema_check = schema_check
         self.seq += 1
         done = DoneEvent(
             seq=self.seq,
@@ -182,12 +194,13 @@ class RunningJob:
             finish_reason=reason,
             usage=usage,
             timings=timings,
+            schema_check=result.schema_check,
         )
         self._push(done)
         self.end = JobRecord.fields(
             status="succeeded",
             finished_at=now,
-            result=self._result(reason),
+            result=result,
             usage=usage,
             timings=timings,
         )

@@ -18,6 +18,7 @@ from worker.jobstate import Claim, FinishedJob, RunningJob
 from worker.lease import LeaseClock
 from worker.link import EngineLink
 from worker.metrics import WorkerMetrics
+from worker.output_check import Validators
 
 EARLY_CANCELS_KEPT = 1000
 EARLY_CANCEL_TTL_S = 60.0
@@ -85,6 +86,8 @@ class WorkerState:
     healthy: bool = True
     counts: StepCounts = field(default_factory=StepCounts)
     """Job steps so far (worker/joblog.py), for the summary line."""
+    validators: Validators = field(default_factory=Validators)
+    """JSON schema validators, for the outputs of jobs under one (worker/output_check.py)."""
 
     @property
     def runner(self) -> EngineLink:
@@ -128,6 +131,8 @@ class WorkerState:
         confirms (once: a second stop of the same job is ignored)."""
         if run.stop is not None or run.end is not None or run.retry_error is not None:
             return
+        if run.checking:  # the engine is done with it: its end is being written
+            return
         run.stop = stop
         self.runner.cancel(run.id, run.attempt, stop)
 
@@ -163,7 +168,11 @@ class WorkerState:
         """Running jobs the engine still holds: not those it has ended (or failed) whose end
         is not written yet. Their batch slots are free already, so claims can be STARTed
         while the flush writes those ends, instead of after it."""
-        return sum(1 for r in self.running.values() if r.end is None and r.retry_error is None)
+        return sum(
+            1
+            for r in self.running.values()
+            if r.end is None and r.retry_error is None and not r.checking
+        )
 
     def free_slots(self) -> int:
         if self.engine.down is not None:  # nothing can start until it is back

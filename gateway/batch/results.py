@@ -143,6 +143,7 @@ def _output_line(
     elif record.result is not None:  # the same, summed up by the worker
         choice.text.append(record.result.text)
         choice.finish_reason = record.result.finish_reason
+        choice.schema_check = record.result.schema_check
         choice.usage = record.usage
     if choice.finish_reason is None:  # a log cut short (Redis lost its tail): say so
         return error_line(

@@ -29,7 +29,7 @@ from gateway.openai.protocol import (
     UsageInfo,
 )
 from gateway.openai.toolcalls import CallDelta, ToolCallReader, ToolFormat, tool_format_of
-from shared.constraints import CONSTRAINT_FAILED, Constraint
+from shared.constraints import CONSTRAINT_FAILED, Constraint, SchemaCheck
 from shared.events import CancelledEvent, DoneEvent, ErrorEvent, Event, TokenEvent
 from shared.schemas import Usage
 
@@ -49,6 +49,7 @@ class ChoiceState:
     constraint_param: str | None = None
     """The request field its job's constraint came from (`regex`, `response_format`, …): the
     `param` of the error when that constraint could not run."""
+    schema_check: SchemaCheck | None = None
 
     @property
     def ended(self) -> bool:
@@ -61,6 +62,7 @@ class ChoiceState:
                 self.logprobs = (self.logprobs or []) + ev.logprobs
         elif isinstance(ev, DoneEvent):
             self.finish_reason, self.usage = ev.finish_reason, ev.usage
+            self.schema_check = ev.schema_check
         elif isinstance(ev, ErrorEvent) and ev.code == CONSTRAINT_FAILED:  # the request's fault
             self.failure = ErrorDetail(
                 message=ev.message,
@@ -199,7 +201,10 @@ class ChatFormat:
         if reader is not None and reader.calls and reason == "stop":
             reason = "tool_calls"
         last = ChatChunkChoice(
-            index=choice.index, delta=ChatDelta(content=rest or None), finish_reason=reason
+            index=choice.index,
+            delta=ChatDelta(content=rest or None),
+            finish_reason=reason,
+            genq_schema=choice.schema_check,
         )
         return self._chunk(run, [last])
 
@@ -230,6 +235,7 @@ class ChatFormat:
             message=message,
             logprobs=self._logprobs(c.logprobs),
             finish_reason=reason,
+            genq_schema=c.schema_check,
         )
 
 
@@ -284,7 +290,12 @@ class CompletionFormat:
         )
 
     def final_chunk(self, run: RequestState, choice: ChoiceState) -> BaseModel:
-        last = CompletionChoice(index=choice.index, text="", finish_reason=choice.finish_reason)
+        last = CompletionChoice(
+            index=choice.index,
+            text="",
+            finish_reason=choice.finish_reason,
+            genq_schema=choice.schema_check,
+        )
         return self._chunk(run, [last])
 
     def usage_chunk(self, run: RequestState) -> BaseModel:
@@ -297,6 +308,7 @@ class CompletionFormat:
                 text="".join(c.text),
                 logprobs=self._logprobs(c.index, c.logprobs),
                 finish_reason=c.finish_reason,
+                genq_schema=c.schema_check,
             )
             for c in run.choices
         ]

@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from gateway.http_errors import ErrorDetail
+from shared.constraints import SchemaCheck
 from shared.keys import Priority
 from shared.schemas import (
     JSON_INTEGER,
@@ -32,6 +33,7 @@ from shared.schemas import (
     MAX_STOP_STRINGS,
     ONE_CONSTRAINT,
     SAMPLING_FIELDS,
+    SCHEMA_STRICT_DOC,
     Logprobs,
     MaxTokens,
     Sampling,
@@ -165,6 +167,7 @@ class NativeConstraints(OpenAIRequest):
     json_schema: dict[str, Any] | None = Field(
         default=None, description="genq: constrain the output to JSON valid under this schema"
     )
+    json_schema_strict: bool | None = Field(default=None, description=f"genq: {SCHEMA_STRICT_DOC}")
     regex: str | None = Field(
         default=None, min_length=1, description="genq: constrain the output to this regex"
     )
@@ -270,7 +273,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class SchemaChecked(BaseModel):
+    """A choice that may carry `genq_schema` (only where its job was under a JSON schema)."""
+
+    genq_schema: SchemaCheck | None = Field(
+        default=None,
+        description="genq: once the choice ended, its output checked against the whole JSON "
+        "schema (`valid`: true, false, or null where not checked; `errors`)",
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_no_schema(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("genq_schema") is None:
+            out.pop("genq_schema", None)
+        return out
+
+
+class CompletionChoice(SchemaChecked):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -344,7 +364,7 @@ class ToolCallDelta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(SchemaChecked):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
@@ -377,7 +397,7 @@ class ChatDelta(BaseModel):
         return out
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(SchemaChecked):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -66,10 +67,13 @@ from gateway.openai.serving import (
     plan,
     prepare_jobs,
     refuse,
+    unenforced_header,
+    validity_header,
 )
 from gateway.openai.toolcalls import tool_format_of
 from gateway.streaming import EventFollower, EventStreamResponse, sse_data
 from shared import events
+from shared.constraints import SchemaCheck
 from shared.errors import BadRequest, GenqError, NotFound
 from shared.events import CancelledEvent, DoneEvent, ErrorEvent, TokenEvent
 from shared.keys import Priority
@@ -278,6 +282,33 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return out
 
 
+_CHAT_TO_RESPONSES = (
+    ("response_format.json_schema.", "text.format."),
+    ("response_format", "text.format"),
+)
+
+
+def responses_path(path: str) -> str:
+    """A chat field's path (how the request was checked) as the Responses request named it:
+    `response_format.json_schema.…` is `text.format.…`, `tools.N.function.…` is `tools.N.…`."""
+    for chat, own in (
+        ("response_format.json_schema.", "text.format."),
+        ("response_format", "text.format"),
+    ):
+        if path.startswith(chat):
+            return own + path[len(chat) :]
+    return re.sub(r"^tools\.(\d+)\.function\.", r"tools.\1.", path)
+
+
+def _in_responses_terms(exc: BadRequest) -> BadRequest:
+    if exc.param is None:
+        return exc
+    own = responses_path(exc.param)
+    if own == exc.param:
+        return exc
+    return type(exc)(exc.message.replace(exc.param, own), param=own, code=exc.code)
+
+
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
@@ -331,6 +362,7 @@ class Outcome:
     prompt_tokens: int = 0
     tools_origin: str | None = None
     finished_at: float | None = None
+    schema_check: SchemaCheck | None = None
 
 
 def _output(o: Outcome, done: bool) -> list[dict[str, Any]]:
@@ -400,6 +432,7 @@ def response_body(stored: Stored, o: Outcome, *, output: bool = True) -> dict[st
         "usage": usage,
         "completed_at": int(o.finished_at) if o.status == "completed" and o.finished_at else None,
         **stored.request,
+        **({"genq_schema": o.schema_check.model_dump()} if o.schema_check else {}),
     }
 
 
@@ -420,6 +453,7 @@ def outcome_of(view: JobView) -> Outcome:
         error,
         tools_origin=origin,
         finished_at=view.finished_at,
+        schema_check=view.schema_check,
     )
 
 
@@ -497,7 +531,7 @@ class EventNumbering:
             o.status = "cancelled"
             body = response_body(self.stored, o)
             return out + self._frame(n, "response.cancelled", response=body)
-        o.finish_reason, o.usage = ev.finish_reason, ev.usage
+        o.finish_reason, o.usage, o.schema_check = ev.finish_reason, ev.usage, ev.schema_check
         o.status = "incomplete" if ev.finish_reason == "length" else "completed"
         frames: list[bytes] = []
         if self.text_mode:
@@ -608,8 +642,15 @@ class ResponsesServing(OpenAIServing):
         check_one_constraint(chat, {"response_format": "text.format"})
         p = plan(chat)
         refuse(p)
-        run, jobs = await prepare_jobs(self.state, p, loaded, chat.priority)
+        try:
+            run, jobs = await prepare_jobs(self.state, p, loaded, chat.priority)
+        except BadRequest as exc:
+            raise _in_responses_terms(exc) from None
         body, spec = jobs[0]
+        if spec.constraint is not None and spec.constraint.unenforced:
+            unenforced = [responses_path(u) for u in spec.constraint.unenforced]
+            constraint = spec.constraint.model_copy(update={"unenforced": unenforced})
+            spec = spec.model_copy(update={"constraint": constraint})
         meta = {**body.metadata, "api": "openai.response"}
         jobs[0] = (body.model_copy(update={"metadata": meta}), spec)
         stored = Stored(identity.owner, time.time(), _echoed(req), history + turn, req.background)
@@ -622,18 +663,22 @@ class ResponsesServing(OpenAIServing):
             stored, _ = await self._load(job_id, identity)
         origin = spec.constraint.origin if spec.constraint is not None else None
         queued = Outcome(job_id, "queued", prompt_tokens=run.prompt_tokens[0], tools_origin=origin)
+        headers = unenforced_header(spec.constraint)
         if req.stream:
             stream = self._events(sender, run, followers[0], EventNumbering(stored, queued, -1))
-            return EventStreamResponse(
+            response = EventStreamResponse(
                 stream, job_id, stall_timeout_s=self.settings.stream_stall_timeout_s
             )
+            response.headers.update(headers)
+            return response
         if req.background:
             await self._close(sender, run, followers)
-            return JSONResponse(response_body(stored, queued))
+            return JSONResponse(response_body(stored, queued), headers=headers)
         if not await self._wait(request, sender, run, followers):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         view = await self.state.jobs.get(job_id, identity)
-        return JSONResponse(response_body(stored, outcome_of(view)))
+        headers |= validity_header([view.schema_check])
+        return JSONResponse(response_body(stored, outcome_of(view)), headers=headers)
 
     async def retrieve(
         self, response_id: str, identity: Identity, stream: bool, starting_after: int | None

@@ -36,7 +36,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import anyio
@@ -67,12 +67,13 @@ from gateway.openai.protocol import (
     ErrorResponse,
     SamplingParams,
 )
-from gateway.openai.structured import response_schema
+from gateway.openai.structured import AskedSchema, response_schema
 from gateway.openai.templates import render_chat
 from gateway.openai.toolcalls import (
     FORMATS,
     MARKERS,
     TOOLS_ORIGIN,
+    Tools,
     check_tools,
     family_of,
     grammar_for,
@@ -83,7 +84,7 @@ from gateway.registry import LoadedCard
 from gateway.state import GatewayState
 from gateway.streaming import EventFollower, EventStreamResponse, sse_data
 from shared import events
-from shared.constraints import CONSTRAINT_KINDS, Constraint
+from shared.constraints import CONSTRAINT_KINDS, Constraint, SchemaCheck, json_options
 from shared.errors import (
     BadRequest,
     Conflict,
@@ -94,6 +95,7 @@ from shared.errors import (
 )
 from shared.events import TokenEvent
 from shared.keys import Priority
+from shared.schema_gaps import dotted, keyword_of
 from shared.schemas import MAX_SEED, JobCreate, JobSpec, one_only
 
 log = logging.getLogger(__name__)
@@ -231,35 +233,80 @@ async def prepare_jobs(
 async def _constrained(
     state: GatewayState, loaded: LoadedCard, req: ChatCompletionRequest, spec: JobSpec
 ) -> JobSpec:
-    """`spec` under the constraint the request's `tools` (unless `tool_choice` is none) or
-    `response_format` asks for, if any (checked and compiled as a native constraint is: a 400
-    naming the field otherwise)."""
+    """`spec` under the constraint the request's `tools` (unless `tool_choice` is none; with
+    a JSON `response_format` beside `auto` tools, the calls or that JSON) or `response_format`
+    asks for, if any (checked and compiled as a native constraint is: a 400 naming the field
+    otherwise)."""
     jobs = state.jobs
     tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    if tools is not None and tools.constrained:
-        family = family_of(_template(state, loaded))
-        assert family is not None  # `_render` refused a template that takes no tools
-        tok = loaded.tokenizer
-        special = frozenset(m for m in MARKERS if tok.token_to_id(m) is not None)
-        check_compatible(spec.sampling, "tools")
-        for i, fn in enumerate(tools.functions):  # a 400 names the tool and what is wrong
-            if tools.choice in ("auto", "required", fn["name"]):  # those the grammar holds
-                param, schema = f"tools.{i}.function.parameters", fn["parameters"]
-                await jobs.constraints.check(loaded, "json_schema", schema, param, jobs.off_loop)
-        lark = grammar_for(FORMATS[family], tools, special)
-        constraint = await jobs.constraints.check(
-            loaded, "grammar", lark, "tools", jobs.off_loop, origin=f"{TOOLS_ORIGIN}{family}"
-        )
-        return spec.model_copy(update={"constraint": constraint})
     asked = response_schema(req.response_format)
+    if tools is not None and tools.constrained:
+        check_compatible(spec.sampling, "tools")
+        constraint = await _tools_constraint(state, loaded, tools, asked)
+        return spec.model_copy(update={"constraint": constraint})
     if asked is None:
         return spec
-    schema, param = asked
     check_compatible(spec.sampling, "response_format")
     constraint = await jobs.constraints.check(
-        loaded, "json_schema", schema, param, jobs.off_loop, origin="response_format"
+        loaded,
+        "json_schema",
+        asked.schema,
+        asked.param,
+        jobs.off_loop,
+        origin="response_format",
+        strict=asked.strict,
     )
     return spec.model_copy(update={"constraint": constraint})
+
+
+async def _tools_constraint(
+    state: GatewayState, loaded: LoadedCard, tools: Tools, asked: AskedSchema | None
+) -> Constraint:
+    """The grammar of a reply under `tools` (and `asked`, beside `auto` tools): each
+    function's parameters and the answer's schema planned first (a strict one's unenforceable
+    keyword is a 400 naming it; a lenient one's are listed in `unenforced`)."""
+    jobs = state.jobs
+    family = family_of(_template(state, loaded))
+    assert family is not None  # `_render` refused a template that takes no tools
+    fmt = FORMATS[family]
+    unenforced: list[str] = []
+    functions = []
+    for i, fn in enumerate(tools.functions):
+        param, strict = f"tools.{i}.function.parameters", fn.get("strict") is True
+        if tools.choice in ("auto", "required", fn["name"]):  # a 400 names the tool at fault
+            schema = fn["parameters"]
+            await jobs.constraints.check(
+                loaded, "json_schema", schema, param, jobs.off_loop, strict=strict
+            )
+        planned = await jobs.constraints.plan(fn["parameters"], strict, param, jobs.off_loop)
+        unenforced += [dotted(p, param) for p in planned.unenforced]
+        functions.append({**fn, "parameters": planned.schema})
+    answer = None
+    if asked is not None and tools.choice == "auto":
+        if not fmt.trigger:
+            raise BadRequest(
+                f"model '{loaded.card.name}' calls tools as plain JSON objects (Llama's "
+                "format), which a reply in the response_format's schema could be too: give "
+                "tools or a JSON response_format, not both, for this model",
+                param="response_format",
+                code="tools_with_response_format",
+            )
+        planned = await jobs.constraints.plan(
+            asked.schema, asked.strict, asked.param, jobs.off_loop
+        )
+        unenforced += [dotted(p, asked.param) for p in planned.unenforced]
+        answer = {**planned.schema, "x-guidance": json_options(not asked.strict)}
+    tok = loaded.tokenizer
+    special = frozenset(m for m in MARKERS if tok.token_to_id(m) is not None)
+    lark = grammar_for(fmt, replace(tools, functions=functions), special, answer)
+    constraint = await jobs.constraints.check(
+        loaded, "grammar", lark, "tools", jobs.off_loop, origin=f"{TOOLS_ORIGIN}{family}"
+    )
+    update: dict[str, Any] = {"unenforced": unenforced}
+    if answer is not None and asked is not None:
+        update |= {"answer_schema": asked.schema, "calls_start": fmt.trigger}
+        update["strict"] = asked.strict
+    return constraint.model_copy(update=update)
 
 
 def _template(state: GatewayState, loaded: LoadedCard) -> str | None:
@@ -395,6 +442,7 @@ class OpenAIServing:
     ) -> Response:
         followers = await self._start(sender, run, jobs)
         headers = {"X-Job-Ids": ",".join(c.job_id for c in run.choices)}
+        headers |= unenforced_header(jobs[0][1].constraint)
         if req.stream:
             stream = self._sse(sender, run, followers, fmt, req.include_usage)
             response = EventStreamResponse(
@@ -412,6 +460,7 @@ class OpenAIServing:
                 await self._close(sender, run, followers)
         if not collect.cancelled():
             collect.result()  # raises what collecting raised
+            headers |= validity_header([c.schema_check for c in run.choices])
             return JSONResponse(fmt.response(run).model_dump(mode="json"), headers=headers)
         log.info("client disconnected", extra={"job_id": run.choices[0].job_id})
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -577,6 +626,29 @@ class OpenAIServing:
 # ---- helpers ------------------------------------------------------------------------------
 
 
+UNENFORCED_HEADER = "genq-schema-unenforced"
+VALID_HEADER = "genq-schema-valid"
+
+
+def unenforced_header(constraint: Constraint | None) -> dict[str, str]:
+    """`genq-schema-unenforced`: the keywords of the request's JSON schemas its grammar does
+    not enforce (none: the header is absent); the job record has their paths."""
+    if constraint is None or not constraint.unenforced:
+        return {}
+    return {
+        UNENFORCED_HEADER: ",".join(dict.fromkeys(keyword_of(p) for p in constraint.unenforced))
+    }
+
+
+def validity_header(checks: list[SchemaCheck | None]) -> dict[str, str]:
+    """`genq-schema-valid`: per choice, in order, whether its output is valid under the whole
+    schema (`true`, `false`; `null` where not checked); absent without a JSON schema."""
+    if all(c is None for c in checks):
+        return {}
+    shown = ("null" if c is None or c.valid is None else str(c.valid).lower() for c in checks)
+    return {VALID_HEADER: ",".join(shown)}
+
+
 def _output_events(batch: Batch) -> list[Any]:
     return [events.decode(data) for _, etype, data in batch if etype in _OUTPUT_EVENTS]
 
@@ -596,13 +668,7 @@ def _refuse_unsupported(req: SamplingParams) -> None:
         }
     if isinstance(req, ChatCompletionRequest):
         response_schema(req.response_format)  # the shapes: a 400 before any work
-        tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-        if tools is not None and tools.constrained and response_schema(req.response_format):
-            raise BadRequest(
-                "tools (with tool_choice other than 'none') and a JSON response_format are "
-                "not supported together: the reply is either tool calls or JSON",
-                param="response_format",
-            )
+        check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     for param, given in unsupported.items():
         if given:
             raise BadRequest(
@@ -705,7 +771,8 @@ def _job_body(
         "logprobs": logprobs,
     }
     fields["prompt" if isinstance(prompt, str) else "input_ids"] = prompt
-    for name in (*_PASSED_ON, *CONSTRAINT_KINDS):
+    native = (*CONSTRAINT_KINDS, "json_schema_strict")
+    for name in (*_PASSED_ON, *native):
         value = getattr(req, name)
         if value is not None:
             fields[name] = value

@@ -6,14 +6,18 @@
 
 The shape is checked here (a 400 naming the field, as OpenAI's does); the schema itself is
 compiled and checked by the gateway's `ConstraintChecker`, as a native `json_schema` is, with
-`param` naming where it came from. `strict` changes nothing: genq always holds the output to
-the whole schema (OpenAI's strict mode also requires every property and no extra ones; genq
-takes the schema as written).
+`param` naming where it came from. `strict` (OpenAI's default: false) decides what happens to
+a keyword the grammar cannot enforce (`not`, `uniqueItems`, …): strict, a 400 naming its
+path; not strict, the rest of the schema is enforced, the keyword is named in the answer and
+the finished output is checked against the whole schema (shared/schema_gaps.py). genq takes
+the schema as written either way (OpenAI's strict mode also requires every property and no
+extra ones). `json_object` is a schema the grammar enforces whole.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from shared.errors import BadRequest
@@ -25,16 +29,26 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _FORMAT_FIELDS = frozenset({"name", "schema", "strict", "description"})
 
 
-def response_schema(fmt: dict[str, Any] | None) -> tuple[dict[str, Any], str] | None:
-    """The JSON schema a `response_format` asks for and the field it came from (`param` of a
-    400 about it); None for text. BadRequest for a shape OpenAI would refuse."""
+@dataclass(frozen=True, slots=True)
+class AskedSchema:
+    """The JSON schema a `response_format` asks for."""
+
+    schema: dict[str, Any]
+    param: str
+    """The field it came from (`param` of a 400 about it, and its paths' start)."""
+    strict: bool
+
+
+def response_schema(fmt: dict[str, Any] | None) -> AskedSchema | None:
+    """The JSON schema a `response_format` asks for; None for text. BadRequest for a shape
+    OpenAI would refuse."""
     if fmt is None:
         return None
     kind = fmt.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
-        return JSON_OBJECT, "response_format"
+        return AskedSchema(JSON_OBJECT, "response_format", strict=True)
     if kind != "json_schema":
         raise BadRequest(
             f"response_format.type is {kind!r}; allowed: 'text', 'json_object', 'json_schema'",
@@ -71,4 +85,5 @@ def response_schema(fmt: dict[str, Any] | None) -> tuple[dict[str, Any], str] | 
             "response_format.json_schema.schema must be a JSON schema (an object)",
             param="response_format.json_schema.schema",
         )
-    return schema, "response_format.json_schema.schema"
+    strict = spec.get("strict") is True  # absent or null: OpenAI's default, not strict
+    return AskedSchema(schema, "response_format.json_schema.schema", strict)

@@ -19,7 +19,14 @@ after the fact): the grammar (`grammar_for`) admits, by `tool_choice`,
 - `required`: one call or more, nothing before; a named function: exactly that one;
 - `none`: no constraint (the tools are still rendered into the prompt, as OpenAI does).
 Each call's JSON is `{"name": <one of the tools>, "arguments": <its parameters schema>}`
-(`parameters` for Llama), and `parallel_tool_calls: false` admits one call.
+(`parameters` for Llama), and `parallel_tool_calls: false` admits one call. A function's
+`strict` (OpenAI's default: false) decides what happens to a keyword of its parameters the
+grammar cannot enforce, as for a response format (gateway/openai/structured.py).
+
+With a JSON `response_format` beside `auto` tools, the reply is either the calls or JSON
+under the format's schema (nothing before either): Hermes and Mistral calls start with their
+trigger, which JSON cannot. A Llama JSON call is itself a JSON object, which a reply in the
+schema could be too: that pair is a 400 (`tools_with_response_format`).
 
 `ToolCallReader` turns the output text back into `content` and `tool_calls`, piece by piece
 for a stream (OpenAI's deltas: index, id, type and name first, then argument fragments), in
@@ -34,7 +41,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from shared.constraints import JSON_COMPILE_OPTIONS
+from shared.constraints import json_options
 from shared.errors import BadRequest
 
 MAX_TOOLS = 128
@@ -114,6 +121,12 @@ class Tools:
     def constrained(self) -> bool:
         return self.choice != "none"
 
+    @property
+    def lenient(self) -> bool:
+        """Some function is not `strict`: its parameters' unenforceable keywords are left out
+        of the grammar (a strict one's were refused before)."""
+        return not all(f.get("strict") is True for f in self.functions)
+
 
 def check_tools(
     tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None
@@ -188,13 +201,16 @@ def call_schema(fmt: ToolFormat, tools: Tools) -> dict[str, Any]:
         for f in allowed
     ]
     schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    return {**schema, "x-guidance": JSON_COMPILE_OPTIONS}
+    return {**schema, "x-guidance": json_options(tools.lenient)}
 
 
-def grammar_for(fmt: ToolFormat, tools: Tools, special: frozenset[str]) -> str:
+def grammar_for(
+    fmt: ToolFormat, tools: Tools, special: frozenset[str], answer: dict[str, Any] | None = None
+) -> str:
     """The Lark grammar (llguidance's dialect) of a reply under `tools`; `special`: the
     markers that are one special token of the model's tokenizer (a grammar names those as
-    `<…>`; others are spelled out)."""
+    `<…>`; others are spelled out); `answer`: the JSON schema (with its `x-guidance`) a reply
+    that calls no tool is in, with `auto` tools beside a response format."""
     call = f"%json {json.dumps(call_schema(fmt, tools))}"
     trigger = _seq(fmt.trigger, special)
     first = f"{trigger} {_seq(fmt.open, special)} {call} {_seq(fmt.close, special)}"
@@ -206,6 +222,8 @@ def grammar_for(fmt: ToolFormat, tools: Tools, special: frozenset[str]) -> str:
     rules = ["%llguidance {}"]
     if tools.choice != "auto":
         rules.append(f"start: {calls}")
+    elif answer is not None:
+        rules.append(f"start: %json {json.dumps(answer)} | {calls}")
     elif fmt.trigger and fmt.trigger in special:
         rules += [f"start: TEXT | TEXT {calls}", "TEXT: /(.|\\n)*/"]
     elif fmt.trigger:

@@ -54,7 +54,42 @@ async def test_json_schema_outputs_validate_and_the_record_keeps_the_schema(stac
         done = await stack.wait_status(job["id"], "succeeded")
         assert done["finish_reason"] == "stop", done
         jsonschema.validate(json.loads(done["text"]), PERSON)
-        assert done["constraint"] == {"type": "json_schema", "json_schema": PERSON}
+        assert done["constraint"] == {
+            "type": "json_schema",
+            "json_schema": PERSON,
+            "strict": True,
+            "unenforced": [],
+        }
+        assert done["schema_check"] == {"valid": True, "errors": []}
+
+
+NOT_FIVE = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 5, "not": {"const": 5}}},
+    "required": ["n"],
+}
+"""The grammar enforces n = 5; `not` (left to the check) refuses it: every output is invalid."""
+
+
+async def test_json_schema_strict_false_runs_what_strict_refuses(stack: Stack) -> None:
+    refused = await stack.client.post(
+        "/v1/jobs", json={"model": "sim", "prompt": "p", "json_schema": NOT_FIVE}
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == (
+        "json_schema.properties.n.not"
+    )
+    job = await stack.submit(
+        prompt="p", max_tokens=20, json_schema=NOT_FIVE, json_schema_strict=False
+    )
+    done = await stack.wait_status(job["id"], "succeeded")
+    assert json.loads(done["text"]) == {"n": 5}
+    assert done["constraint"]["strict"] is False
+    assert done["constraint"]["unenforced"] == ["json_schema.properties.n.not"]
+    assert done["schema_check"]["valid"] is False
+    alone = await stack.client.post(
+        "/v1/jobs", json={"model": "sim", "prompt": "p", "json_schema_strict": False}
+    )
+    assert 400 <= alone.status_code < 500 and "json_schema_strict" in alone.text
 
 
 async def test_regex_and_grammar_outputs_match(stack: Stack) -> None:

@@ -115,7 +115,10 @@ def test_json_object_and_a_strict_schema_streamed_and_not(
         "type": "json_schema",
         "json_schema": STRICT,
         "origin": "response_format",
+        "strict": True,
+        "unenforced": [],
     }
+    assert job["schema_check"] == {"valid": True, "errors": []}
 
 
 NATIVE_PATTERN = "(yes|no)-[0-9]{3}"

@@ -6,11 +6,13 @@ against its tool's parameters."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import jsonschema
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+from pydantic import BaseModel
 
 from gateway.openai.toolcalls import FORMATS, ToolCallReader
 from tests.openai.conftest import TOOLS
@@ -279,3 +281,48 @@ def test_the_reader_holds_a_marker_split_across_pieces() -> None:
         assert content == "hi "
         assert [c["function"]["arguments"] for c in reader.calls] == ['{"a":1,"b":[2,"}"]}', "{}"]
         assert frags == {0: '{"a":1,"b":[2,"}"]}', 1: "{}"}
+
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tools_beside_a_response_format_call_or_answer_in_the_schema(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    """The sim calls where it may (even seeds) and otherwise answers: in the schema."""
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    args: Any = {"model": TOOLS, "messages": ASK, "tools": THREE, "response_format": fmt}
+    if stream:
+        with client.chat.completions.stream(**args, max_tokens=300, seed=2) as s:
+            called = s.get_final_completion().choices[0]
+        with client.chat.completions.stream(**args, max_tokens=300, seed=1) as s:
+            answered = s.get_final_completion().choices[0]
+    else:
+        called = client.chat.completions.create(**args, max_tokens=300, seed=2).choices[0]
+        answered = client.chat.completions.create(**args, max_tokens=300, seed=1).choices[0]
+    assert called.finish_reason == "tool_calls"
+    check_calls(called.message, set(SCHEMAS))
+    assert answered.finish_reason == "stop" and answered.message.tool_calls is None
+    jsonschema.validate(json.loads(answered.message.content or ""), CITY)
+    parsed = client.chat.completions.parse(
+        model=TOOLS,
+        messages=ASK,
+        tools=THREE,
+        response_format=City,
+        max_tokens=300,
+        seed=1,  # type: ignore[arg-type]
+    )
+    message = parsed.choices[0].message
+    assert isinstance(message.parsed, City)
+    assert message.parsed == City.model_validate_json(message.content or "")
+
+
+class City(BaseModel):
+    city: str
+    population: int

@@ -1,6 +1,7 @@
 """The checks genq adds to llguidance's: Lark grammars that can never end, `$ref` loops, where
-a schema's regexes are; the worker's batched masks agreeing with one matcher's own; and a
-matcher that fails telling the job so (never a quiet end)."""
+a schema's regexes are, and its unenforceable keywords (and what a lenient one leaves out);
+the worker's batched masks agreeing with one matcher's own; and a matcher that fails telling
+the job so (never a quiet end)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from gateway.constraint_errors import patterns
 from shared.constraints import CONSTRAINT_FAILED, grammar_of, ref_loop
 from shared.lark_check import unfinishable
+from shared.schema_gaps import plan_schema
 from shared.schemas import Sampling
 from worker.constraint import ConstraintError, Grammars, MaskBatch, allowed_ids, allows
 from worker.core import AddCommand, EngineCore
@@ -55,6 +57,35 @@ def test_unfinishable_finds_grammars_that_cannot_end(lark: str, ends: bool) -> N
 )
 def test_ref_loop_finds_refs_that_consume_nothing(schema: dict, loops: bool) -> None:
     assert (ref_loop(schema) is not None) is loops
+
+
+TAGS = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+
+
+@pytest.mark.parametrize(
+    ("schema", "gap", "unenforced"),
+    [
+        ({"properties": {"tags": TAGS}}, "properties.tags.uniqueItems", None),
+        (
+            {"$defs": {"T": TAGS}, "items": {"$ref": "#/$defs/T"}, "not": {"type": "null"}},
+            "not",  # the root's own keywords come first, then what they lead to
+            ["$defs.T.uniqueItems", "not"],
+        ),
+        ({"$defs": {"unused": TAGS}, "type": "string"}, None, []),  # never compiled
+        ({"properties": {"d": {"format": "x-made-up"}}}, "properties.d.format", None),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf", None),  # overlapping
+        ({"if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if", ["if", "then"]),
+        # a regex llguidance cannot run is left out of a lenient grammar (strict: its 400)
+        ({"properties": {"u": {"pattern": "^(?!x).*$"}}}, None, ["properties.u.pattern"]),
+    ],
+)
+def test_a_schema_plan_names_what_the_grammar_does_not_enforce(
+    schema: dict, gap: str | None, unenforced: list[str] | None
+) -> None:
+    assert plan_schema(schema, strict=True).gap == gap
+    lenient = plan_schema(schema, strict=False)
+    assert lenient.gap is None
+    assert sorted(lenient.unenforced) == sorted(unenforced if unenforced is not None else [gap])
 
 
 def test_batched_masks_equal_each_matchers_own() -> None:
