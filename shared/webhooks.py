@@ -101,12 +101,11 @@ def check_secret(secret: str) -> str:
     return secret
 
 
-def signed_headers(
-    secret: str, event: str, body: bytes, now: float | None = None
-) -> dict[str, str]:
-    """The Standard Webhooks headers for `body`, the event of id `event`."""
+def sign(key: bytes, event: str, body: bytes, now: float | None = None) -> dict[str, str]:
+    """The Standard Webhooks headers for `body`, the event of id `event`, signed with a
+    secret's key (`secret_key`)."""
     ts = str(int(time.time() if now is None else now))
-    mac = hmac.new(secret_key(secret), f"{event}.{ts}.".encode() + body, hashlib.sha256)
+    mac = hmac.new(key, f"{event}.{ts}.".encode() + body, hashlib.sha256)
     return {
         "webhook-id": event,
         "webhook-timestamp": ts,

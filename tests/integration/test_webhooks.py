@@ -21,7 +21,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.webhooks import Guard, Refused
+from gateway.webhook_http import Guard, Refused
 from shared.settings import Settings
 from tests.conftest import Stack, running_stack
 
