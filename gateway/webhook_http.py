@@ -241,18 +241,25 @@ class _Connection(asyncio.Protocol):
             self._settle(reuse=self.parser.should_keep_alive())
 
     # -- the request
-    async def post(self, data: bytes) -> int:
-        """The status of the answer to the request `data`."""
+    async def post(self, data: bytes, deadline: float) -> int:
+        """The status of the answer to the request `data`, by `deadline` (the loop's time)."""
         assert self.transport is not None
-        self.answer = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.answer = loop.create_future()
         self.status = self.head = self.body = 0
         self.heard = False
+        timer = loop.call_at(deadline, self._time_out)
         self.transport.write(data)
         try:
             return await self.answer
         except BaseException:
-            self.close()  # cancelled (a timeout) or failed: whatever comes later is no answer
+            self.close()  # cancelled or failed: whatever comes later is no answer
             raise
+        finally:
+            timer.cancel()
+
+    def _time_out(self) -> None:
+        self._fail(TimeoutError("no answer within GENQ_WEBHOOK_TIMEOUT_S"))
 
     def _settle(self, reuse: bool) -> None:
         if self.answer is not None and not self.answer.done():
@@ -292,11 +299,13 @@ class WebhookClient:
         self._origins: dict[str, _Origin] = {}
         self._swept = time.monotonic()
 
-    async def post(self, url: str, headers: Iterable[tuple[str, str]], body: bytes) -> int:
+    async def post(
+        self, url: str, headers: Iterable[tuple[str, str]], body: bytes, deadline: float
+    ) -> int:
         """The status of the receiver's answer to `body` posted to `url` with `headers`
-        (besides Host and Content-Length); Refused for a URL or address it may not reach;
-        AnswerError or OSError for a connection that gave no answer. The caller bounds the
-        time (a cancelled post closes its connection)."""
+        (besides Host and Content-Length), by `deadline` (the loop's time); Refused for a URL
+        or address it may not reach; AnswerError or OSError (TimeoutError among them) for a
+        connection that gave no answer."""
         origin = self._origins.get(url)
         if origin is None:
             if len(self._origins) >= _ORIGINS_CACHED:
@@ -308,11 +317,12 @@ class WebhookClient:
         conn = self._take(origin.key)
         if conn is not None:
             with contextlib.suppress(_Stale):  # closed by the receiver while idle: once more
-                status = await conn.post(data)
+                status = await conn.post(data, deadline)
         if conn is None or status is None:
-            conn = await self._open(origin)
+            async with asyncio.timeout_at(deadline):
+                conn = await self._open(origin)
             try:
-                status = await conn.post(data)
+                status = await conn.post(data, deadline)
             except _Stale as exc:
                 raise AnswerError(str(exc)) from None
         self._give_back(origin.key, conn)

@@ -206,8 +206,9 @@ class WebhookSender:
         self.holding = held
         if not held:
             return False
-        taken = await self.send_outbox()
-        sent = await self.send_due()
+        entries, due = await self._read()
+        taken = await self.send_outbox(entries) if entries else 0
+        sent = await self.send_due(due) if due else 0
         return taken >= self._page or sent >= self._page
 
     async def _hold(self) -> bool:
@@ -228,13 +229,30 @@ class WebhookSender:
 
     # ---- the outbox: first attempts ---------------------------------------------------------
 
-    async def send_outbox(self) -> int:
+    async def _read(self) -> tuple[list[tuple[str, dict[str, str]]], list[str]]:
+        """A page of outbox entries (new ones, and any a holder now gone read and never acked:
+        idle a lease long), and one of the recorded deliveries due, in one round trip."""
+        outbox = self.keys.webhook_outbox()
+        idle_ms = int(self.settings.webhook_lease_s * 1000)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xautoclaim(outbox, GROUP, self.consumer, idle_ms, "0-0", count=self._page)
+            pipe.xreadgroup(GROUP, self.consumer, {outbox: ">"}, count=self._page)
+            pipe.zrangebyscore(self.keys.webhook_due(), "-inf", time.time(), 0, self._page)
+            claimed, reply, due = await pipe.execute(raise_on_error=False)
+        for answer in (reply, due):
+            if isinstance(answer, Exception):
+                raise answer
+        entries: list[tuple[str, dict[str, str]]] = []
+        if not isinstance(claimed, ResponseError):
+            entries += [(i, f) for i, f in claimed[1] if f]
+        for _, got in reply or []:
+            entries += [(i, f) for i, f in got if f]
+        return entries, due
+
+    async def send_outbox(self, entries: Sequence[tuple[str, dict[str, str]]]) -> int:
         """A page of outbox entries sent to their endpoints, then acked in one MULTI with a
         delivery record for each attempt that failed; how many entries."""
         outbox = self.keys.webhook_outbox()
-        entries = await self._read_outbox()
-        if not entries:
-            return 0
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.smembers(self.keys.webhook_disabled())
             for _, fields in entries:
@@ -255,23 +273,6 @@ class WebhookSender:
             await tx.execute()
         self._count(deliveries, outcomes)
         return len(entries)
-
-    async def _read_outbox(self) -> list[tuple[str, dict[str, str]]]:
-        """New entries, and any a holder now gone read and never acked (idle a lease long)."""
-        outbox = self.keys.webhook_outbox()
-        idle_ms = int(self.settings.webhook_lease_s * 1000)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xautoclaim(outbox, GROUP, self.consumer, idle_ms, "0-0", count=self._page)
-            pipe.xreadgroup(GROUP, self.consumer, {outbox: ">"}, count=self._page)
-            claimed, reply = await pipe.execute(raise_on_error=False)
-        if isinstance(reply, Exception):
-            raise reply
-        entries: list[tuple[str, dict[str, str]]] = []
-        if not isinstance(claimed, ResponseError):
-            entries += [(i, f) for i, f in claimed[1] if f]
-        for _, got in reply or []:
-            entries += [(i, f) for i, f in got if f]
-        return entries
 
     def _deliveries_of(
         self, fields: dict[str, str], job: list[str | None] | None
@@ -310,7 +311,7 @@ class WebhookSender:
                 targets.append((own.url, JOB_SECRET))
         targets += [(ep.url, ep.url) for ep in self.settings.webhooks if kind in ep.events]
         event = event_id(about, kind)
-        body = event_body(about, kind, now)
+        body = event_body(about, kind, now, event)
         return [
             Delivery(delivery_id(event, url), url, secret, event, kind, body, now, 0)
             for url, secret in targets
@@ -318,13 +319,10 @@ class WebhookSender:
 
     # ---- recorded deliveries: retries -------------------------------------------------------
 
-    async def send_due(self) -> int:
-        """Send a page of the recorded deliveries due; how many."""
+    async def send_due(self, ids: Sequence[str]) -> int:
+        """Send a page of the recorded deliveries due (`ids`); how many."""
         s, due = self.settings, self.keys.webhook_due()
         now = time.time()
-        ids = await self.redis.zrangebyscore(due, "-inf", now, start=0, num=self._page)
-        if not ids:
-            return 0
         # the next attempt of each, should this holder die mid-delivery
         later = now + s.webhook_timeout_s * PAGE_PER_SLOT + s.webhook_lease_s
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -387,10 +385,10 @@ class WebhookSender:
             *sign(key, d.event, d.body).items(),
         ]
         started = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + self.settings.webhook_timeout_s
         status = 0
         try:
-            async with asyncio.timeout(self.settings.webhook_timeout_s):
-                status = await self.http.post(d.url, headers, d.body)
+            status = await self.http.post(d.url, headers, d.body, deadline)
             error = None if 200 <= status < 300 else f"answered {status}"
         except Refused as exc:
             error = f"refused: {exc}"
@@ -458,10 +456,14 @@ class WebhookSender:
         if self.metrics is None:
             return
         now = time.time()
+        counted = {kind: 0 for kind in WebhookMetrics.OUTCOMES}
         for d, outcome in zip(deliveries, outcomes, strict=True):
-            self.metrics.deliveries.labels(outcome.kind).inc()
+            counted[outcome.kind] += 1
             if outcome is DELIVERED:
                 self.metrics.delay.observe(max(0.0, now - d.created_at))
+        for kind, n in counted.items():
+            if n:
+                self.metrics.deliveries.labels(kind).inc(n)
 
 
 def _record(d: Delivery) -> dict[str, Any]:
