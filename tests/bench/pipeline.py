@@ -217,6 +217,13 @@ def main() -> None:
         help="run the workload without webhooks, then with a deployment endpoint told of "
         "every job's end (a local receiver), and print both and their ratio",
     )
+    ap.add_argument(
+        "--receiver",
+        dest="receiver_kind",
+        choices=("raw", "uvicorn"),
+        default="raw",
+        help="with --compare-webhooks: the local receiver (tests/bench/webhooks.py)",
+    )
     args = ap.parse_args()
     args.json_schema = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -224,12 +231,12 @@ def main() -> None:
             from tests.bench.webhooks import Receiver, start_receiver, webhook_env
 
             args.receiver = Receiver()
-            hook, server = start_receiver(args.receiver)
+            hook, stop = start_receiver(args.receiver, args.receiver_kind)
             result = {"none": run_once(args, Path(tmp))}
             args.env = webhook_env(hook, ["job.succeeded"])
             result["webhooks"] = run_once(args, Path(tmp))
             result["webhooks"]["events_received"] = len(args.receiver.arrived)
-            server.should_exit = True
+            stop()
             none, hooks = result["none"], result["webhooks"]
             result["tokens_per_s_ratio"] = round(hooks["tokens_per_s"] / none["tokens_per_s"], 3)
             # the same figure by CPU, steadier on a shared box: all CPU seconds (the
