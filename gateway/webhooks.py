@@ -3,8 +3,8 @@
 The step that ends a job (EMIT of a final event, SETTLE) or sets a batch's final status
 (BATCH_UPDATE) also adds the job's or batch's id to the outbox stream (`Keys.webhook_outbox`):
 never an end without its event, whatever dies right after. One gateway process at a time
-holds the webhook lease (`Keys.webhook_lease`, renewed while a page is in flight) and, each
-round:
+holds the webhook lease (`Keys.webhook_lease`: renewed each third of GENQ_WEBHOOK_LEASE_S,
+also while a page is in flight, and checked every round) and, each round:
 
 1. takes a page of new outbox entries (and those of a holder that died before it acked them,
    XAUTOCLAIM) and makes each entry's deliveries — its event to every endpoint that wants it,
@@ -76,7 +76,8 @@ _JOB_FIELDS = ("status", "metadata", "result", "finished_at", "webhook")
 PAGE_PER_SLOT = 4
 """Outbox entries, or recorded deliveries, a round takes per GENQ_WEBHOOK_CONCURRENCY slot."""
 LEASE_RENEWALS = 3
-"""Renewals of the lease per GENQ_WEBHOOK_LEASE_S while a page is in flight."""
+"""Renewals of the lease per GENQ_WEBHOOK_LEASE_S, between rounds (which otherwise only check
+it) and while a page is in flight."""
 DEAD_LETTERS_CAP = 10_000
 JOB_SECRET = "job"
 """A delivery's secret: GENQ_WEBHOOK_SECRET (a job's own webhook), else its endpoint's."""
@@ -155,6 +156,8 @@ class WebhookSender:
         self.guard = Guard(settings)
         self.consumer = f"{token}-{uuid.uuid4().hex[:6]}"
         self.holding = False
+        self._renewed = 0.0
+        """When the lease was last renewed (monotonic), by the request's start."""
         self.http = WebhookClient(
             self.guard, settings.webhook_max_response_bytes, settings.webhook_concurrency
         )
@@ -196,25 +199,38 @@ class WebhookSender:
             self.holding = False
 
     async def round(self) -> bool:
-        """One round: take or renew the lease; holding it, send a page of the outbox and one
-        of what is due. Whether it found a full page of either (more may be waiting)."""
-        held = await self._hold()
-        if held != self.holding:
-            log.info("webhooks " + ("sent from here" if held else "no longer sent from here"))
-            if held:
-                await self._ensure_group()
-        self.holding = held
-        if not held:
+        """One round: take the lease, or renew it when a third of it has passed (else check
+        it, in the read); holding it, send a page of the outbox and one of what is due.
+        Whether it found a full page of either (more may be waiting)."""
+        since = time.monotonic() - self._renewed
+        renewing = not self.holding or since >= self.settings.webhook_lease_s / LEASE_RENEWALS
+        if renewing:
+            held = await self._hold()
+            if held != self.holding:
+                log.info("webhooks " + ("sent from here" if held else "no longer sent from here"))
+                if held:
+                    await self._ensure_group()
+            self.holding = held
+            if not held:
+                return False
+        read = await self._read(renewing)
+        if read is None:
+            log.info("webhooks no longer sent from here")
+            self.holding = False
             return False
-        entries, due = await self._read()
+        entries, due = read
         taken = await self.send_outbox(entries) if entries else 0
         sent = await self.send_due(due) if due else 0
         return taken >= self._page or sent >= self._page
 
     async def _hold(self) -> bool:
-        return await self.scripts.run(
+        asked = time.monotonic()
+        held = await self.scripts.run(
             self._lease("hold", int(self.settings.webhook_lease_s * 1000))
         )
+        if held:
+            self._renewed = asked
+        return held
 
     async def _ensure_group(self) -> None:
         try:
@@ -229,22 +245,33 @@ class WebhookSender:
 
     # ---- the outbox: first attempts ---------------------------------------------------------
 
-    async def _read(self) -> tuple[list[tuple[str, dict[str, str]]], list[str]]:
-        """A page of outbox entries (new ones, and any a holder now gone read and never acked:
-        idle a lease long), and one of the recorded deliveries due, in one round trip."""
+    async def _read(
+        self, renewed: bool
+    ) -> tuple[list[tuple[str, dict[str, str]]], list[str]] | None:
+        """A page of new outbox entries and one of the recorded deliveries due, in one round
+        trip. With the lease `renewed` just now, also the entries a holder now gone read and
+        never acked (idle a lease long); else the lease is checked in the same trip: None
+        where another holds it (the entries just read then wait, pending, for the holder to
+        take them over)."""
         outbox = self.keys.webhook_outbox()
         idle_ms = int(self.settings.webhook_lease_s * 1000)
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xautoclaim(outbox, GROUP, self.consumer, idle_ms, "0-0", count=self._page)
+            if renewed:
+                pipe.xautoclaim(outbox, GROUP, self.consumer, idle_ms, "0-0", count=self._page)
+            else:
+                pipe.get(self.keys.webhook_lease())
             pipe.xreadgroup(GROUP, self.consumer, {outbox: ">"}, count=self._page)
             pipe.zrangebyscore(self.keys.webhook_due(), "-inf", time.time(), 0, self._page)
-            claimed, reply, due = await pipe.execute(raise_on_error=False)
+            first, reply, due = await pipe.execute(raise_on_error=False)
         for answer in (reply, due):
             if isinstance(answer, Exception):
                 raise answer
         entries: list[tuple[str, dict[str, str]]] = []
-        if not isinstance(claimed, ResponseError):
-            entries += [(i, f) for i, f in claimed[1] if f]
+        if not renewed:
+            if first != self.token:
+                return None
+        elif not isinstance(first, ResponseError):
+            entries += [(i, f) for i, f in first[1] if f]
         for _, got in reply or []:
             entries += [(i, f) for i, f in got if f]
         return entries, due

@@ -10,7 +10,8 @@ box's cores) or `uvicorn` (an ASGI app, as a Python app would be served).
    end (its record's `finished_at`) to its event's arrival, p50 and p99: the sending gateway
    also takes the submissions (on a small box they share its CPU).
 2. Drain: the same number of jobs run while no gateway may send (the lease held by the
-   bench), then the lease is let go: the deliveries per second of the backlog alone.
+   bench), then the lease is let go: the deliveries per second of the backlog alone, and the
+   sending gateway's CPU per delivery meanwhile (it does nothing else then).
 
 The cost of webhooks on the pipeline's tokens/s: `python -m tests.bench.pipeline
 --compare-webhooks`.
@@ -35,6 +36,7 @@ import httpx
 import redis as redis_sync
 import uvicorn
 
+from genq.procstats import cpu_seconds
 from genq.stats import ms, percentile
 from tests.procs import Cluster, free_port, redis_server
 
@@ -165,11 +167,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             more = asyncio.run(submit_all(gw.url, args.jobs, args.concurrency))
             while r.xlen(f"{prefix}webhooks:outbox") < len(more):
                 time.sleep(0.1)
+            cpu0 = cpu_seconds(gw.proc.pid)
             r.delete(lease)
             t0 = time.time()
             while len(app.arrived) < len(ids) + len(more) and time.time() < t0 + 120:
                 time.sleep(0.02)
             drain_s = max(app.arrived[i] for i in more if i in app.arrived) - t0
+            drain_cpu_s = cpu_seconds(gw.proc.pid) - cpu0
         finally:
             cluster.close()
             stop()
@@ -184,6 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "delay_ms_p99": ms(percentile(delays, 99), 1),
         "drain_events": args.jobs,
         "drain_events_per_s": round(args.jobs / max(1e-9, drain_s), 1),
+        "drain_gateway_cpu_ms_per_event": round(drain_cpu_s * 1000 / args.jobs, 3),
     }
 
 

@@ -21,6 +21,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.fleet import read_fleet
 from gateway.webhook_http import Guard, Refused
 from shared.settings import Settings
 from tests.conftest import Stack, running_stack
@@ -319,4 +320,6 @@ async def test_the_end_and_its_outbox_entry_are_one_step(
         for j in [*hooked_ids, plain]:
             await stack.wait_status(j, "succeeded")
         entries = await redis.xrange(keys.webhook_outbox())
+        fleet = await read_fleet(redis, keys, [])
     assert sorted(f["job"] for _, f in entries) == sorted(hooked_ids)
+    assert fleet.webhook_backlog == 3  # not yet sent: the backlog /metrics shows
