@@ -5,14 +5,14 @@ resolved here and every address it resolves to checked (no loopback, private, li
 the metadata address among them —, multicast or reserved one, unless GENQ_WEBHOOK_ALLOW_HOSTS
 names the host or a network holding the address).
 
-`WebhookClient` posts an event over a connection opened to the checked address itself (a
-socket connected to the address `Guard.resolve` returned; TLS verifies the certificate
-against the URL's host name, sent as SNI), so a name that resolves differently a moment later
-(DNS rebinding) reaches nothing unchecked. A connection is kept alive for the next event to
-the same scheme, host and port (it goes to an address checked when it was opened); one the
-receiver closed while idle is opened again once. A redirect is an answer like any other (its
-status; never followed); an answer's body is read up to GENQ_WEBHOOK_MAX_RESPONSE_BYTES, and a
-connection whose answer was cut there is closed.
+`WebhookClient` posts an event over a connection opened to the checked address itself (the
+address `Guard.resolve` returned, taken as a numeric address, never looked up again; TLS
+verifies the certificate against the URL's host name, sent as SNI), so a name that resolves
+differently a moment later (DNS rebinding) reaches nothing unchecked. A connection is kept
+alive for the next event to the same scheme, host and port (it goes to an address checked
+when it was opened); one the receiver closed while idle is opened again once. A redirect is
+an answer like any other (its status; never followed); an answer's body is read up to
+GENQ_WEBHOOK_MAX_RESPONSE_BYTES, and a connection whose answer was cut there is closed.
 
 The client is made for one request shape, a small POST, at the rate a gateway ends jobs:
 httpx's general request path cost about 1 ms of CPU per event (docs/performance.md), this
@@ -29,7 +29,7 @@ import ssl
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 from urllib.parse import quote, urlsplit
 
 import httptools
@@ -72,7 +72,6 @@ class Target:
     port: int
     scheme: str
     family: int = socket.AF_INET
-    sockaddr: tuple[Any, ...] = ()
 
 
 class Guard:
@@ -133,7 +132,10 @@ class Guard:
         for info in infos:  # all of them: any could be the one used
             self.check_address(host, str(info[4][0]))
         family, _, _, _, sockaddr = infos[0]
-        return Target(url, host, str(sockaddr[0]), port, scheme, family, tuple(sockaddr))
+        address = str(sockaddr[0])
+        if len(sockaddr) == 4 and sockaddr[3]:  # IPv6: a link-local address's interface
+            address = f"{address}%{sockaddr[3]}"
+        return Target(url, host, address, port, scheme, family)
 
 
 @dataclass(frozen=True)
@@ -330,22 +332,16 @@ class WebhookClient:
 
     async def _open(self, origin: _Origin) -> _Connection:
         target = await self.guard.resolve(origin.url)
-        loop = asyncio.get_running_loop()
-        sock = socket.socket(target.family, socket.SOCK_STREAM)
-        try:
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await loop.sock_connect(sock, target.sockaddr)  # the address checked, no other
-            https = origin.scheme == "https"
-            transport, conn = await loop.create_connection(
-                lambda: _Connection(self.limit),
-                sock=sock,
-                ssl=self._tls() if https else None,
-                server_hostname=origin.host if https else None,
-            )
-        except BaseException:
-            sock.close()
-            raise
+        https = origin.scheme == "https"
+        transport, conn = await asyncio.get_running_loop().create_connection(
+            lambda: _Connection(self.limit),
+            target.address,  # the address checked, taken as written: never looked up again
+            target.port,
+            family=target.family,
+            flags=socket.AI_NUMERICHOST,
+            ssl=self._tls() if https else None,
+            server_hostname=origin.host if https else None,
+        )
         conn.transport = transport  # uvloop may call connection_made only later
         self.opened += 1
         return conn

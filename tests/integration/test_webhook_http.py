@@ -311,7 +311,7 @@ class Pinned(Guard):
         scheme, host, port = self.check_url(url)
         assert host == self.name
         self.resolved += 1
-        return Target(url, host, "127.0.0.1", port, scheme, sockaddr=("127.0.0.1", port))
+        return Target(url, host, "127.0.0.1", port, scheme)
 
 
 async def test_the_connection_goes_to_the_checked_address_and_no_other(served: Served) -> None:
