@@ -23,6 +23,8 @@ import redis.asyncio as aioredis
 
 from gateway.fleet import read_fleet
 from gateway.webhook_http import Guard, Refused
+from gateway.webhooks import WebhookSender
+from shared.keys import Keys
 from shared.settings import Settings
 from tests.conftest import Stack, running_stack
 
@@ -299,6 +301,34 @@ async def test_a_job_webhook_the_deployment_would_not_send_is_a_400(
             assert (
                 r.json()["error"]["param"] == "webhook.url" and why in r.json()["error"]["message"]
             )
+
+
+@REAL_REDIS
+async def test_the_lease_is_kept_while_a_slow_receiver_holds_a_page(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    """A page whose receiver is slow outlasts the lease: its holder renews it meanwhile, so no
+    other gateway takes it over (and sends the page again) while it is still being sent."""
+    with receiver() as rx:
+        rx.mode = "slow"
+        s = hooked(settings, webhook_lease_s=0.6, webhook_timeout_s=2.0)
+        keys = Keys(s.key_prefix)
+        record = {"status": "succeeded", "finished_at": time.time(), "webhook": '{"url":"%s"}'}
+        await redis.hset(keys.job("j1"), mapping={**record, "webhook": record["webhook"] % rx.url})
+        await redis.xadd(keys.webhook_outbox(), {"job": "j1"})
+        holder = WebhookSender(s, redis, keys, "holder", None)
+        other = WebhookSender(s, redis, keys, "other", None)
+        try:
+            page = asyncio.create_task(holder.round())
+            await until(lambda: rx.seen)
+            await asyncio.sleep(1.0)  # the lease as first taken has run out
+            await other.round()
+            assert not other.holding and await redis.get(keys.webhook_lease()) == "holder"
+            await page
+        finally:
+            await holder.close()
+            await other.close()
+    assert len(rx.seen) == 1
 
 
 @REAL_REDIS
