@@ -6,6 +6,7 @@ worker-side timing breakdown (queue wait, time to first token) read back from th
     python -m tests.bench.pipeline --constrained ...   # the same, unconstrained then under a schema
     python -m tests.bench.pipeline --compare-apis chat,responses ...   # one route, then another
     python -m tests.bench.pipeline --compare-webhooks ...   # without webhooks, then with
+        [--receiver uvicorn]   # the receiver (tests/bench/webhooks.py): raw by default
 
 Starts a private redis-server (or uses --redis-url) and its own processes; stops them at the end.
 """
