@@ -62,11 +62,22 @@ class FleetReading:
     """Batches not yet ended, by status."""
 
 
+async def _webhook_backlog(redis: aioredis.Redis, keys: Keys) -> tuple[int, int]:
+    """Recorded deliveries (waiting to be retried), and outbox entries not yet acked (their
+    first attempts not yet made, or in flight): an acked entry is deleted."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.zcard(keys.webhook_due())
+        pipe.xlen(keys.webhook_outbox())
+        due, outbox = await pipe.execute()
+    return int(due), int(outbox)
+
+
 async def read_fleet(redis: aioredis.Redis, keys: Keys, models: Iterable[str]) -> FleetReading:
     reading = FleetReading(at=time.time())
     reading.queues = await _queues(redis, keys, sorted(set(models)))
     reading.dead_letters = int(await redis.xlen(keys.dead_letters()))
-    reading.webhook_backlog = int(await redis.zcard(keys.webhook_due()))
+    due, outbox = await _webhook_backlog(redis, keys)
+    reading.webhook_backlog = due + outbox
     reading.webhook_dead_letters = int(await redis.xlen(keys.webhook_dead()))
     reading.workers = await _workers(redis, keys, reading.at)
     reading.batches = await _batches(redis, keys)
@@ -163,7 +174,8 @@ def families(reading: FleetReading) -> Iterator[Metric]:
     )
     yield GaugeMetricFamily(
         "genq_webhook_backlog",
-        "Webhook deliveries not yet delivered: due now, or waiting to be retried.",
+        "Webhook events not yet delivered: ends in the outbox not yet sent (or in flight), "
+        "and deliveries waiting to be retried.",
         value=reading.webhook_backlog,
     )
     yield GaugeMetricFamily(

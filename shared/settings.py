@@ -425,8 +425,8 @@ class GatewaySettings(JobSettings):
         default=30.0,
         gt=0,
         description="the gateway process sending webhooks holds a lease this long, renewed "
-        "every round; if it dies another takes over after it (and sends again what it was "
-        "sending: at least once)",
+        "each third of it; if it dies another takes over after it (and sends again what it "
+        "was sending: at least once)",
     )
     webhook_poll_s: float = Field(
         default=0.25, gt=0, description="how often the sending gateway looks for due events"

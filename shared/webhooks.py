@@ -71,16 +71,16 @@ def event_id(about: str, kind: str) -> str:
     return "evt_" + hashlib.sha256(f"{about}\0{kind}".encode()).hexdigest()[:32]
 
 
-def event_body(about: str, kind: str, created_at: float) -> bytes:
-    """The event as sent: compact JSON."""
-    event = {
-        "id": event_id(about, kind),
+def event_body(about: str, kind: str, created_at: float, event: str | None = None) -> bytes:
+    """The event as sent: compact JSON (`event`: its id, where it is at hand)."""
+    body = {
+        "id": event or event_id(about, kind),
         "object": "event",
         "type": kind,
         "created_at": int(created_at),
         "data": {"id": about},
     }
-    return json.dumps(event, separators=(",", ":")).encode()
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def secret_key(secret: str) -> bytes:
@@ -101,16 +101,15 @@ def check_secret(secret: str) -> str:
     return secret
 
 
-def signed_headers(
-    secret: str, event: str, body: bytes, now: float | None = None
-) -> dict[str, str]:
-    """The Standard Webhooks headers for `body`, the event of id `event`."""
+def sign(key: bytes, event: str, body: bytes, now: float | None = None) -> dict[str, str]:
+    """The Standard Webhooks headers for `body`, the event of id `event`, signed with a
+    secret's key (`secret_key`)."""
     ts = str(int(time.time() if now is None else now))
-    mac = hmac.new(secret_key(secret), f"{event}.{ts}.".encode() + body, hashlib.sha256)
+    mac = hmac.digest(key, f"{event}.{ts}.".encode() + body, "sha256")
     return {
         "webhook-id": event,
         "webhook-timestamp": ts,
-        "webhook-signature": "v1," + base64.b64encode(mac.digest()).decode(),
+        "webhook-signature": "v1," + base64.b64encode(mac).decode(),
     }
 
 

@@ -6,6 +6,7 @@ worker-side timing breakdown (queue wait, time to first token) read back from th
     python -m tests.bench.pipeline --constrained ...   # the same, unconstrained then under a schema
     python -m tests.bench.pipeline --compare-apis chat,responses ...   # one route, then another
     python -m tests.bench.pipeline --compare-webhooks ...   # without webhooks, then with
+        [--receiver uvicorn]   # the receiver (tests/bench/webhooks.py): raw by default
 
 Starts a private redis-server (or uses --redis-url) and its own processes; stops them at the end.
 """
@@ -21,12 +22,16 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 
 from genq.procstats import children, cpu_seconds
 from genq.stats import ms, percentile
 from tests.procs import Cluster, redis_server
+
+if TYPE_CHECKING:
+    from tests.bench.webhooks import Receiver
 
 SETTLE_S = 5.0
 SETTLE_POLL_S = 1.1
@@ -101,6 +106,20 @@ def step_figures(before: Counters | None, after: Counters | None) -> dict[str, f
     }
 
 
+EVENTS_WAIT_S = 120.0
+"""How long the deliveries may go on after the load has ended."""
+
+
+def wait_for_events(receiver: Receiver, want: int, ended: float) -> dict[str, float | None]:
+    """Wait for the receiver to hold `want` events; how long after the load's end (`ended`,
+    perf_counter) the last one came (None: not all came)."""
+    deadline = time.perf_counter() + EVENTS_WAIT_S
+    while len(receiver.arrived) < want and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    done = len(receiver.arrived) >= want
+    return {"events_after_load_s": round(time.perf_counter() - ended, 2) if done else None}
+
+
 def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | None = None) -> dict:
     prefix = f"bench:{uuid.uuid4().hex[:6]}:"
     env = getattr(args, "env", None) or {}
@@ -119,6 +138,9 @@ def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | No
         before = {k: cpu_seconds(p) for k, p in procs.items()}
         counters = step_counters(redis_url, prefix)
         reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        receiver = getattr(args, "receiver", None)
+        told = len(receiver.arrived) if receiver is not None else 0
         t0 = time.perf_counter()
         out = subprocess.run(
             [
@@ -147,10 +169,17 @@ def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | No
         )
         wall = time.perf_counter() - t0
         figures = json.loads(out.stdout)
+        if receiver is not None and env:  # the deliveries still under way count too
+            figures.update(wait_for_events(receiver, told + args.requests, t0 + wall))
         figures["cpu_s"] = {k: round(cpu_seconds(p) - before[k], 2) for k, p in procs.items()}
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         bench_cpu = after.ru_utime + after.ru_stime - reaped.ru_utime - reaped.ru_stime
         figures["cpu_s"]["bench"] = round(bench_cpu, 2)
+        if receiver is not None:  # its thread: this process does nothing else meanwhile
+            mine = resource.getrusage(resource.RUSAGE_SELF)
+            used = mine.ru_utime + mine.ru_stime - own.ru_utime - own.ru_stime
+            figures["cpu_s"]["receiver"] = round(used, 2)
+        figures["cpu_s_total"] = round(sum(figures["cpu_s"].values()), 2)
         figures["bench_wall_s"] = round(wall, 2)
         figures.update(worker_timings(redis_url, prefix))
         figures.update(step_figures(counters, settled_counters(redis_url, prefix)))
@@ -189,21 +218,35 @@ def main() -> None:
         help="run the workload without webhooks, then with a deployment endpoint told of "
         "every job's end (a local receiver), and print both and their ratio",
     )
+    ap.add_argument(
+        "--receiver",
+        dest="receiver_kind",
+        choices=("raw", "uvicorn"),
+        default="raw",
+        help="with --compare-webhooks: the local receiver (tests/bench/webhooks.py)",
+    )
     args = ap.parse_args()
     args.json_schema = None
     with tempfile.TemporaryDirectory() as tmp:
         if args.compare_webhooks:
             from tests.bench.webhooks import Receiver, start_receiver, webhook_env
 
-            receiver = Receiver()
-            hook, server = start_receiver(receiver)
+            args.receiver = Receiver()
+            hook, stop = start_receiver(args.receiver, args.receiver_kind)
             result = {"none": run_once(args, Path(tmp))}
             args.env = webhook_env(hook, ["job.succeeded"])
             result["webhooks"] = run_once(args, Path(tmp))
-            result["webhooks"]["events_received"] = len(receiver.arrived)
-            server.should_exit = True
-            result["tokens_per_s_ratio"] = round(
-                result["webhooks"]["tokens_per_s"] / result["none"]["tokens_per_s"], 3
+            result["webhooks"]["events_received"] = len(args.receiver.arrived)
+            stop()
+            none, hooks = result["none"], result["webhooks"]
+            result["tokens_per_s_ratio"] = round(hooks["tokens_per_s"] / none["tokens_per_s"], 3)
+            # the same figure by CPU, steadier on a shared box: all CPU seconds (the
+            # receiver's too) per token, with against without
+            result["cpu_per_token_ratio"] = round(
+                hooks["cpu_s_total"] / hooks["tokens"] / (none["cpu_s_total"] / none["tokens"]), 3
+            )
+            result["gateway_cpu_ms_per_event"] = round(
+                (hooks["cpu_s"]["gateway"] - none["cpu_s"]["gateway"]) * 1000 / args.requests, 3
             )
         elif args.compare_apis:
             first, second = args.compare_apis.split(",")

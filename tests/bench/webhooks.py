@@ -1,14 +1,17 @@
 """Benchmark of webhook delivery on the CPU: `genq gateway` + `genq worker --engine sim` +
-Redis, a deployment endpoint (`job.succeeded`) on a local receiver (uvicorn, in a thread).
+Redis, a deployment endpoint (`job.succeeded`) on a local receiver, in a thread of the bench:
+`raw` (the default: llhttp in an asyncio protocol, the least CPU a receiver can take of the
+box's cores) or `uvicorn` (an ASGI app, as a Python app would be served).
 
-    python -m tests.bench.webhooks [--jobs 2000] [--concurrency 64]
+    python -m tests.bench.webhooks [--jobs 2000] [--concurrency 64] [--receiver uvicorn]
 
 1. Live: queues `--jobs` one-token jobs, `--concurrency` at a time, and prints the events per
    second (from the first job's end to the last event received) and the delay from each job's
    end (its record's `finished_at`) to its event's arrival, p50 and p99: the sending gateway
    also takes the submissions (on a small box they share its CPU).
 2. Drain: the same number of jobs run while no gateway may send (the lease held by the
-   bench), then the lease is let go: the deliveries per second of the backlog alone.
+   bench), then the lease is let go: the deliveries per second of the backlog alone, and the
+   sending gateway's CPU per delivery meanwhile (it does nothing else then).
 
 The cost of webhooks on the pipeline's tokens/s: `python -m tests.bench.pipeline
 --compare-webhooks`.
@@ -24,16 +27,20 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httptools
 import httpx
 import redis as redis_sync
 import uvicorn
 
+from genq.procstats import cpu_seconds
 from genq.stats import ms, percentile
 from tests.procs import Cluster, free_port, redis_server
 
+RECEIVERS = ("raw", "uvicorn")
 SECRET = "whsec_" + base64.b64encode(b"genq-webhook-bench-key-32-bytes!").decode()
 
 
@@ -58,16 +65,59 @@ class Receiver:
         await send({"type": "http.response.body", "body": b""})
 
 
-def start_receiver(app: Receiver) -> tuple[str, uvicorn.Server]:
+class _RawHook(asyncio.Protocol):
+    """One connection of the raw receiver: each request noted as the ASGI app notes it, and
+    answered 204."""
+
+    def __init__(self, arrived: dict[str, float]) -> None:
+        self.arrived = arrived
+        self.parser = httptools.HttpRequestParser(self)
+        self.body = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            assert self.transport is not None
+            self.transport.close()
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        if self.body:
+            self.arrived.setdefault(json.loads(self.body)["data"]["id"], time.time())
+        self.body.clear()
+        assert self.transport is not None
+        self.transport.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+
+
+def start_receiver(app: Receiver, kind: str = "raw") -> tuple[str, Callable[[], None]]:
+    """Serve `app` (its `arrived`, for `raw`) on loopback in a thread; its URL and its stop."""
     port = free_port()
-    server = uvicorn.Server(
+    if kind == "raw":
+        loop = asyncio.new_event_loop()
+        server = loop.run_until_complete(
+            loop.create_server(lambda: _RawHook(app.arrived), "127.0.0.1", port)
+        )
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        return f"http://127.0.0.1:{port}/hook", lambda: loop.call_soon_threadsafe(server.close)
+    uv = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
     )
-    threading.Thread(target=server.run, daemon=True).start()
+    threading.Thread(target=uv.run, daemon=True).start()
     deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
+    while not uv.started and time.monotonic() < deadline:
         time.sleep(0.02)
-    return f"http://127.0.0.1:{port}/hook", server
+
+    def stop() -> None:
+        uv.should_exit = True
+
+    return f"http://127.0.0.1:{port}/hook", stop
 
 
 def webhook_env(url: str, events: list[str]) -> dict[str, str]:
@@ -97,7 +147,7 @@ async def submit_all(url: str, n: int, concurrency: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     app = Receiver()
-    hook, server = start_receiver(app)
+    hook, stop = start_receiver(app, args.receiver)
     with tempfile.TemporaryDirectory() as tmp, redis_server() as rs:
         prefix = f"bench:{uuid.uuid4().hex[:6]}:"
         cluster = Cluster(rs.url, Path(tmp), prefix)
@@ -117,14 +167,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             more = asyncio.run(submit_all(gw.url, args.jobs, args.concurrency))
             while r.xlen(f"{prefix}webhooks:outbox") < len(more):
                 time.sleep(0.1)
+            cpu0 = cpu_seconds(gw.proc.pid)
             r.delete(lease)
             t0 = time.time()
             while len(app.arrived) < len(ids) + len(more) and time.time() < t0 + 120:
                 time.sleep(0.02)
             drain_s = max(app.arrived[i] for i in more if i in app.arrived) - t0
+            drain_cpu_s = cpu_seconds(gw.proc.pid) - cpu0
         finally:
             cluster.close()
-            server.should_exit = True
+            stop()
     delays = [app.arrived[i] - ended[i] for i in ids if i in app.arrived and ended[i]]
     first_end = min(ended.values())
     last = max(app.arrived.values()) if app.arrived else first_end
@@ -136,6 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "delay_ms_p99": ms(percentile(delays, 99), 1),
         "drain_events": args.jobs,
         "drain_events_per_s": round(args.jobs / max(1e-9, drain_s), 1),
+        "drain_gateway_cpu_ms_per_event": round(drain_cpu_s * 1000 / args.jobs, 3),
     }
 
 
@@ -143,6 +196,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--jobs", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--receiver", choices=RECEIVERS, default="raw")
     print(json.dumps(run(ap.parse_args()), indent=1))
 
 

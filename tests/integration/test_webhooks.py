@@ -21,7 +21,10 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.webhooks import Guard, Refused
+from gateway.fleet import read_fleet
+from gateway.webhook_http import Guard, Refused
+from gateway.webhooks import WebhookSender
+from shared.keys import Keys
 from shared.settings import Settings
 from tests.conftest import Stack, running_stack
 
@@ -301,6 +304,34 @@ async def test_a_job_webhook_the_deployment_would_not_send_is_a_400(
 
 
 @REAL_REDIS
+async def test_the_lease_is_kept_while_a_slow_receiver_holds_a_page(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    """A page whose receiver is slow outlasts the lease: its holder renews it meanwhile, so no
+    other gateway takes it over (and sends the page again) while it is still being sent."""
+    with receiver() as rx:
+        rx.mode = "slow"
+        s = hooked(settings, webhook_lease_s=0.6, webhook_timeout_s=2.0)
+        keys = Keys(s.key_prefix)
+        record = {"status": "succeeded", "finished_at": time.time(), "webhook": '{"url":"%s"}'}
+        await redis.hset(keys.job("j1"), mapping={**record, "webhook": record["webhook"] % rx.url})
+        await redis.xadd(keys.webhook_outbox(), {"job": "j1"})
+        holder = WebhookSender(s, redis, keys, "holder", None)
+        other = WebhookSender(s, redis, keys, "other", None)
+        try:
+            page = asyncio.create_task(holder.round())
+            await until(lambda: rx.seen)
+            await asyncio.sleep(1.0)  # the lease as first taken has run out
+            await other.round()
+            assert not other.holding and await redis.get(keys.webhook_lease()) == "holder"
+            await page
+        finally:
+            await holder.close()
+            await other.close()
+    assert len(rx.seen) == 1
+
+
+@REAL_REDIS
 async def test_the_end_and_its_outbox_entry_are_one_step(
     settings: Settings, redis: aioredis.Redis
 ) -> None:
@@ -319,4 +350,6 @@ async def test_the_end_and_its_outbox_entry_are_one_step(
         for j in [*hooked_ids, plain]:
             await stack.wait_status(j, "succeeded")
         entries = await redis.xrange(keys.webhook_outbox())
+        fleet = await read_fleet(redis, keys, [])
     assert sorted(f["job"] for _, f in entries) == sorted(hooked_ids)
+    assert fleet.webhook_backlog == 3  # not yet sent: the backlog /metrics shows

@@ -34,6 +34,7 @@ VIA = {
     "annotated-types": "pydantic",
     "hiredis": "redis",  # redis[hiredis]
     "uvloop": "uvicorn",  # uvicorn[standard]
+    "httptools": "uvicorn",  # uvicorn[standard]
 }
 """Imported packages that come with a declared one, by the name of the one they come with."""
 GPU_STACK = ("torch", "exllamav2", "exllamav3", "flash-attn", "nvidia-ml-py")
