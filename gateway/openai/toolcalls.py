@@ -191,17 +191,44 @@ def _choice(tool_choice: Any, names: list[str]) -> str:
 def call_schema(fmt: ToolFormat, tools: Tools) -> dict[str, Any]:
     """The JSON schema of one call: the name of a tool the choice allows, and its arguments."""
     allowed = [f for f in tools.functions if tools.choice in ("auto", "required", f["name"])]
+    at = [f"#/anyOf/{i}" for i in range(len(allowed))] if len(allowed) > 1 else ["#"]
     variants = [
         {
             "type": "object",
-            "properties": {"name": {"const": f["name"]}, fmt.args_key: f["parameters"]},
+            "properties": {
+                "name": {"const": f["name"]},
+                fmt.args_key: rebased(f["parameters"], f"{where}/properties/{fmt.args_key}"),
+            },
             "required": ["name", fmt.args_key],
             "additionalProperties": False,
         }
-        for f in allowed
+        for f, where in zip(allowed, at, strict=True)
     ]
     schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
     return {**schema, "x-guidance": json_options(tools.lenient)}
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+"""Keywords whose values are data, not schemas: a `$ref` inside them is not a reference."""
+
+
+def rebased(schema: Any, base: str) -> Any:
+    """`schema` with its local references (`#`, `#/$defs/…`) pointing into where it now lies
+    (`base`, a JSON pointer) in the larger schema of a call: a tool's parameters written by
+    pydantic refer to their own `$defs`, which embedding would otherwise cut off."""
+    if isinstance(schema, list):
+        return [rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = rebased(value, base)
+    return out
 
 
 def grammar_for(

@@ -326,3 +326,43 @@ def test_tools_beside_a_response_format_call_or_answer_in_the_schema(
 class City(BaseModel):
     city: str
     population: int
+
+
+class Address(BaseModel):
+    street: str
+    city: str
+
+
+class Ship(BaseModel):
+    to: Address
+    via: list[Address]
+
+
+def test_a_pydantic_tool_with_nested_models_calls_through_its_defs(client: openai.OpenAI) -> None:
+    """pydantic writes nested models as `$defs` and `#/$defs/…` references; the call's schema
+    holds the parameters under `arguments`, and the references still reach them."""
+    parameters = Ship.model_json_schema()
+    assert "$defs" in parameters
+    ship: ChatCompletionToolParam = {
+        "type": "function",
+        "function": {"name": "ship", "parameters": parameters},
+    }
+    named = client.chat.completions.create(
+        model=TOOLS,
+        messages=ASK,
+        tools=[ship],
+        tool_choice={"type": "function", "function": {"name": "ship"}},
+        parallel_tool_calls=False,
+        max_tokens=400,
+        seed=2,
+    )
+    [call] = named.choices[0].message.tool_calls or []
+    Ship.model_validate_json(call.function.arguments)
+    either = client.chat.completions.create(  # the call's schema: anyOf one variant per tool
+        model=TOOLS, messages=ASK, tools=[ship, *ONE], tool_choice="required", max_tokens=400
+    )
+    for c in either.choices[0].message.tool_calls or []:
+        if c.function.name == "ship":
+            Ship.model_validate_json(c.function.arguments)
+        else:
+            jsonschema.validate(json.loads(c.function.arguments), WEATHER)
