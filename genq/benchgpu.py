@@ -77,6 +77,8 @@ from shared.logs import setup as setup_logging
 from shared.schemas import Sampling
 from shared.settings import Settings
 
+WARM_UP_TOKENS = 8
+"""New tokens of each warm-up job (a variant's min_tokens is cut to it)."""
 VOCAB_LOW = 300
 """Lowest token id used in prompts: above the special tokens of a synth model."""
 READY_TIMEOUT_S = 600.0
@@ -943,11 +945,13 @@ def variant_turns(run: BenchRun) -> None:
     extra = {"worker_args": " ".join(run.worker_args), "gateways": a.gateways, **run.sampling}
     try:
         system.wait_ready(a.workers)
-        warm = workload(a.workers * 2, a.prompt_min, a.prompt_max, 8, run.vocab)
+        warm = workload(a.workers * 2, a.prompt_min, a.prompt_max, WARM_UP_TOKENS, run.vocab)
         seen: dict[str, dict[str, Any] | None] = {}
         for c in levels:
             seen |= variants(run, c)
-        for body in seen.values():
+        for body in seen.values():  # a minimum no larger than the warm-up's jobs
+            if body and "min_tokens" in body:
+                body = {**body, "min_tokens": WARM_UP_TOKENS}
             run_system(system, warm, len(warm), "warm-up", extra=body)
         ratios: dict[tuple[int, str], list[dict[str, Any]]] = {}
         for r in range(max(a.rounds, 1)):
@@ -1042,7 +1046,7 @@ def system_runs(run: BenchRun) -> None:
     system = System(run.model, run.worker_args, a.gateways, logs, env, a.engine)
     try:
         system.wait_ready(a.workers)
-        warm = workload(a.workers * 2, a.prompt_min, a.prompt_max, 8, run.vocab)
+        warm = workload(a.workers * 2, a.prompt_min, a.prompt_max, WARM_UP_TOKENS, run.vocab)
         run_system(system, warm, len(warm), "warm-up")
         extra = {
             "worker_args": " ".join(run.worker_args),

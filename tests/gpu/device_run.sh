@@ -102,11 +102,14 @@ for step in $steps; do
     table2|table3)  # issue 44's table on one engine: the bare loop against a warmed worker in
       # turns (one stream; table3: 64 and 128 too), then plain / min_tokens / schema in turns
       # EXL2_PROCS=auto: exllamav2 as `genq serve --model` runs it (two worker processes)
-      if [ $step = table2 ]; then eng=""; model=/tmp/m8b; lv=${TABLE_LEVELS:-1}; cap=200
+      # the bare loop and the worker are both loaded: their caches sized for the levels alone
+      # (two caches of 256 jobs and two fp16 8Bs do not fit an 80 GB H100)
+      if [ $step = table2 ]; then eng=""; model=/tmp/m8b; lv=${TABLE_LEVELS:-1}; cap=200; mb=8
         [ "${EXL2_PROCS:-1}" = auto ] && eng="--worker-arg=--procs-per-gpu=auto --workers 2"
-      else eng="--engine exllamav3"; model=/tmp/m8b-exl3; lv=${TABLE_LEVELS:-1,64,128}; cap=300; fi
+      else eng="--engine exllamav3"; model=/tmp/m8b-exl3; lv=${TABLE_LEVELS:-1,64,128}; cap=300
+        mb=128; fi
       t=$(left); t=$((t < cap ? t : cap))
-      timeout $t python3 -m genq.benchgpu --model $model $eng --compare $lv --max-batch 256 \
+      timeout $t python3 -m genq.benchgpu --model $model $eng --compare $lv --max-batch $mb \
         --requests-per-stream 2 --rounds ${ROUNDS:-2} --json-out "$OUT/$step-compare.json" \
         --logs /tmp/genq-logs/$step-compare > "$OUT/$step-compare.log" 2>&1
       grep -h '"run": "ratio.*median' "$OUT/$step-compare.log" | cut -c1-400

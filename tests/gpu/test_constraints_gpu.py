@@ -214,7 +214,7 @@ def test_a_replay_that_leaves_the_constraint_fails_the_job_alone(batched_engine:
     rng = random.Random(34)
     bad = cjob("bad", prompt(rng, 20))
     bad.resume_ids = prompt(rng, 3)  # random tokens: not the start of a JSON object
-    with pytest.raises(ValueError, match="leave the constraint"):
+    with pytest.raises(ValueError, match="do not fit the constraint"):
         batched_engine.add(bad)
     ok = drive(batched_engine, [cjob("ok", prompt(rng, 20))])["ok"]
     valid(ok)
