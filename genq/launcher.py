@@ -14,7 +14,8 @@ reclaimed by the queue as usual), but only `GENQ_RESTART_LIMIT` times within
 launcher cannot fix (a bad model, a broken GPU), so it stops every child (drained, as on
 SIGTERM) and exits `CRASH_LOOP_EXIT` — restarting the whole set, with its own backoff and
 alerting, is then the job of systemd or Kubernetes. SIGTERM/SIGINT are passed on, so that
-every child drains.
+every child drains; the same signal again is passed on again (each child then hands its jobs
+back at once).
 """
 
 from __future__ import annotations
@@ -151,6 +152,8 @@ class Launcher:
                 env.setdefault("OMP_NUM_THREADS", str(len(cpu_sets[n])))
             self.children.append(Child(gpu, i, env))
         self.stopping = False
+        self._signals: set[int] = set()
+        """The signals that stopped the launcher so far."""
         self.crash_loop: Child | None = None
         """The child whose deaths passed the restart limit, once one has."""
 
@@ -171,11 +174,16 @@ class Launcher:
             },
         )
 
-    def _stop(self, *_: object) -> None:
-        if self.stopping:
+    def _stop(self, signum: int | None = None, frame: object = None) -> None:
+        """Drain every child (SIGTERM); the same signal once more (a second Ctrl-C or
+        SIGTERM) is passed on again, so that each child hands its jobs back at once."""
+        again = signum is not None and signum in self._signals
+        if signum is not None:
+            self._signals.add(signum)
+        if self.stopping and not again:
             return
         self.stopping = True
-        log.info("stopping worker processes (draining)")
+        log.info("stopping worker processes now" if again else "stopping worker processes")
         for c in self.children:
             if c.proc is not None and c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 
 from shared import runtime
 from shared.settings import WorkerSettings
@@ -26,10 +27,32 @@ _DEFAULT_GIL_SWITCH_S = 0.005  # CPython's own default
 __all__ = ["EXL2_MODULES", "build_engine", "check_engine", "require_gpu_extra", "run"]
 
 
-def install_signals(stop: object) -> None:
+def install_signals(stop: Callable[[], None], now: Callable[[], None] | None = None) -> None:
+    """SIGTERM or SIGINT calls `stop`; the same signal once more calls `now` (a second Ctrl-C,
+    a second SIGTERM). One of each (a terminal's Ctrl-C reaching a process that its supervisor
+    then stops) is one stop."""
+    loop = asyncio.get_running_loop()
+    seen: set[int] = set()
+
+    def handle(sig: int) -> None:
+        if sig in seen and now is not None:
+            now()
+            return
+        seen.add(sig)
+        stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, handle, sig)
+
+
+def ignore_signals() -> None:
+    """The stop is done: a signal that comes as the process leaves (its supervisor's second
+    SIGTERM, sent as this one was exiting) must not turn a clean exit into a death by signal,
+    as the default handlers the loop restores would."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)  # type: ignore[arg-type]
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
 
 
 async def serve_worker(settings: WorkerSettings) -> int:
@@ -87,7 +110,7 @@ async def _serve(
     health.attach(worker.st)
     metrics.attach(worker.st.metrics)
     runtime.tune_gc()
-    install_signals(worker.stop)
+    install_signals(worker.stop, lambda: worker.stop(now=True))
     try:
         await worker.run()  # closes the engine as it leaves
     except RedisStartTimeout as exc:
@@ -97,6 +120,7 @@ async def _serve(
         )
         return 1
     finally:
+        ignore_signals()
         await worker.st.redis.aclose()
     return 0 if worker.st.healthy else 1
 
