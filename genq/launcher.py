@@ -188,15 +188,18 @@ class Launcher:
             if c.proc is not None and c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
 
-    def run(self) -> int:
+    def run(self, early: list[int] | None = None) -> int:
+        """`early`: the stop signals that came before this could take them (none started)."""
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
+        for sig in early or []:
+            self._stop(sig)
         return self.run_supervised()
 
     def run_supervised(self) -> int:
         """Start every child, keep them running until `_stop` or a crash loop, then wait for
         their drain; `CRASH_LOOP_EXIT` after a crash loop, else the worst child's exit code."""
-        for c in self.children:
+        for c in self.children if not self.stopping else []:
             self._start(c)
         while not self.stopping:
             self._supervise(time.monotonic())
@@ -326,6 +329,12 @@ def resolve_procs(settings: WorkerSettings, gpus: list[str], spec: str | int | N
     return max(1, int(spec))
 
 
-def run(settings: WorkerSettings, gpus: str | None, procs_per_gpu: str | int | None) -> int:
+def run(
+    settings: WorkerSettings,
+    gpus: str | None,
+    procs_per_gpu: str | int | None,
+    early: list[int] | None = None,
+) -> int:
     gpu_list = parse_gpus(gpus)
-    return Launcher(settings, gpu_list, resolve_procs(settings, gpu_list, procs_per_gpu)).run()
+    launcher = Launcher(settings, gpu_list, resolve_procs(settings, gpu_list, procs_per_gpu))
+    return launcher.run(early)

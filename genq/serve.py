@@ -214,15 +214,25 @@ def _serve_multi(settings: Settings, sock: socket.socket, url: str, plan: ServeP
             with contextlib.suppress(ProcessLookupError):
                 workers.send_signal(signal.SIGTERM)
 
+    serving = False
+
     def attach(stopping: Stopping) -> None:
+        nonlocal serving
+        serving = True
         _tell(stopping)
         stopping.on_begin(tell_workers)
         stopping.on_end(tell_workers)
 
-    # uvicorn re-raises each signal that stopped it once it is done: caught here, instead of
-    # by the default handlers, which would end this process before its workers.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    signal.signal(signal.SIGINT, lambda *_: None)
+    def early_or_late(signum: int, frame: object) -> None:
+        """A signal before the gateway serves stops the start (the workers drain in the
+        `finally` below). uvicorn re-raises each signal that stopped it once it is done: taken
+        here then, instead of by the default handlers, which would end this process before its
+        workers."""
+        if not serving:
+            raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, early_or_late)
+    signal.signal(signal.SIGINT, early_or_late)
     try:
         run_gateway(settings, sock, 1, attach)
     finally:

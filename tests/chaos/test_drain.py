@@ -1,10 +1,12 @@
 """Scenario 5: SIGTERM drains. A busy worker stops claiming, finishes what it can within its
 grace period, hands the rest back at once (not after the lease), deletes its heartbeat and
-exits 0; nothing is lost. A gateway finishes its open streams and exits 0."""
+exits 0; nothing is lost. A gateway finishes its open streams and exits 0; a stream whose job
+outlasts the grace ends with a `server_stopping` end before its connection closes."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 
@@ -83,3 +85,52 @@ async def test_sigterm_gateway_finishes_open_streams_and_exits_0(env: Env) -> No
         assert s.reconnects == 0, "the stream was cut instead of finished"
         ref = reference.text(s.body["prompt"], s.body["seed"], 40)
         assert not stream_faults(s, ref, 40)
+
+
+async def test_sigterm_gateway_ends_streams_longer_than_its_grace_with_server_stopping(
+    env: Env,
+) -> None:
+    grace_s = 1.0
+    gateway = env.cluster.gateway(GENQ_SHUTDOWN_GRACE_S=str(grace_s))
+    env.worker("--step-ms", "50")
+    native = job_body(0, 3000, stream=True)  # minutes of tokens: past any grace
+    chat = {
+        "model": "sim",
+        "messages": [{"role": "user", "content": "job 1"}],
+        "max_tokens": 3000,
+        "stream": True,
+    }
+    seen: dict[str, list[str]] = {"native": [], "chat": []}
+    ids: dict[str, str] = {}
+
+    async def read(name: str, route: str, body: dict) -> None:
+        async with env.http.stream("POST", f"{gateway.url}{route}", json=body) as r:
+            ids[name] = r.headers.get("x-job-id", "")
+            async for line in r.aiter_lines():
+                if line.startswith(("event:", "data:")):
+                    seen[name].append(line)
+
+    tasks = [
+        asyncio.create_task(read("native", "/v1/jobs", native)),
+        asyncio.create_task(read("chat", "/v1/chat/completions", chat)),
+    ]
+
+    async def streaming() -> bool:
+        return all(len(lines) > 4 for lines in seen.values())
+
+    await until(streaming, TIMEOUT_S, "both streams under way")
+    gateway.signal(signal.SIGTERM)
+    termed_at = time.monotonic()
+    assert await asyncio.to_thread(gateway.proc.wait, grace_s + EXIT_SLACK_S) == 0
+    assert time.monotonic() - termed_at < grace_s + EXIT_SLACK_S
+    await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S)  # each ended, none cut
+
+    assert seen["native"][-2] == "event: error"
+    end = json.loads(seen["native"][-1].removeprefix("data:"))
+    assert end["code"] == "server_stopping" and end["resumes"] is True
+    assert seen["chat"][-1] == "data: [DONE]"
+    error = json.loads(seen["chat"][-2].removeprefix("data:"))["error"]
+    assert error["code"] == "server_stopping"
+    # as each end said: the native job goes on on its worker, the chat one was cancelled
+    assert (await env.record(ids["native"]))["status"] == "running"
+    assert (await env.record(ids["chat"]))["status"] == "cancelled"
