@@ -99,9 +99,10 @@ class Stopping:
         n = self.open_streams
         if n:
             again = _SIGNAL_NAMES.get(signum or signal.SIGTERM, "the signal")
+            jobs = "its job" if n == 1 else "their jobs"
             self.say(
                 f"stopping: waiting up to {self.grace_s:g} s for {_plural(n, 'open stream')} "
-                f"to end with their jobs; {again} again to stop now"
+                f"to end with {jobs}; {again} again to stop now"
             )
         else:
             self.say("stopping: no open streams")

@@ -214,26 +214,12 @@ def _serve_multi(settings: Settings, sock: socket.socket, url: str, plan: ServeP
             with contextlib.suppress(ProcessLookupError):
                 workers.send_signal(signal.SIGTERM)
 
-    serving = False
-
     def attach(stopping: Stopping) -> None:
-        nonlocal serving
-        serving = True
         _tell(stopping)
         stopping.on_begin(tell_workers)
         stopping.on_end(tell_workers)
 
-    def early_or_late(signum: int, frame: object) -> None:
-        """A signal before the gateway serves stops the start (the workers drain in the
-        `finally` below). uvicorn re-raises each signal that stopped it once it is done: taken
-        here then, instead of by the default handlers, which would end this process before its
-        workers."""
-        if not serving:
-            raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, early_or_late)
-    signal.signal(signal.SIGINT, early_or_late)
-    try:
+    try:  # a signal before the gateway serves stops the start (SystemExit): workers drain
         run_gateway(settings, sock, 1, attach)
     finally:
         if not told:  # the gateway stopped by itself (or before its app could hear a signal)
