@@ -18,10 +18,10 @@ The listening socket comes first: a busy port stops `genq serve` before Redis or
 starts, and the address is printed only once it is ours.
 
 Ctrl-C (or SIGTERM) stops the gateway and the workers together (gateway/stopping.py,
-worker/drain.py), saying on the terminal what it waits for: running jobs nobody waits on go
-back to the queue at once; open streams get the grace (GENQ_SHUTDOWN_GRACE_S: 5 s here unless
-set) to end with their jobs, then each ends with a `server_stopping` error; the same signal
-again ends them at once.
+worker/drain.py), saying on the terminal what it waits for: running jobs whose streams are
+gone go back to the queue at once; open streams get the grace (GENQ_SHUTDOWN_GRACE_S: 5 s
+here unless set) to end with their jobs, then each ends with a `server_stopping` error; the
+same signal again ends them at once.
 """
 
 from __future__ import annotations

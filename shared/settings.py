@@ -350,10 +350,10 @@ class JobSettings(RedisSettings):
     shutdown_grace_s: float = Field(
         default=30.0,
         ge=0,
-        description="after SIGTERM or Ctrl-C: how long a worker lets the running jobs someone "
-        "waits on finish before it hands them back to the queue, and a gateway lets its open "
-        "streams end with their jobs before it ends each with a `server_stopping` error; "
-        "`genq serve` uses 5 unless this is set",
+        description="after SIGTERM or Ctrl-C: how long a worker lets its running jobs finish "
+        "before it hands them back to the queue (a job whose streams are all gone goes back at "
+        "once), and a gateway lets its open streams end with their jobs before it ends each "
+        "with a `server_stopping` error; `genq serve` uses 5 unless this is set",
     )
 
 

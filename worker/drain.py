@@ -1,12 +1,14 @@
 """A worker's drain, at its stop (SIGTERM, Ctrl-C): it claims nothing more, hands back the
-claims it has not started, lets the running jobs someone waits on finish within the grace
-(`GENQ_SHUTDOWN_GRACE_S`), and hands the rest back to the queue.
+claims it has not started, hands back at once the running jobs nobody waits on any more, lets
+the others finish within the grace (`GENQ_SHUTDOWN_GRACE_S`), and hands the rest back.
 
-Someone waits on a job while a gateway holds the job's pub/sub channel: an open stream (native
-or OpenAI), or an OpenAI request waiting for its answer. A job nobody waits on (a batch line, a
-background response, a job submitted without a stream, or one carried over from an earlier
-stop whose client is long gone) is handed back at once: another worker continues it from its
-last token now, or the next start does. So such a job never holds a stop for its grace.
+Nobody waits on a job any more when it was submitted by a client that follows it as it runs
+(a stream, native or OpenAI, or an OpenAI request waiting for its answer: `JobSpec.followed`)
+and no gateway holds its pub/sub channel now: every such client is gone (one whose going
+cancels the job has cancelled it already). A job carried over from an earlier stop, whose
+stream that stop ended, is one: handed back at once, it never holds the next stop for its
+grace. Batch lines, background responses and jobs submitted without a stream are wanted
+whether or not anyone watches them: they get the grace, as do jobs a client still follows.
 
 Every running job handed back at a drain counts one interruption, so that a job longer than
 any run of the server cannot carry over forever: START fails one interrupted more than
@@ -29,22 +31,22 @@ log = logging.getLogger(__name__)
 
 
 async def drain(st: WorkerState, grace_s: float) -> None:
-    """Hand back claims not started yet and the running jobs nobody waits on at once; let the
-    others finish for up to `grace_s` (or until `st.hurry`); hand the rest back. A failed
-    hand-back leaves the entry to be reclaimed."""
+    """Hand back at once the claims not started yet and the running jobs nobody waits on any
+    more; let the others finish for up to `grace_s` (or until `st.hurry`); hand the rest back.
+    A failed hand-back leaves the entry to be reclaimed."""
     deadline = time.monotonic() + grace_s
     await requeue_waiting(st)
     if st.running and not st.hurry.is_set():
-        unwatched = await _unwatched(st)
+        abandoned = await _abandoned(st)
         log.info(
             "draining",
             extra={
                 "grace_s": grace_s,
-                "waiting_for_jobs": len(st.running) - len(unwatched),
-                "handing_back_unwatched": len(unwatched),
+                "waiting_for_jobs": len(st.running) - len(abandoned),
+                "handing_back_abandoned": len(abandoned),
             },
         )
-        await _interrupt(st, unwatched, "nobody waits for it")
+        await _interrupt(st, abandoned, "nobody waits on it any more")
     while st.running and time.monotonic() < deadline and not st.hurry.is_set():
         st.room.clear()
         room = asyncio.ensure_future(st.room.wait())
@@ -60,15 +62,17 @@ async def drain(st: WorkerState, grace_s: float) -> None:
     await _interrupt(st, list(st.running), "the worker is draining")
 
 
-async def _unwatched(st: WorkerState) -> list[str]:
-    """The running jobs whose channel no gateway holds (one PUBSUB NUMSUB for all); none when
-    Redis cannot tell: then every job keeps its grace."""
-    job_ids = list(st.running)
+async def _abandoned(st: WorkerState) -> list[str]:
+    """The running jobs submitted to be followed whose channel no gateway holds now (one
+    PUBSUB NUMSUB for all); none when Redis cannot tell: then every job keeps its grace."""
+    followed = [job_id for job_id, run in st.running.items() if run.spec.followed]
+    if not followed:
+        return []
     try:
-        counts = await st.redis.pubsub_numsub(*(st.keys.channel(j) for j in job_ids))
+        counts = await st.redis.pubsub_numsub(*(st.keys.channel(j) for j in followed))
     except (RedisError, OSError):
         return []
-    return [j for j, (_, n) in zip(job_ids, counts, strict=True) if int(n) == 0]
+    return [j for j, (_, n) in zip(followed, counts, strict=True) if int(n) == 0]
 
 
 async def _interrupt(st: WorkerState, job_ids: list[str], why: str) -> None:

@@ -202,9 +202,9 @@ class Worker:
                 await self._leave()
 
     def stop(self, now: bool = False) -> None:
-        """Stop claiming and drain (worker/drain.py): running jobs someone waits on get
-        `GENQ_SHUTDOWN_GRACE_S` to finish. `now` (the same signal again): every one is handed
-        back to the queue at once."""
+        """Stop claiming and drain (worker/drain.py): running jobs (but those nobody waits on
+        any more) get `GENQ_SHUTDOWN_GRACE_S` to finish. `now` (the same signal again): every
+        one is handed back to the queue at once."""
         self.st.stopping.set()
         if now:
             self.st.hurry.set()

@@ -494,6 +494,7 @@ class OpenAIServing:
         state = self.state
         if index > 0:  # the request's id is job 0's, known now
             body = body.model_copy(update={"metadata": {**body.metadata, "request": run.id}})
+        spec = spec.model_copy(update={"followed": not sender.detached})  # it waits, or streams
         sub = await state.router.subscribe(state.keys.channel(spec.id))
         try:
             submitted = await state.jobs.submit(
