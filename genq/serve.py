@@ -153,6 +153,7 @@ async def _serve_single(
     # worker beside the streams, the same signal again hands the worker's jobs back at once.
     stopping: Stopping = app.state.stopping
     _tell(stopping)
+    worker.tell = stopping.say
     stopping.on_begin(worker.stop)
     stopping.on_end(functools.partial(worker.stop, now=True))
     worker_task = asyncio.create_task(worker.run())

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
@@ -30,22 +31,26 @@ from worker.state import WorkerState
 log = logging.getLogger(__name__)
 
 
-async def drain(st: WorkerState, grace_s: float) -> None:
+async def drain(st: WorkerState, grace_s: float, tell: Callable[[str], None] | None = None) -> None:
     """Hand back at once the claims not started yet and the running jobs nobody waits on any
     more; let the others finish for up to `grace_s` (or until `st.hurry`); hand the rest back.
-    A failed hand-back leaves the entry to be reclaimed."""
+    A failed hand-back leaves the entry to be reclaimed. `tell`: where the plan is said in
+    words too (`genq serve`'s terminal)."""
     deadline = time.monotonic() + grace_s
     await requeue_waiting(st)
     if st.running and not st.hurry.is_set():
         abandoned = await _abandoned(st)
+        waiting = len(st.running) - len(abandoned)
         log.info(
             "draining",
             extra={
                 "grace_s": grace_s,
-                "waiting_for_jobs": len(st.running) - len(abandoned),
+                "waiting_for_jobs": waiting,
                 "handing_back_abandoned": len(abandoned),
             },
         )
+        if tell is not None:
+            tell(_in_words(waiting, len(abandoned), grace_s))
         await _interrupt(st, abandoned, "nobody waits on it any more")
     while st.running and time.monotonic() < deadline and not st.hurry.is_set():
         st.room.clear()
@@ -60,6 +65,17 @@ async def drain(st: WorkerState, grace_s: float) -> None:
         hurry.cancel()
     await requeue_waiting(st)  # what a reclaim in flight at the stop brought in
     await _interrupt(st, list(st.running), "the worker is draining")
+
+
+def _in_words(waiting: int, abandoned: int, grace_s: float) -> str:
+    def jobs(n: int) -> str:
+        return f"{n} running job" if n == 1 else f"{n} running jobs"
+
+    gone = "whose streams are gone went back to the queue"
+    if not waiting:
+        return f"stopping: {jobs(abandoned)} {gone}"
+    words = f"stopping: waiting up to {grace_s:g} s for {jobs(waiting)} to finish"
+    return f"{words} ({abandoned} more {gone})" if abandoned else words
 
 
 async def _abandoned(st: WorkerState) -> list[str]:

@@ -141,6 +141,8 @@ class Worker:
             ),
         )
         self.st.metrics.snapshot = self._gauges
+        self.tell: Callable[[str], None] | None = None
+        """Where its stop's plan is said in words too (`genq serve` prints it)."""
         self._claims = Claimer(self.st)
         self._flusher = Flusher(self.st)
         self._upkeep = Upkeep(self.st)
@@ -187,7 +189,7 @@ class Worker:
         tasks = [asyncio.create_task(self._supervise(n, f), name=n) for n, f in loops.items()]
         try:
             await st.stopping.wait()  # the claim loop sees it too and claims no more
-            await drain(st, st.settings.shutdown_grace_s)
+            await drain(st, st.settings.shutdown_grace_s, self.tell)
         finally:
             st.closing = True  # loops check it too: a swallowed cancel must not hang us
             st.flush_wanted.set()
