@@ -235,7 +235,7 @@ def _drain(state: GatewayState) -> None:
 def _end_streams(state: GatewayState) -> None:
     """At shutdown (uvicorn waited for the connections): a stream still open ends now."""
     state.draining = True
-    state.stopping.end()
+    state.stopping.close()
 
 
 def _sentinel_master(settings: GatewaySettings) -> SentinelMaster:

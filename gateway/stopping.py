@@ -71,6 +71,11 @@ class Stopping:
     def open_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def ending_streams(self) -> bool:
+        """Open streams are being ended (`end`, or `close` at shutdown)."""
+        return self._ended.is_set()
+
     async def wait_end(self) -> None:
         """Until the streams are to end."""
         await self._ended.wait()
@@ -84,7 +89,7 @@ class Stopping:
     def hold(self, end: Callable[[], None]) -> Callable[[], None]:
         """An open stream, ended by `end()` when the stop ends (at once if it has); the
         function returned lets go of it."""
-        if self.ended:
+        if self._ended.is_set():
             end()
             return lambda: None
         self._streams.add(end)
@@ -105,7 +110,8 @@ class Stopping:
                 f"to end with {jobs}; {again} again to stop now"
             )
         else:
-            self.say("stopping: no open streams")
+            again = _SIGNAL_NAMES.get(signum or signal.SIGTERM, "the signal")
+            self.say(f"stopping: no open streams; {again} again to stop now")
         for listener in self._on_begin:
             listener()
 
@@ -121,11 +127,21 @@ class Stopping:
         if n:
             why = "stopping now" if now else f"the {self.grace_s:g} s grace is over"
             self.say(f"{why}: ending {_plural(n, 'open stream')} with `server_stopping`")
+        self._close_streams()
+        for listener in self._on_end:
+            listener()
+
+    def close(self) -> None:
+        """The server has stopped serving (the lifespan's end): a stream still open ends now.
+        Not the stop's end: what else waits for the grace (a worker's jobs) still has it."""
+        if self._streams:
+            self.say(f"stopping: ending {_plural(self.open_streams, 'open stream')} at shutdown")
+        self._close_streams()
+
+    def _close_streams(self) -> None:
         self._ended.set()
         for end in list(self._streams):
             end()
-        for listener in self._on_end:
-            listener()
 
     # ---- signals ----------------------------------------------------------------------------
 

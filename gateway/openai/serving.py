@@ -585,7 +585,7 @@ class OpenAIServing:
         for f in followers:
             await f.sub.close()
         mortal = self._mortal(sender, (c.job_id for c in run.choices))
-        why = STOPPED_REASON if self.state.stopping.ended else "client disconnected"
+        why = STOPPED_REASON if self.state.stopping.ending_streams else "client disconnected"
         for c in run.choices:
             if not c.ended and c.job_id in mortal:
                 with contextlib.suppress(GenqError, RedisError, OSError):

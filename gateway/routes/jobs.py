@@ -210,6 +210,6 @@ async def stream_job(
             await follower.sub.close()
             with contextlib.suppress(GenqError, RedisError, OSError):
                 if cancel_on_disconnect and not follower.finished:
-                    why = STOPPED_REASON if state.stopping.ended else "client disconnected"
+                    why = STOPPED_REASON if state.stopping.ending_streams else "client disconnected"
                     await state.jobs.cancel(follower.job_id, caller, why)
                 await state.presence.unregister(job_ids)
