@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import multiprocessing
 import os
 from collections.abc import AsyncIterator
@@ -43,6 +44,7 @@ from gateway.rate_headers import HEADERS, RateHeaders
 from gateway.registry import ModelRegistry
 from gateway.routes import docs, health, jobs, metrics, models
 from gateway.state import GatewayState
+from gateway.stopping import Stopping
 from gateway.webhooks import WebhookSender
 from shared import __version__, lifeline, runtime
 from shared.keys import Keys
@@ -61,6 +63,7 @@ def create_app(
     redis: aioredis.Redis | None = None,
     *,
     raw_pubsub: bool | None = None,
+    signals: bool = False,
 ) -> FastAPI:
     """The gateway app. `redis` may be given (tests, `genq serve`); else from settings.
 
@@ -68,6 +71,10 @@ def create_app(
     `settings.redis_url` or the sentinels' master (default when the app makes its own
     client) rather than redis-py's. ValueError, before anything serves, for a URL option
     that connection cannot honour, or that the URL's transport does not take.
+
+    `signals`: the app's lifespan takes SIGINT and SIGTERM over from the server's handlers
+    (gateway/stopping.py): a server genq's command line runs. `app.state.stopping` is the
+    stop, for a caller that acts on it too (`genq serve`'s worker).
     """
     if redis is None and settings.redis_url:
         check_url(settings.redis_url)
@@ -82,6 +89,9 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
             await _start(app, stack, settings, redis, use_raw, endpoint)
+            if signals:
+                stopping.watch_signals()
+                stack.callback(stopping.unwatch_signals)
             yield
 
     app = FastAPI(
@@ -93,6 +103,7 @@ def create_app(
         redoc_url=None,
     )
     http_errors.install(app)
+    app.state.stopping = stopping = Stopping(settings.shutdown_grace_s)
     app.state.metrics = GatewayMetrics(fleet_max_age_s=settings.metrics_fleet_lease_s)
     install_middleware(app, settings)
     app.include_router(health.router)
@@ -152,7 +163,9 @@ async def _start(
         registry=registry,
         jobs=jobs,
         presence=presence,
+        stopping=app.state.stopping,
     )
+    state.stopping.on_begin(functools.partial(_drain, state))
     app.state.genq = state
     app.state.batch = batches = BatchRuntime(state)
     app.state.dashboard = dashboard = DashboardHub(settings, client, keys)
@@ -171,7 +184,7 @@ async def _start(
     batches.start()
     stack.push_async_callback(batches.stop)
     stack.push_async_callback(dashboard.close)  # its loop starts with its first viewer
-    stack.callback(_drain, state)
+    stack.callback(_end_streams, state)
 
 
 def _start_tasks(
@@ -215,8 +228,14 @@ async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
 
 
 def _drain(state: GatewayState) -> None:
-    """First at shutdown: what still runs sees the gateway going."""
+    """At the stop's begin, and first at shutdown: what still runs sees the gateway going."""
     state.draining = True
+
+
+def _end_streams(state: GatewayState) -> None:
+    """At shutdown (uvicorn waited for the connections): a stream still open ends now."""
+    state.draining = True
+    state.stopping.close()
 
 
 def _sentinel_master(settings: GatewaySettings) -> SentinelMaster:
@@ -262,4 +281,4 @@ def create_app_from_env() -> FastAPI:
     supervisor = multiprocessing.parent_process()
     if supervisor is not None and supervisor.pid is not None:
         lifeline.die_with_parent(supervisor.pid)
-    return create_app(GatewaySettings())
+    return create_app(GatewaySettings(), signals=True)

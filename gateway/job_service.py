@@ -141,6 +141,7 @@ class JobService:
             created_at=now,
             deadline=now + body.timeout_s if body.timeout_s else None,
             constraint=constraint,
+            followed=body.stream,
         )
 
     async def off_loop(self, work: Callable[[], T], size: int | None = None) -> T:

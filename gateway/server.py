@@ -10,6 +10,8 @@ import inspect
 import logging
 import signal
 import socket
+from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 from uvicorn.supervisors import Multiprocess
@@ -17,6 +19,7 @@ from uvicorn.supervisors import Multiprocess
 from gateway import multiproc
 from gateway.app import create_app
 from gateway.http_protocol import HTTP_PROTOCOL
+from gateway.stopping import Stopping, uvicorn_timeout_s
 from shared import logs
 from shared.settings import GatewaySettings
 
@@ -54,34 +57,47 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def run_gateway(settings: GatewaySettings, sock: socket.socket, processes: int) -> None:
+def run_gateway(
+    settings: GatewaySettings,
+    sock: socket.socket,
+    processes: int,
+    attach: Callable[[Stopping], None] | None = None,
+) -> None:
     """N uvicorn worker processes on `sock`; each builds its own settings from GENQ_* (set by
-    the CLI)."""
-    # uvicorn drains on SIGTERM (stops accepting, lets open streams finish within the grace),
-    # then re-raises the signal into the handler it found installed. With the default one the
-    # drained gateway would die by SIGTERM; with this one it exits 0.
+    the CLI). One process serves an app built here, whose stop (gateway/stopping.py) `attach`
+    may act on too."""
+    # uvicorn drains on SIGTERM and SIGINT (gateway/stopping.py), then re-raises the signal
+    # into the handler it found installed. With the default ones the drained gateway would die
+    # by SIGTERM, or raise KeyboardInterrupt with a traceback; with this one it exits 0. Before
+    # uvicorn serves, a signal stops the start.
+    handler = _Drained()
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
     # Built once here, for its checks only: a setting the app refuses stops the start now,
     # where the children uvicorn forks would each fail and be respawned forever.
     create_app(settings)
-    signal.signal(signal.SIGTERM, _drained)
-    config = uvicorn.Config(
-        "gateway.app:create_app_from_env",
-        factory=True,
-        workers=processes,
-        log_config=logs.log_config(settings),  # uvicorn applies it in each process it spawns
-        access_log=False,  # genq's own (gateway/access_log.py, GENQ_ACCESS_LOG) replaces it
-        http=HTTP_PROTOCOL,  # streams can drop a client that stopped reading
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
-        backlog=LISTEN_BACKLOG,
-    )
+    options: dict[str, Any] = {
+        "log_config": logs.log_config(settings),  # uvicorn applies it in each process it spawns
+        "access_log": False,  # genq's own (gateway/access_log.py, GENQ_ACCESS_LOG) replaces it
+        "http": HTTP_PROTOCOL,  # streams can drop a client that stopped reading
+        # past the grace and the streams' ends: uvicorn's own timeout cuts streams without one
+        "timeout_graceful_shutdown": uvicorn_timeout_s(settings.shutdown_grace_s),
+        "backlog": LISTEN_BACKLOG,
+    }
     # N processes share their metrics through files (gateway/multiproc.py); one keeps its own
     # unless PROMETHEUS_MULTIPROC_DIR is set, whose files are then emptied too
     made = multiproc.prepare() if processes > 1 or multiproc.directory() else None
     try:
         if processes > 1:
-            _supervise(config, sock)
+            app = "gateway.app:create_app_from_env"
+            handler.serving = True  # the supervisor takes the signals over
+            _supervise(uvicorn.Config(app, factory=True, workers=processes, **options), sock)
         else:
-            uvicorn.Server(config).run(sockets=[sock])
+            one = create_app(settings, signals=True)  # after `prepare`: its metrics use the files
+            if attach is not None:
+                attach(one.state.stopping)
+            handler.serving = True
+            uvicorn.Server(uvicorn.Config(one, **options)).run(sockets=[sock])
     finally:
         sock.close()
         multiproc.remove(made)
@@ -97,5 +113,13 @@ def _supervise(config: uvicorn.Config, sock: socket.socket) -> None:
         Multiprocess(config, sockets=[sock]).run()
 
 
-def _drained(signum: int, frame: object) -> None:
-    log.info("gateway drained", extra={"signal": signum})
+class _Drained:
+    """SIGTERM and SIGINT around uvicorn's own handlers: before it serves, the start stops
+    (exit 128 + the signal); after, the signal it re-raises is the drain's end."""
+
+    serving = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if not self.serving:
+            raise SystemExit(128 + signum)
+        log.info("gateway drained", extra={"signal": signum})

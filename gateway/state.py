@@ -11,6 +11,7 @@ from gateway.job_service import JobService
 from gateway.presence import Presence
 from gateway.pubsub import PubSubRouter
 from gateway.registry import ModelRegistry
+from gateway.stopping import Stopping
 from shared.keys import Keys
 from shared.settings import GatewaySettings
 
@@ -24,7 +25,9 @@ class GatewayState:
     registry: ModelRegistry
     jobs: JobService
     presence: Presence
+    stopping: Stopping
     draining: bool = False
+    """The gateway stops: new requests get a 503."""
 
     @property
     def admission(self) -> AdmissionControl:

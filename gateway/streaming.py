@@ -34,9 +34,10 @@ from starlette.types import Receive, Scope, Send
 from gateway.http_protocol import ABORT_EXTENSION, KEEPALIVE_EXTENSION
 from gateway.keepalive import BY_TICKER, KEEPALIVE, Entry, KeepaliveTicker
 from gateway.pubsub import Subscription
+from gateway.stopping import END_WRITE_S, Stopping
 from shared import events
 from shared.compact import CompactLog, Envelope
-from shared.events import EVENT_FIELD, FINAL_EVENT_TYPES, ErrorEvent, EventError
+from shared.events import EVENT_FIELD, FINAL_EVENT_TYPES, SERVER_STOPPING, ErrorEvent, EventError
 from shared.keys import Keys, event_id, seq_of
 from shared.records import RecordError, unpack
 from shared.schemas import JobResult
@@ -316,6 +317,29 @@ _MAX_DOUBLINGS = 16
 """Bounds the retry's exponent (the wait is capped by `stream_idle_poll_s` long before)."""
 
 
+STOPPED_REASON = "the server stopped while its stream was open"
+"""Why a job whose stream's end cancels it is cancelled when the gateway stops."""
+
+
+def stopped_frame(follower: EventFollower, resumes: bool) -> bytes:
+    """A native stream's `server_stopping` end: an `error` event without an `id:` (a resume's
+    Last-Event-ID stays the job's last event delivered). `resumes`: the job goes on (else its
+    stream's end cancels it)."""
+    job_id = follower.job_id
+    if resumes:
+        then = (
+            "the job goes on (when a worker runs it again): follow it with GET "
+            f"/v1/jobs/{job_id}/events and Last-Event-ID"
+        )
+    else:
+        then = "the job is cancelled with its stream (cancel_on_disconnect)"
+    message = f"the server is stopping before job {job_id} ended; {then}"
+    ev = ErrorEvent(
+        seq=0, attempt=follower.attempt or 0, code=SERVER_STOPPING, message=message, resumes=resumes
+    )
+    return sse_frame(0, "error", events.encode(ev)).encode()
+
+
 _LINE_SEPARATORS = (("\u2028", "\\u2028"), ("\u2029", "\\u2029"), ("\x85", "\\u0085"))
 """The characters other than CR and LF that `str.splitlines` ends a line at and JSON may hold
 unescaped (the rest are control characters, which JSON always escapes), with their escapes."""
@@ -336,7 +360,7 @@ def sse_data(json_text: str) -> str:
 
 def sse_frame(seq: int, etype: str, data: str) -> str:
     data = sse_data(data)
-    if seq == 0:  # not from the log (a stream_diverged error): no id to resume from
+    if seq == 0:  # not from the log (stream_diverged, server_stopping): no id to resume from
         return f"event: {etype}\ndata: {data}\n\n"
     return f"id: {seq}\nevent: {etype}\ndata: {data}\n\n"
 
@@ -360,20 +384,29 @@ def _parse(data: str) -> Envelope:
 
 
 class EventStreamResponse(StreamingResponse):
-    """SSE response that notices a client's disconnect at once, even on an idle stream, and
-    lets go of a client that stopped reading.
+    """SSE response that notices a client's disconnect at once, even on an idle stream, lets
+    go of a client that stopped reading, and ends with an end event when the gateway stops.
 
     Starlette only races the body against `http.disconnect` for older ASGI spec versions; a
     stream that must cancel its job within a second cannot wait for its next write to fail.
     A write blocks while the client's socket is full: one that cannot complete within
     `stall_timeout_s` ends the stream (its body's cleanup runs, as on a disconnect) and drops
     the connection.
+
+    A job's stream gives `on_stop`: when the gateway's stop ends its streams
+    (gateway/stopping.py), the body is stopped (its cleanup runs) and the bytes `on_stop`
+    returns are the stream's last, written within `END_WRITE_S`.
     """
 
     media_type = "text/event-stream"
 
     def __init__(
-        self, content: AsyncIterator[bytes], job_id: str | None = None, *, stall_timeout_s: float
+        self,
+        content: AsyncIterator[bytes],
+        job_id: str | None = None,
+        *,
+        stall_timeout_s: float,
+        on_stop: Callable[[], bytes] | None = None,
     ) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         if job_id:
@@ -381,6 +414,7 @@ class EventStreamResponse(StreamingResponse):
         super().__init__(content, headers=headers)
         self.job_id = job_id
         self.stall_timeout_s = stall_timeout_s
+        self.on_stop = on_stop
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stalled = False
@@ -389,12 +423,13 @@ class EventStreamResponse(StreamingResponse):
         self._ticker, self._write = _keepalive_ticker(scope)
         if self._ticker is not None:
             BY_TICKER.set(True)  # the body's task and the followers' see it (copied contexts)
+        stopping = _stopping(scope) if self.on_stop is not None else None
         async with anyio.create_task_group() as tg:
 
             async def body() -> None:
                 nonlocal stalled
                 with contextlib.suppress(OSError):
-                    stalled = not await self._stream(send)
+                    stalled = not await self._stream(send, stopping)
                 tg.cancel_scope.cancel()
 
             tg.start_soon(body)
@@ -409,38 +444,71 @@ class EventStreamResponse(StreamingResponse):
             if abort is not None:  # else the server closes it once the client reads
                 abort()
 
-    async def _stream(self, send: Send) -> bool:
+    async def _stream(self, send: Send, stopping: Stopping | None) -> bool:
         """Starlette's `stream_response`, each write bounded in time: False if one stalled.
         Keepalive comments come from the process's loop where there is one (`_ticker`)."""
         start = {"type": "http.response.start", "status": self.status_code}
         await send({**start, "headers": self.raw_headers})
         entry = self._register()
         try:
-            async for chunk in self.body_iterator:
-                data = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
-                if entry is not None:
-                    if data == KEEPALIVE:
-                        continue
-                    entry.last = time.monotonic()
+            with anyio.CancelScope() as pumping:
+                release = stopping.hold(pumping.cancel) if stopping is not None else None
                 try:
-                    with anyio.fail_after(self.stall_timeout_s):
-                        await send({"type": "http.response.body", "body": data, "more_body": True})
-                except TimeoutError:
-                    return False
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    if not await self._pump(send, entry):
+                        return False
+                finally:
+                    if release is not None:
+                        release()
+            last = b""
+            write_s = self.stall_timeout_s
+            if pumping.cancelled_caught and self.on_stop is not None:
+                await self._close_body()  # its cleanup first: a job it cancels is cancelled
+                last, write_s = self.on_stop(), END_WRITE_S
+            try:
+                with anyio.fail_after(write_s):
+                    if last:
+                        await send({"type": "http.response.body", "body": last, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except TimeoutError:
+                return False
             return True
         finally:
             if entry is not None and self._ticker is not None:
                 self._ticker.remove(entry)
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:  # its cleanup now, not when it is collected
-                with anyio.CancelScope(shield=True):
-                    await aclose()
+            await self._close_body()
+
+    async def _pump(self, send: Send, entry: Entry | None) -> bool:
+        """The body's chunks to the client: False if a write stalled."""
+        async for chunk in self.body_iterator:
+            data = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
+            if entry is not None:
+                if data == KEEPALIVE:
+                    continue
+                entry.last = time.monotonic()
+            try:
+                with anyio.fail_after(self.stall_timeout_s):
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+            except TimeoutError:
+                return False
+        return True
+
+    async def _close_body(self) -> None:
+        """The body's cleanup now, not when it is collected."""
+        aclose = getattr(self.body_iterator, "aclose", None)
+        if aclose is not None:
+            with anyio.CancelScope(shield=True):
+                await aclose()
 
     def _register(self) -> Entry | None:
         if self._ticker is None or self._write is None:
             return None
         return self._ticker.add(self._write)
+
+
+def _stopping(scope: Scope) -> Stopping | None:
+    """The app's stop (gateway/stopping.py), if it has one."""
+    stopping = getattr(getattr(scope.get("app"), "state", None), "stopping", None)
+    return stopping if isinstance(stopping, Stopping) else None
 
 
 def _keepalive_ticker(

@@ -13,7 +13,7 @@ from pydantic_core import PydanticUndefined
 
 from genq import batch as batch_cli
 from genq.client import add_api_key_flag, add_url_flag
-from shared import __version__, logs
+from shared import __version__, lifeline, logs
 from shared.settings import GatewaySettings, LogLevel, RedisSettings, Settings, WorkerSettings
 
 DEFAULT_PORT = 8000
@@ -395,6 +395,7 @@ def _gateway(args: argparse.Namespace, level: dict[str, Any]) -> int:
 
 
 def _worker(args: argparse.Namespace, level: dict[str, Any]) -> int:
+    early = lifeline.record_stops()  # a supervisor's SIGTERM while this starts ends the start
     from worker.process import check_engine
 
     # its own sections only: a gateway's files (GENQ_API_KEYS_FILE, …) need not exist here
@@ -404,10 +405,10 @@ def _worker(args: argparse.Namespace, level: dict[str, Any]) -> int:
     if args.gpus or args.procs_per_gpu != "1":
         from genq.launcher import run as launch
 
-        return launch(settings, args.gpus, args.procs_per_gpu)
+        return launch(settings, args.gpus, args.procs_per_gpu, early)
     from worker.process import run
 
-    return run(settings)
+    return run(settings, early)
 
 
 if __name__ == "__main__":

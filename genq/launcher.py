@@ -14,7 +14,8 @@ reclaimed by the queue as usual), but only `GENQ_RESTART_LIMIT` times within
 launcher cannot fix (a bad model, a broken GPU), so it stops every child (drained, as on
 SIGTERM) and exits `CRASH_LOOP_EXIT` — restarting the whole set, with its own backoff and
 alerting, is then the job of systemd or Kubernetes. SIGTERM/SIGINT are passed on, so that
-every child drains.
+every child drains; the same signal again is passed on again (each child then hands its jobs
+back at once).
 """
 
 from __future__ import annotations
@@ -151,6 +152,8 @@ class Launcher:
                 env.setdefault("OMP_NUM_THREADS", str(len(cpu_sets[n])))
             self.children.append(Child(gpu, i, env))
         self.stopping = False
+        self._signals: set[int] = set()
+        """The signals that stopped the launcher so far."""
         self.crash_loop: Child | None = None
         """The child whose deaths passed the restart limit, once one has."""
 
@@ -171,24 +174,32 @@ class Launcher:
             },
         )
 
-    def _stop(self, *_: object) -> None:
-        if self.stopping:
+    def _stop(self, signum: int | None = None, frame: object = None) -> None:
+        """Drain every child (SIGTERM); the same signal once more (a second Ctrl-C or
+        SIGTERM) is passed on again, so that each child hands its jobs back at once."""
+        again = signum is not None and signum in self._signals
+        if signum is not None:
+            self._signals.add(signum)
+        if self.stopping and not again:
             return
         self.stopping = True
-        log.info("stopping worker processes (draining)")
+        log.info("stopping worker processes now" if again else "stopping worker processes")
         for c in self.children:
             if c.proc is not None and c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
 
-    def run(self) -> int:
+    def run(self, early: list[int] | None = None) -> int:
+        """`early`: the stop signals that came before this could take them (none started)."""
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
+        for sig in early or []:
+            self._stop(sig)
         return self.run_supervised()
 
     def run_supervised(self) -> int:
         """Start every child, keep them running until `_stop` or a crash loop, then wait for
         their drain; `CRASH_LOOP_EXIT` after a crash loop, else the worst child's exit code."""
-        for c in self.children:
+        for c in self.children if not self.stopping else []:
             self._start(c)
         while not self.stopping:
             self._supervise(time.monotonic())
@@ -318,6 +329,12 @@ def resolve_procs(settings: WorkerSettings, gpus: list[str], spec: str | int | N
     return max(1, int(spec))
 
 
-def run(settings: WorkerSettings, gpus: str | None, procs_per_gpu: str | int | None) -> int:
+def run(
+    settings: WorkerSettings,
+    gpus: str | None,
+    procs_per_gpu: str | int | None,
+    early: list[int] | None = None,
+) -> int:
     gpu_list = parse_gpus(gpus)
-    return Launcher(settings, gpu_list, resolve_procs(settings, gpu_list, procs_per_gpu)).run()
+    launcher = Launcher(settings, gpu_list, resolve_procs(settings, gpu_list, procs_per_gpu))
+    return launcher.run(early)

@@ -21,12 +21,19 @@ connects earlier waits in its backlog); `multi` serves it at once (health, dashb
 gateway answers a request for the model a 503 `model_starting` until a worker registered it
 (GENQ_QUEUE_MODELS names it), since a prompt cannot be tokenized before the worker has
 published the model's tokenizer, and a GPU model may take minutes to load.
+
+Ctrl-C (or SIGTERM) stops the gateway and the workers together (gateway/stopping.py,
+worker/drain.py), saying on the terminal what it waits for: running jobs whose streams are
+gone go back to the queue at once; open streams get the grace (GENQ_SHUTDOWN_GRACE_S: 5 s
+here unless set) to end with their jobs, then each ends with a `server_stopping` error; the
+same signal again ends them at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -39,17 +46,16 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 
 import redis.asyncio as aioredis
 import uvicorn
-from fastapi import FastAPI
 from redis.exceptions import RedisError
 
 from gateway.app import create_app
 from gateway.http_protocol import HTTP_PROTOCOL
 from gateway.registry import ModelRegistry
 from gateway.server import listen, run_gateway, url_of
+from gateway.stopping import Stopping, uvicorn_timeout_s
 from genq import launcher
 from genq.embedded_redis import private_redis
 from shared import lifeline, logs, runtime
@@ -64,6 +70,9 @@ TRY_MAX_TOKENS = 16
 """max_tokens of the curl line printed as the first thing to try."""
 SERVED_POLL_S = 0.05
 """How often the start looks for a live worker of the model before it prints the address."""
+SERVE_SHUTDOWN_GRACE_S = 5.0
+"""`genq serve`'s GENQ_SHUTDOWN_GRACE_S unless it is set: someone at a terminal waits out a
+Ctrl-C, where a fleet's rolling restart can give streams longer."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,8 @@ def serve(
     the start."""
     sock = listen(host, port)
     url = url_of(sock)
+    if "shutdown_grace_s" not in settings.model_fields_set:  # a fleet's default is too long
+        settings = settings.model_copy(update={"shutdown_grace_s": SERVE_SHUTDOWN_GRACE_S})
     plan = plan_serve(settings, gpus, procs_per_gpu)
     expected = sorted({*settings.queue_models, served_model(settings)})
     settings = settings.model_copy(update={"queue_models": expected})
@@ -176,55 +187,48 @@ async def _serve_single(
     settings: Settings, client: aioredis.Redis, sock: socket.socket, url: str
 ) -> int:
     worker = Worker(settings, await open_engine(settings), redis=client)
-    app = create_app(settings, redis=client, raw_pubsub=settings.redis_configured)
+    app = create_app(settings, redis=client, raw_pubsub=settings.redis_configured, signals=True)
     app.state.metrics.extra.append(worker.st.metrics.render)  # one /metrics for both
     config = uvicorn.Config(
         app,
         log_config=logs.log_config(settings),
         access_log=False,  # genq's own (gateway/access_log.py, GENQ_ACCESS_LOG) replaces it
         http=HTTP_PROTOCOL,  # streams can drop a client that stopped reading
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+        timeout_graceful_shutdown=uvicorn_timeout_s(settings.shutdown_grace_s),
     )
-    server = _DrainingServer(config, app, worker)
+    server = uvicorn.Server(config)
+    # The gateway's stop (gateway/stopping.py) is the worker's: its first signal drains the
+    # worker beside the streams, the same signal again hands the worker's jobs back at once.
+    stopping: Stopping = app.state.stopping
+    _tell(stopping)
+    worker.tell = stopping.say
+    stopping.on_begin(worker.stop)
+    stopping.on_end(functools.partial(worker.stop, now=True))
     worker_task = asyncio.create_task(worker.run())
 
     def stop() -> None:
         server.should_exit = True
         worker.stop()
 
-    install_signals(stop)  # uvicorn restores (and re-raises into) these after its own
+    # uvicorn restores (and re-raises into) these after its own: the loop takes them then
+    install_signals(stop)
     model = worker.st.model
     served = await _until_served(client, settings, model, lambda: not worker_task.done())
     server_task = asyncio.create_task(server.serve(sockets=[sock]))
     if served:
         _announce(url, f"model '{model}' ({worker.st.engine.card.engine} engine)", model)
     await asyncio.wait({server_task, worker_task}, return_when=asyncio.FIRST_COMPLETED)
+    if worker_task.done():  # it gave up by itself: nothing more comes for the open streams
+        stopping.end()
     stop()
     await asyncio.gather(server_task, worker_task, return_exceptions=True)
     await client.aclose()
     return 0 if worker.st.healthy else 1
 
 
-class _DrainingServer(uvicorn.Server):
-    """uvicorn's server, told of `genq serve`'s worker. The first SIGINT or SIGTERM drains:
-    uvicorn stops accepting and lets open streams end with their `done` (the worker and Redis
-    run on until then), and a request that still reaches the app gets a 503 at once. A second
-    Ctrl-C stops now: uvicorn closes the open streams, and the worker hands its jobs back to
-    the queue without waiting for them."""
-
-    def __init__(self, config: uvicorn.Config, app: FastAPI, worker: Worker) -> None:
-        super().__init__(config)
-        self.app = app
-        self.worker = worker
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        draining = self.should_exit
-        super().handle_exit(sig, frame)
-        state = getattr(self.app.state, "genq", None)
-        if state is not None:
-            state.draining = True
-        if draining and sig == signal.SIGINT:
-            self.worker.stop(now=True)
+def _tell(stopping: Stopping) -> None:
+    """The stop in words on the terminal, beside the log."""
+    stopping.say = functools.partial(print, "genq:", flush=True)
 
 
 def _serve_multi(settings: Settings, sock: socket.socket, url: str, plan: ServePlan) -> int:
@@ -256,34 +260,31 @@ def _serve_multi(settings: Settings, sock: socket.socket, url: str, plan: ServeP
         name="announce",
         daemon=True,
     ).start()
+    told = 0
 
-    signals = 0
-
-    def drain(*_: object) -> None:
-        # uvicorn re-raises each signal that stopped it once it is done; this handler catches
-        # them (instead of the default, which would kill us before the workers drained) and
-        # starts the workers' drain beside the gateway's. A second signal (Ctrl-C twice)
-        # stops the launcher and its workers at once: their jobs stay in Redis, reclaimed
-        # after the lease by the next worker.
-        nonlocal signals
-        signals += 1
+    def tell_workers() -> None:
+        """SIGTERM to the launcher: the first drains its workers beside the gateway's
+        streams; the second (the same signal again here) hands their jobs back at once."""
+        nonlocal told
+        told += 1
         if workers.poll() is None:
-            if signals == 1:
+            with contextlib.suppress(ProcessLookupError):
                 workers.send_signal(signal.SIGTERM)
-            else:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(workers.pid, signal.SIGKILL)
 
-    signal.signal(signal.SIGTERM, drain)
-    signal.signal(signal.SIGINT, drain)
-    try:
-        run_gateway(settings, sock, 1)
+    def attach(stopping: Stopping) -> None:
+        _tell(stopping)
+        stopping.on_begin(tell_workers)
+        stopping.on_end(tell_workers)
+
+    try:  # a signal before the gateway serves stops the start (SystemExit): workers drain
+        run_gateway(settings, sock, 1, attach)
     finally:
-        if not signals:  # the gateway stopped by itself
-            drain()
+        if not told:  # the gateway stopped by itself (or before its app could hear a signal)
+            tell_workers()
         try:
             code = workers.wait(settings.shutdown_grace_s + 2 * launcher.KILL_MARGIN_S)
         except subprocess.TimeoutExpired:
-            workers.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(workers.pid, signal.SIGKILL)
             code = workers.wait()
     return code

@@ -12,7 +12,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    Field,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    ValidationError,
+    model_serializer,
+)
 
 from shared.constraints import SchemaCheck
 from shared.keys import Priority
@@ -20,6 +27,9 @@ from shared.schemas import FinishReason, Timings, Usage
 
 EVENT_FIELD = "d"
 """The field of an event-log stream entry that holds the event's JSON."""
+SERVER_STOPPING = "server_stopping"
+"""The code of the `error` a gateway ends a stream with when it stops before the job ends
+(never in the job's log: the job itself goes on, or is cancelled, as `resumes` says)."""
 
 
 class _Event(BaseModel):
@@ -62,6 +72,16 @@ class ErrorEvent(_Event):
     type: Literal["error"] = "error"
     code: str
     message: str
+    resumes: bool | None = None
+    """Only in a `server_stopping` end: whether the job goes on (to be followed again with
+    Last-Event-ID) or was cancelled with its stream. Left out of the JSON when None."""
+
+    @model_serializer(mode="wrap")
+    def _without_unset_resumes(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if self.resumes is None:
+            out.pop("resumes", None)
+        return out
 
 
 class CancelledEvent(_Event):

@@ -50,3 +50,19 @@ def preexec(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
         die_with_parent(parent, sig)
 
     return arm
+
+
+def record_stops() -> list[int]:
+    """From now until the process installs its own handlers, SIGTERM and SIGINT are noted in
+    the list returned instead of ending it: a supervisor's stop that comes while the process
+    still starts (imports, a model loading) ends the start cleanly once the process can act on
+    it, rather than the default handlers killing it mid-way (a death by signal that its
+    supervisor would report as a failure)."""
+    seen: list[int] = []
+
+    def note(signum: int, frame: object) -> None:
+        seen.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, note)
+    return seen

@@ -194,8 +194,8 @@ def owner_of(api_key: bytes) -> str:
 
 class JobRecord(HashModel):
     """Hash `job:{id}`. Written at submission (whole), then by the state transitions
-    (shared/lua: `status`, `worker`, `attempt`, `handbacks`, `started_at`, `cancel`,
-    `last_error`; the rest as `fields` the worker or gateway encodes)."""
+    (shared/lua: `status`, `worker`, `attempt`, `handbacks`, `interruptions`, `started_at`,
+    `cancel`, `last_error`; the rest as `fields` the worker or gateway encodes)."""
 
     spec: JobSpec
     status: JobStatus
@@ -203,6 +203,9 @@ class JobRecord(HashModel):
     """Attempts started (START counts them)."""
     handbacks: int = 0
     """Attempts given back by a draining worker: not failures, not counted against the job."""
+    interruptions: int = 0
+    """Attempts a stop of their worker ended (handed back at a drain): bounded by
+    `max_interruptions`."""
     worker: str | None = None
     """The worker running it (while `running`): with `attempt` and `status`, ownership."""
     started_at: float | None = None

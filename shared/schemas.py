@@ -389,6 +389,11 @@ class JobSpec(BaseModel):
     deadline: float | None = None
     add_bos: bool = False
     constraint: Constraint | None = None
+    followed: bool = False
+    """Submitted by a client that follows it as it runs (a stream, or a request waiting for
+    its answer): once no client does, nobody waits on it, and a stop hands it back at once
+    (worker/drain.py). Batch lines, background responses and jobs submitted without a stream
+    are wanted whether or not anyone watches."""
 
 
 class Usage(BaseModel):

@@ -169,8 +169,10 @@ COMPACT = ScriptArgs(
     argv=("job_id", "last_seq", "entries"),
     rest="record (field, value) pairs: the compact log (`log`), and fields packed smaller",
 )
-START = ScriptArgs("start", keys=JOB, argv=("worker", "now", "max_attempts"))
-HAND_BACK = ScriptArgs("hand_back", keys=JOB, argv=("worker", "attempt", "counted", "error"))
+START = ScriptArgs("start", keys=JOB, argv=("worker", "now", "max_attempts", "max_interruptions"))
+HAND_BACK = ScriptArgs(
+    "hand_back", keys=JOB, argv=("worker", "attempt", "counted", "interrupted", "error")
+)
 REQUEST_CANCEL = ScriptArgs("request_cancel", keys=JOB, argv=("reason",))
 TOUCH = ScriptArgs("touch", keys=("queue", "job"), argv=("group", "worker", "entry", "attempt"))
 STATE = ScriptArgs("state", keys=JOB)

@@ -350,8 +350,10 @@ class JobSettings(RedisSettings):
     shutdown_grace_s: float = Field(
         default=30.0,
         ge=0,
-        description="after SIGTERM: how long a worker lets its running jobs finish before it hands "
-        "the rest back to the queue, and a gateway lets its open streams end",
+        description="after SIGTERM or Ctrl-C: how long a worker lets its running jobs finish "
+        "before it hands them back to the queue (a job whose streams are all gone goes back at "
+        "once), and a gateway lets its open streams end with their jobs before it ends each "
+        "with a `server_stopping` error; `genq serve` uses 5 unless this is set",
     )
 
 
@@ -1108,6 +1110,14 @@ class WorkerSettings(JobSettings, EngineSettings):
         ge=1,
         description="a job runs at most this many times (its worker dying or its engine failing "
         "counts; a Redis error does not), then it is dead-lettered",
+    )
+    max_interruptions: int = Field(
+        default=5,
+        ge=0,
+        description="a job interrupted by a stop of its worker (handed back to the queue "
+        "unfinished) more than this many times fails with `interrupted` when a worker next "
+        "takes it, instead of carrying over from restart to restart; an interruption costs no "
+        "attempt",
     )
     heartbeat_s: float = Field(
         default=1.0,

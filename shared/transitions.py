@@ -114,6 +114,17 @@ class Exhausted:
 
 
 @dataclass(frozen=True)
+class Interrupted:
+    """Stops interrupted it more often than allowed: nothing was written; the caller settles
+    the job as failed."""
+
+    attempt: int
+    last_seq: int
+    status: str
+    interruptions: int
+
+
+@dataclass(frozen=True)
 class NotStartable:
     status: str
     """The job's status (an ended one), or 'missing'."""
@@ -211,7 +222,7 @@ class JobState:
     worker: str | None = None
 
 
-StartReply = Started | Exhausted | NotStartable
+StartReply = Started | Exhausted | Interrupted | NotStartable
 EmitReply = Written | Fenced | LostTail
 CancelReply = CancelRunning | CancelQueued | CancelEnded
 SubmitReply = Queued | ClaimedBefore | Limited | Throttled
@@ -222,6 +233,8 @@ def _start_reply(r: list[Any]) -> StartReply:
         return Started(int(r[1]), int(r[2]), str(r[3]), r[4] or None)
     if r[0] == "exhausted":
         return Exhausted(int(r[1]), int(r[2]), str(r[3]), r[4] or None)
+    if r[0] == "interrupted":
+        return Interrupted(int(r[1]), int(r[2]), str(r[3]), int(r[4]))
     return NotStartable(str(r[0]))
 
 
@@ -378,8 +391,15 @@ class Transitions:
         reply = functools.partial(_submit_reply, charge.tpm if charge else 0)
         return call(lua.SUBMIT, reply, keys, args, rest)
 
-    def start(self, job_id: str, *, worker: str, now: float, max_attempts: int) -> Call[StartReply]:
-        args: dict[str, Arg] = {"worker": worker, "now": repr(now), "max_attempts": max_attempts}
+    def start(
+        self, job_id: str, *, worker: str, now: float, max_attempts: int, max_interruptions: int
+    ) -> Call[StartReply]:
+        args: dict[str, Arg] = {
+            "worker": worker,
+            "now": repr(now),
+            "max_attempts": max_attempts,
+            "max_interruptions": max_interruptions,
+        }
         return call(lua.START, _start_reply, self._job(job_id), args)
 
     def emit(
@@ -444,12 +464,22 @@ class Transitions:
         return call(lua.COMPACT, str, keys, args, _flat(fields))
 
     def hand_back(
-        self, job_id: str, *, worker: str, attempt: int, counted: bool, error: str = ""
+        self,
+        job_id: str,
+        *,
+        worker: str,
+        attempt: int,
+        counted: bool,
+        interrupted: bool = False,
+        error: str = "",
     ) -> Call[bool]:
+        """Give a job back to the queue. `counted`: a failed attempt; `interrupted`: a stop
+        of its worker ended the attempt (START fails a job interrupted too often)."""
         args: dict[str, Arg] = {
             "worker": worker,
             "attempt": attempt,
             "counted": int(counted),
+            "interrupted": int(interrupted),
             "error": error,
         }
         return call(lua.HAND_BACK, _truthy, self._job(job_id), args)

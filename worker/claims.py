@@ -20,7 +20,7 @@ from shared.loops import LOOP_RESTART_S, REDIS_FAILURES, keep_running
 from shared.records import JOB_ID, JobRecord, QueueEntry, RecordError
 from shared.redisconn import is_transient
 from shared.schemas import ErrorInfo, JobSpec
-from shared.transitions import Exhausted, Started, StartReply
+from shared.transitions import Exhausted, Interrupted, Started, StartReply
 from worker import joblog
 from worker.engine import EngineJob
 from worker.entries import (
@@ -49,6 +49,9 @@ RESERVE_SHARE = 4
 OWNER_POLL_S = 0.01
 """While an owner fills all but the owner reserve, how often a worker without room looks for
 other owners' jobs in token-fair scheduling (one script call)."""
+
+INTERRUPTED_CODE = "interrupted"
+"""The error of a job failed for being interrupted by more stops than GENQ_MAX_INTERRUPTIONS."""
 
 Sent = dict[str, tuple[list[int], list[str]]]
 
@@ -423,7 +426,11 @@ class Claimer:
         now = time.time()
         calls = [
             st.transitions.start(
-                c.job_id, worker=st.id, now=now, max_attempts=st.settings.max_attempts
+                c.job_id,
+                worker=st.id,
+                now=now,
+                max_attempts=st.settings.max_attempts,
+                max_interruptions=st.settings.max_interruptions,
             )
             for c in ready
         ]
@@ -459,7 +466,7 @@ class Claimer:
                 except Exception as exc:  # e.g. a record that does not parse: fails alone
                     await self._give_up_start(claim, reply.attempt, exc)
                 continue
-            if isinstance(reply, Exhausted):
+            if isinstance(reply, Exhausted | Interrupted):
                 with contextlib.suppress(RedisError, OSError):
                     await self._fail_exhausted(claim, reply)
             done_claims.append(claim)
@@ -468,16 +475,24 @@ class Claimer:
                 await ack(self.st, done_claims)
         self.st.flush_wanted.set()
 
-    async def _fail_exhausted(self, claim: Claim, seen: Exhausted) -> None:
-        """A job out of attempts ends `failed` with an error event naming its last error, and
-        goes to the dead letters."""
+    async def _fail_exhausted(self, claim: Claim, seen: Exhausted | Interrupted) -> None:
+        """A job out of attempts (or interrupted too often) ends `failed` with an error event
+        that says so (naming its last error), and goes to the dead letters."""
         st = self.st
         s = st.settings
-        message = f"the job failed {s.max_attempts} attempts (GENQ_MAX_ATTEMPTS)"
-        if seen.last_error:
-            message += f"; last error: {seen.last_error}"
+        if isinstance(seen, Interrupted):
+            code = INTERRUPTED_CODE
+            message = (
+                f"the job was interrupted by {seen.interruptions} stops of the server before it "
+                f"could finish (more than GENQ_MAX_INTERRUPTIONS, {s.max_interruptions}); "
+                f"GET /v1/jobs/{claim.job_id} has its text so far"
+            )
+        else:
+            code = "max_attempts_exceeded"
+            message = f"the job failed {s.max_attempts} attempts (GENQ_MAX_ATTEMPTS)"
+            if seen.last_error:
+                message += f"; last error: {seen.last_error}"
         seq = seen.last_seq + 1
-        code = "max_attempts_exceeded"
         event = ErrorEvent(seq=seq, attempt=seen.attempt, code=code, message=message)
         call = st.transitions.settle(
             claim.job_id,

@@ -44,13 +44,25 @@ async def requeue_waiting(st: WorkerState) -> None:
 
 
 async def hand_back(
-    st: WorkerState, run: RunningJob, *, counted: bool, error: str = "", why: str = ""
+    st: WorkerState,
+    run: RunningJob,
+    *,
+    counted: bool,
+    interrupted: bool = False,
+    error: str = "",
+    why: str = "",
 ) -> None:
     """Give a started job back to the queue for any worker, now (not after the lease).
-    Fenced: a job that already moved to another worker is left alone. `error`: the failed
-    attempt's (recorded); `why`: what the log line says otherwise."""
+    Fenced: a job that already moved to another worker is left alone. `interrupted`: a stop
+    of this worker ends the attempt (counted against GENQ_MAX_INTERRUPTIONS); `error`: the
+    failed attempt's (recorded); `why`: what the log line says otherwise."""
     call = st.transitions.hand_back(
-        run.id, worker=st.id, attempt=run.attempt, counted=counted, error=error
+        run.id,
+        worker=st.id,
+        attempt=run.attempt,
+        counted=counted,
+        interrupted=interrupted,
+        error=error,
     )
     if await st.scripts.run(call):
         await requeue(st, run.claim)

@@ -26,7 +26,8 @@ so no phase can die silently while the heartbeat keeps the worker looking alive.
 
 An engine error on one job is not the job's end: the job is handed back to the queue for
 another attempt (counted), and dead-lettered once its attempts are spent; the rest of the
-batch goes on. A drain's hand-back is not counted.
+batch goes on. A drain's hand-back (worker/drain.py) costs no attempt; it counts an
+interruption.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ from shared.transitions import ScriptRunner, Transitions
 from worker.cachemodel import CacheModel, modelled_pages
 from worker.claims import Claimer
 from worker.control import Control
+from worker.drain import drain
 from worker.engine import Engine
-from worker.entries import ensure_groups, hand_back, requeue_waiting
+from worker.entries import ensure_groups, requeue_waiting
 from worker.flush import Flusher
 from worker.lease import LeaseClock
 from worker.link import EngineLink
@@ -139,6 +141,8 @@ class Worker:
             ),
         )
         self.st.metrics.snapshot = self._gauges
+        self.tell: Callable[[str], None] | None = None
+        """Where its stop's plan is said in words too (`genq serve` prints it)."""
         self._claims = Claimer(self.st)
         self._flusher = Flusher(self.st)
         self._upkeep = Upkeep(self.st)
@@ -185,7 +189,7 @@ class Worker:
         tasks = [asyncio.create_task(self._supervise(n, f), name=n) for n, f in loops.items()]
         try:
             await st.stopping.wait()  # the claim loop sees it too and claims no more
-            await self._drain(st.settings.shutdown_grace_s)
+            await drain(st, st.settings.shutdown_grace_s, self.tell)
         finally:
             st.closing = True  # loops check it too: a swallowed cancel must not hang us
             st.flush_wanted.set()
@@ -200,8 +204,9 @@ class Worker:
                 await self._leave()
 
     def stop(self, now: bool = False) -> None:
-        """Stop claiming and drain: running jobs get `GENQ_SHUTDOWN_GRACE_S` to finish. `now`
-        (a second Ctrl-C): they are handed back to the queue at once, uncounted."""
+        """Stop claiming and drain (worker/drain.py): running jobs (but those nobody waits on
+        any more) get `GENQ_SHUTDOWN_GRACE_S` to finish. `now` (the same signal again): every
+        one is handed back to the queue at once."""
         self.st.stopping.set()
         if now:
             self.st.hurry.set()
@@ -296,31 +301,6 @@ class Worker:
         await ensure_groups(self.st)
         await self._upkeep.publish_card()
         await self._upkeep.beat()
-
-    async def _drain(self, grace_s: float) -> None:
-        """Hand back claims not started yet at once; let running jobs finish for up to
-        `grace_s`; hand the rest back. A failed hand-back leaves the entry to be reclaimed."""
-        st = self.st
-        deadline = time.monotonic() + grace_s
-        await requeue_waiting(st)
-        while st.running and time.monotonic() < deadline and not st.hurry.is_set():
-            st.room.clear()
-            room = asyncio.ensure_future(st.room.wait())
-            hurry = asyncio.ensure_future(st.hurry.wait())
-            await asyncio.wait(
-                {room, hurry},
-                timeout=deadline - time.monotonic(),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            room.cancel()
-            hurry.cancel()
-        await requeue_waiting(st)  # what a reclaim in flight at SIGTERM brought in
-        for job_id in list(st.running):
-            run = st.drop(job_id)
-            if run is None:  # the flush loop ended it while an earlier one was handed back
-                continue
-            with contextlib.suppress(RedisError, OSError):
-                await hand_back(st, run, counted=False, why="the worker is draining")
 
     async def _leave(self) -> None:
         st = self.st

@@ -46,6 +46,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 from redis.exceptions import RedisError
 
+from gateway.http_errors import ErrorDetail
 from gateway.identity import Identity
 from gateway.job_service import check_idempotency_key
 from gateway.keepalive import KEEPALIVE
@@ -74,7 +75,7 @@ from gateway.openai.toolcalls import tool_format_of
 from gateway.streaming import EventFollower, EventStreamResponse, sse_data
 from shared import events
 from shared.constraints import SchemaCheck
-from shared.errors import BadRequest, GenqError, NotFound
+from shared.errors import BadRequest, GenqError, NotFound, Unavailable
 from shared.events import CancelledEvent, DoneEvent, ErrorEvent, TokenEvent
 from shared.keys import Priority
 from shared.records import JOB_ID
@@ -471,17 +472,32 @@ class EventNumbering:
         self.text_mode = tool_format_of(SimpleNamespace(origin=o.tools_origin)) is None
         self.opened = False
         self.ended = False
+        self.last = after
+        """The number of the last event sent."""
         self._text: list[str] = []
 
     def _frame(self, number: int, kind: str, **data: Any) -> bytes:
         if number <= self.after:
             return b""
+        self.last = number
         body = {"type": kind, "sequence_number": number, **data}
         text = sse_data(json.dumps(body, separators=(",", ":")))
         return f"event: {kind}\ndata: {text}\n\n".encode()
 
     def created(self) -> bytes:
         return self._frame(0, "response.created", response=response_body(self.stored, self.o))
+
+    def error(self, detail: ErrorDetail) -> bytes:
+        """An `error` event ending the stream before the response ends (the gateway stops).
+        It repeats the last event's number, so that a resume after it misses nothing."""
+        body = {
+            "type": "error",
+            "sequence_number": max(self.last, 0),
+            "code": detail.code,
+            "message": detail.message,
+            "param": detail.param,
+        }
+        return f"event: error\ndata: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
 
     def opening(self) -> bytes:
         if self.opened:
@@ -665,9 +681,14 @@ class ResponsesServing(OpenAIServing):
         queued = Outcome(job_id, "queued", prompt_tokens=run.prompt_tokens[0], tools_origin=origin)
         headers = unenforced_header(spec.constraint)
         if req.stream:
-            stream = self._events(sender, run, followers[0], EventNumbering(stored, queued, -1))
+            numbering = EventNumbering(stored, queued, -1)
+            stream = self._events(sender, run, followers[0], numbering)
+            stopped = self.stopped_error(sender, run)
             response = EventStreamResponse(
-                stream, job_id, stall_timeout_s=self.settings.stream_stall_timeout_s
+                stream,
+                job_id,
+                stall_timeout_s=self.settings.stream_stall_timeout_s,
+                on_stop=lambda: numbering.error(stopped),
             )
             response.headers.update(headers)
             return response
@@ -697,9 +718,14 @@ class ResponsesServing(OpenAIServing):
         )
         after = -1 if starting_after is None else starting_after
         numbering = EventNumbering(stored, o, after)
-        stream_ = self._events(Sender(identity, detached=True), run, follower, numbering)
+        sender = Sender(identity, detached=True)
+        stream_ = self._events(sender, run, follower, numbering)
+        stopped = self.stopped_error(sender, run)
         return EventStreamResponse(
-            stream_, job_id, stall_timeout_s=self.settings.stream_stall_timeout_s
+            stream_,
+            job_id,
+            stall_timeout_s=self.settings.stream_stall_timeout_s,
+            on_stop=lambda: numbering.error(stopped),
         )
 
     async def cancel(self, response_id: str, identity: Identity) -> Response:
@@ -793,7 +819,7 @@ class ResponsesServing(OpenAIServing):
         self, request: Request, sender: Sender, run: RequestState, followers: list[EventFollower]
     ) -> bool:
         """Until the job ends (True), or the client goes (False: the job is cancelled, as a
-        chat completion's is)."""
+        chat completion's is); a 503 `server_stopping` if the gateway stops first."""
 
         async def drain() -> None:
             async for _ in merged(followers):
@@ -801,15 +827,19 @@ class ResponsesServing(OpenAIServing):
 
         follow = asyncio.create_task(drain())
         gone = asyncio.create_task(disconnected(request))
+        stopping = asyncio.create_task(self.state.stopping.wait_end())
         try:
-            await asyncio.wait({follow, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({follow, gone, stopping}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             with anyio.CancelScope(shield=True):
-                await stop_tasks([follow, gone])
+                await stop_tasks([follow, gone, stopping])
                 if follow.done() and not follow.cancelled() and follow.exception() is None:
                     for c in run.choices:
                         c.finish_reason = c.finish_reason or "ended"
                 await self._close(sender, run, followers)
+        if follow.cancelled() and not stopping.cancelled():
+            stopped = self.stopped_error(sender, run)
+            raise Unavailable(stopped.message, code=stopped.code)
         if follow.cancelled():
             return False
         follow.result()

@@ -82,7 +82,7 @@ from gateway.openai.toolcalls import (
 )
 from gateway.registry import LoadedCard
 from gateway.state import GatewayState
-from gateway.streaming import EventFollower, EventStreamResponse, sse_data
+from gateway.streaming import STOPPED_REASON, EventFollower, EventStreamResponse, sse_data
 from shared import events
 from shared.constraints import CONSTRAINT_KINDS, Constraint, SchemaCheck, json_options
 from shared.errors import (
@@ -93,7 +93,7 @@ from shared.errors import (
     Unprocessable,
     shown,
 )
-from shared.events import TokenEvent
+from shared.events import SERVER_STOPPING, TokenEvent
 from shared.keys import Priority
 from shared.schema_gaps import dotted, keyword_of
 from shared.schemas import MAX_SEED, JobCreate, JobSpec, one_only
@@ -445,25 +445,52 @@ class OpenAIServing:
         headers |= unenforced_header(jobs[0][1].constraint)
         if req.stream:
             stream = self._sse(sender, run, followers, fmt, req.include_usage)
+            stopped = ErrorResponse(error=self.stopped_error(sender, run))
             response = EventStreamResponse(
-                stream, run.choices[0].job_id, stall_timeout_s=self.settings.stream_stall_timeout_s
+                stream,
+                run.choices[0].job_id,
+                stall_timeout_s=self.settings.stream_stall_timeout_s,
+                on_stop=lambda: _frame(stopped) + DONE_FRAME,
             )
             response.headers.update(headers)
             return response
         collect = asyncio.create_task(self._collect(run, followers))
         gone = asyncio.create_task(disconnected(request))
+        stopping = asyncio.create_task(self.state.stopping.wait_end())
         try:
-            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({collect, gone, stopping}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             with anyio.CancelScope(shield=True):
-                await stop_tasks([collect, gone])
+                await stop_tasks([collect, gone, stopping])
                 await self._close(sender, run, followers)
         if not collect.cancelled():
             collect.result()  # raises what collecting raised
             headers |= validity_header([c.schema_check for c in run.choices])
             return JSONResponse(fmt.response(run).model_dump(mode="json"), headers=headers)
+        if not stopping.cancelled():
+            error = self.stopped_error(sender, run)
+            raise Unavailable(error.message, code=error.code)
         log.info("client disconnected", extra={"job_id": run.choices[0].job_id})
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    def stopped_error(self, sender: Sender, run: RequestState) -> ErrorDetail:
+        """What a request still waiting for its jobs is told when the gateway stops: whether
+        they go on, or are cancelled with it (they are, unless a retry may come back for
+        them)."""
+        ids = [c.job_id for c in run.choices]
+        if self._mortal(sender, ids):
+            then = "they are cancelled with it"
+        else:
+            then = (
+                "they go on when a worker runs them again (GET /v1/jobs/{id}; the request sent "
+                "again with its Idempotency-Key follows them)"
+            )
+        return ErrorDetail(
+            message=f"the server is stopping before this request's jobs ({', '.join(ids)}) "
+            f"ended; {then}",
+            type="server_error",
+            code=SERVER_STOPPING,
+        )
 
     async def _start(self, sender: Sender, run: RequestState, jobs: Jobs) -> list[EventFollower]:
         """Subscribe each job's channel, then queue the job; undo it all if one fails (but
@@ -522,6 +549,7 @@ class OpenAIServing:
         state = self.state
         if index > 0:  # the request's id is job 0's, known now
             body = body.model_copy(update={"metadata": {**body.metadata, "request": run.id}})
+        spec = spec.model_copy(update={"followed": not sender.detached})  # it waits, or streams
         sub = await state.router.subscribe(state.keys.channel(spec.id))
         try:
             submitted = await state.jobs.submit(
@@ -615,10 +643,11 @@ class OpenAIServing:
         for f in followers:
             await f.sub.close()
         mortal = self._mortal(sender, (c.job_id for c in run.choices))
+        why = STOPPED_REASON if self.state.stopping.ending_streams else "client disconnected"
         for c in run.choices:
             if not c.ended and c.job_id in mortal:
                 with contextlib.suppress(GenqError, RedisError, OSError):
-                    await self.state.jobs.cancel(c.job_id, sender.identity, "client disconnected")
+                    await self.state.jobs.cancel(c.job_id, sender.identity, why)
         with contextlib.suppress(RedisError, OSError):
             await self.state.presence.unregister(mortal)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -20,7 +21,13 @@ from gateway.identity import Identity
 from gateway.job_service import IDEMPOTENCY_KEY_PATTERN, check_idempotency_key
 from gateway.pubsub import Subscription
 from gateway.state import GatewayState
-from gateway.streaming import EventFollower, EventStreamResponse, sse_stream
+from gateway.streaming import (
+    STOPPED_REASON,
+    EventFollower,
+    EventStreamResponse,
+    sse_stream,
+    stopped_frame,
+)
 from shared import events
 from shared.errors import BadRequest, GenqError, Unavailable
 from shared.events import FINAL_EVENT_TYPES, EventError
@@ -90,8 +97,9 @@ async def create_job(
         await sub.close()
         sub = await state.router.subscribe(state.keys.channel(job_id))
     follower = EventFollower(state.redis, state.keys, state.settings, sub, job_id)
-    stream = stream_job(state, follower, caller, cancel_on_disconnect=body.cancel_on_disconnect)
-    return _response(state, stream, job_id)
+    mortal = body.cancel_on_disconnect
+    stream = stream_job(state, follower, caller, cancel_on_disconnect=mortal)
+    return _response(state, stream, follower, resumes=not mortal)
 
 
 @router.get("/{job_id}", response_model=JobView)
@@ -127,7 +135,7 @@ async def job_events(
     sub = await state.router.subscribe(state.keys.channel(job_id))
     follower = EventFollower(state.redis, state.keys, state.settings, sub, job_id, after_seq)
     stream = stream_job(state, follower, caller, cancel_on_disconnect=False)
-    return _response(state, stream, job_id)
+    return _response(state, stream, follower, resumes=True)
 
 
 @router.delete("/{job_id}", response_model=JobView, responses=error_responses(409))
@@ -174,10 +182,16 @@ def _seq(value: str, param: str) -> int:
 
 
 def _response(
-    state: GatewayState, stream: AsyncIterator[bytes], job_id: str
+    state: GatewayState, stream: AsyncIterator[bytes], follower: EventFollower, *, resumes: bool
 ) -> EventStreamResponse:
+    """The job's SSE response; if the gateway stops before the job ends, its last event is
+    the `server_stopping` error (`resumes`: the job goes on; else its stream's end cancels
+    it)."""
     return EventStreamResponse(
-        stream, job_id, stall_timeout_s=state.settings.stream_stall_timeout_s
+        stream,
+        follower.job_id,
+        stall_timeout_s=state.settings.stream_stall_timeout_s,
+        on_stop=functools.partial(stopped_frame, follower, resumes),
     )
 
 
@@ -196,5 +210,6 @@ async def stream_job(
             await follower.sub.close()
             with contextlib.suppress(GenqError, RedisError, OSError):
                 if cancel_on_disconnect and not follower.finished:
-                    await state.jobs.cancel(follower.job_id, caller, "client disconnected")
+                    why = STOPPED_REASON if state.stopping.ending_streams else "client disconnected"
+                    await state.jobs.cancel(follower.job_id, caller, why)
                 await state.presence.unregister(job_ids)

@@ -87,7 +87,7 @@ async def test_a_job_that_ends_by_emit_tells_its_done_stream_once(client: aiored
     keys, tx, runner = _keys(client), Transitions(_keys(client)), ScriptRunner(client)
     stream = keys.batch_done("batch_x")
     job_id = await _submit(client, stream)
-    await runner.run(tx.start(job_id, worker="w", now=2.0, max_attempts=3))
+    await runner.run(tx.start(job_id, worker="w", now=2.0, max_attempts=3, max_interruptions=5))
     token = TokenEvent(seq=2, attempt=1, text="a", token_ids=[5], count=1)
     running = tx.emit(job_id, worker="w", attempt=1, events=[(2, events.encode(token))], maxlen=99)
     await runner.run(running)

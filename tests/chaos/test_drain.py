@@ -1,10 +1,12 @@
 """Scenario 5: SIGTERM drains. A busy worker stops claiming, finishes what it can within its
 grace period, hands the rest back at once (not after the lease), deletes its heartbeat and
-exits 0; nothing is lost. A gateway finishes its open streams and exits 0."""
+exits 0; nothing is lost. A gateway finishes its open streams and exits 0; a stream whose job
+outlasts the grace ends with a `server_stopping` end before its connection closes."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 
@@ -83,3 +85,69 @@ async def test_sigterm_gateway_finishes_open_streams_and_exits_0(env: Env) -> No
         assert s.reconnects == 0, "the stream was cut instead of finished"
         ref = reference.text(s.body["prompt"], s.body["seed"], 40)
         assert not stream_faults(s, ref, 40)
+
+
+async def test_sigterm_gateway_ends_streams_longer_than_its_grace_with_server_stopping(
+    env: Env,
+) -> None:
+    """Every open stream (native, OpenAI chat, Responses) ends with its `server_stopping` end,
+    and a request waiting for its whole answer gets a 503 saying so."""
+    grace_s = 1.0
+    gateway = env.cluster.gateway(GENQ_SHUTDOWN_GRACE_S=str(grace_s))
+    env.worker("--step-ms", "50")
+    messages = [{"role": "user", "content": "job 1"}]
+    requests = {  # minutes of tokens each: past any grace
+        "native": ("/v1/jobs", job_body(0, 3000, stream=True)),
+        "chat": ("/v1/chat/completions", {"model": "sim", "messages": messages, "stream": True}),
+        "responses": ("/v1/responses", {"model": "sim", "input": "job 2", "stream": True}),
+        "waiting": ("/v1/chat/completions", {"model": "sim", "messages": messages}),
+    }
+    seen: dict[str, list[str]] = {name: [] for name in requests}
+    ids: dict[str, str] = {}
+    answered: dict[str, int] = {}
+
+    async def send(name: str, route: str, body: dict) -> None:
+        body.setdefault("max_tokens", 3000)
+        if name == "responses":
+            body["max_output_tokens"] = body.pop("max_tokens")
+        async with env.http.stream("POST", f"{gateway.url}{route}", json=body) as r:
+            ids[name], answered[name] = r.headers.get("x-job-id", ""), r.status_code
+            async for line in r.aiter_lines():
+                if line.startswith(("event:", "data:")) or name == "waiting":
+                    seen[name].append(line)
+
+    tasks = [asyncio.create_task(send(n, *request)) for n, request in requests.items()]
+
+    async def under_way() -> bool:
+        streams = [lines for name, lines in seen.items() if name != "waiting"]
+        return all(len(lines) > 4 for lines in streams) and await _running(env) == len(requests)
+
+    await until(under_way, TIMEOUT_S, "every request under way")
+    gateway.signal(signal.SIGTERM)
+    termed_at = time.monotonic()
+    assert await asyncio.to_thread(gateway.proc.wait, grace_s + EXIT_SLACK_S) == 0
+    assert time.monotonic() - termed_at < grace_s + EXIT_SLACK_S
+    await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S)  # each ended, none cut
+
+    assert seen["native"][-2] == "event: error"
+    end = json.loads(seen["native"][-1].removeprefix("data:"))
+    assert end["code"] == "server_stopping" and end["resumes"] is True
+    assert seen["chat"][-1] == "data: [DONE]"
+    assert json.loads(seen["chat"][-2].removeprefix("data:"))["error"]["code"] == "server_stopping"
+    assert seen["responses"][-2] == "event: error"
+    assert json.loads(seen["responses"][-1].removeprefix("data:"))["code"] == "server_stopping"
+    assert answered["waiting"] == 503
+    assert json.loads("".join(seen["waiting"]))["error"]["code"] == "server_stopping"
+
+    # as each end said: the native job goes on on its worker, the chat one is cancelled
+    async def chat_cancelled() -> bool:
+        return (await env.record(ids["chat"]))["status"] == "cancelled"
+
+    await until(chat_cancelled, TIMEOUT_S, "the chat job cancelled")
+    assert (await env.record(ids["native"]))["status"] == "running"
+
+
+async def _running(env: Env) -> int:
+    """How many jobs run now."""
+    records = [key async for key in env.redis.scan_iter(match=KEYS.job("*"))]
+    return sum([await env.redis.hget(key, "status") == "running" for key in records])

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-import worker.service
+import worker.drain
 from shared.settings import Settings
 from tests.conftest import running_stack
 from worker.entries import hand_back
@@ -29,13 +29,14 @@ async def test_a_job_that_ends_during_the_drain_does_not_stop_the_others_hand_ba
         for job_id in ids:
             await s.wait_status(job_id, "running", timeout=WAIT_S)
         handed: list[str] = []
+        order = list(s.worker.st.running)  # the drain's order: as the jobs started
 
         async def first_hand_back_meets_a_finish(st: WorkerState, run, **kw: object) -> None:  # type: ignore[no-untyped-def]
             if not handed:  # while this one goes back, the flush loop ends the next job
-                st.drop(ids[1])
+                st.drop(order[1])
             handed.append(run.id)
             await hand_back(st, run, **kw)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(worker.service, "hand_back", first_hand_back_meets_a_finish)
-        await asyncio.wait_for(s.worker._drain(0.0), WAIT_S)
-        assert handed == [ids[0], ids[2]]  # the old drain: AssertionError after the first
+        monkeypatch.setattr(worker.drain, "hand_back", first_hand_back_meets_a_finish)
+        await asyncio.wait_for(worker.drain.drain(s.worker.st, 0.0), WAIT_S)
+        assert handed == [order[0], order[2]]  # the old drain: AssertionError after the first

@@ -143,7 +143,9 @@ async def test_delete_waits_a_bounded_time_then_answers_running_with_cancel_requ
     async with running_stack(settings, redis) as stack:
         job = await stack.submit(model=await _ghost_model(stack), prompt="x", max_tokens=5)
         transitions = Transitions(Keys(settings.key_prefix))
-        start = transitions.start(job["id"], worker="gone-worker", now=time.time(), max_attempts=3)
+        start = transitions.start(
+            job["id"], worker="gone-worker", now=time.time(), max_attempts=3, max_interruptions=5
+        )
         assert isinstance(await ScriptRunner(redis).run(start), Started)
         t0 = time.monotonic()
         r = await stack.client.delete(f"/v1/jobs/{job['id']}")

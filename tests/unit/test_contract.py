@@ -218,7 +218,9 @@ async def test_scripts_forgotten_by_redis_are_loaded_again(client: aioredis.Redi
         await client.script_flush()
         await runner.run(submit)
         await client.script_flush()
-        [started] = await runner.run_all([tx.start(JOB, worker="w", now=2.0, max_attempts=3)])
+        [started] = await runner.run_all(
+            [tx.start(JOB, worker="w", now=2.0, max_attempts=3, max_interruptions=5)]
+        )
         assert isinstance(started, Started) and started.attempt == 1 and started.last_seq == 1
         await client.script_flush()
         token = events.encode(TokenEvent(seq=2, attempt=1, text="t", token_ids=[1], count=1))
@@ -227,7 +229,9 @@ async def test_scripts_forgotten_by_redis_are_loaded_again(client: aioredis.Redi
         assert await runner.run_all([emit]) == [Written(cancel=None)]
         stored = JobRecord.from_hash(await client.hgetall(keys.job(JOB)))
         assert stored.status == "failed" and stored.error == ErrorInfo(code="x", message="y")
-        again = await runner.run(tx.start(JOB, worker="w", now=3.0, max_attempts=3))
+        again = await runner.run(
+            tx.start(JOB, worker="w", now=3.0, max_attempts=3, max_interruptions=5)
+        )
         assert again == NotStartable("failed")
     finally:
         await client.delete(
