@@ -20,6 +20,7 @@ from worker import joblog
 from worker.engine import StepOutput, Stop
 from worker.entries import ack, hand_back
 from worker.jobstate import Claim, RunningJob
+from worker.news import NewsDesk
 from worker.state import WorkerState
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,9 @@ Written = list[tuple[RunningJob, list[EncodedEvent]]]
 
 
 class Flusher:
-    def __init__(self, st: WorkerState) -> None:
+    def __init__(self, st: WorkerState, news: NewsDesk) -> None:
         self.st = st
+        self.news = news
 
     async def loop(self) -> None:
         """Flush every `flush_interval_ms`; a job's first tokens and its end go out at once.
@@ -83,6 +85,7 @@ class Flusher:
             if out.token_ids or out.text:
                 if run.first_token_wall is None:
                     st.urgent.add(run.id)
+                    st.pace.first_token(run.id)
                 run.add_tokens(out.text, out.token_ids, out.logprobs)
             if out.prompt_tokens:
                 run.prompt_tokens = out.prompt_tokens
@@ -93,6 +96,13 @@ class Flusher:
                 self._stopped(run, out.stopped)
             elif out.finish_reason is not None:
                 run.finish(out.finish_reason)
+            if run.end is not None:
+                # The engine keeps the prompt's and the reply's pages: the flush that writes
+                # this end tells the gateways first (worker/news.py).
+                st.cache.touch([*run.spec.input_ids, *run.resumed_ids, *run.token_ids])
+                st.pace.ended(run.id, time.time() - run.started_wall)
+            elif run.retry_error is not None:
+                st.pace.ended(run.id, None)
             if run.end is not None or run.retry_error is not None:
                 st.urgent.add(run.id)
                 freed = True
@@ -146,10 +156,14 @@ class Flusher:
             await self._retry(retries)
         if not order:
             return
+        news = self.news.call()
         try:
             # Per-call errors come back in place: one job's rejected write must not fail
-            # (and so retry forever) the flush of every other job in the pipeline.
-            results = await st.scripts.run_all(calls)
+            # (and so retry forever) the flush of every other job in the pipeline. The news
+            # goes first: a gateway hears where the prompt is cached before the job's end.
+            results = await st.scripts.run_all(calls if news is None else [news, *calls])
+            if news is not None:
+                results = results[1:]
         except (RedisError, OSError) as exc:
             await self._failed(order, exc)
             return
@@ -197,7 +211,6 @@ class Flusher:
             elif run.end is not None:
                 run.remember(events, st.settings.log_repair_window_s)
                 st.metrics.ended(run)
-                st.cache.touch([*run.spec.input_ids, *run.resumed_ids, *run.token_ids])
                 st.finish(run)
                 joblog.ended(st, run)
                 ended.append(run.claim)

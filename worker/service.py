@@ -51,6 +51,7 @@ from shared.redisconn import connect
 from shared.settings import WorkerSettings
 from shared.transitions import ScriptRunner, Transitions
 from worker.cachemodel import CacheModel, modelled_pages
+from worker.news import NewsDesk
 from worker.claims import Claimer
 from worker.control import Control
 from worker.engine import Engine
@@ -139,9 +140,11 @@ class Worker:
             ),
         )
         self.st.metrics.snapshot = self._gauges
+        self.st.pace.side_by_side = engine.prefill_side_by_side
+        news = NewsDesk(self.st)
         self._claims = Claimer(self.st)
-        self._flusher = Flusher(self.st)
-        self._upkeep = Upkeep(self.st)
+        self._flusher = Flusher(self.st, news)
+        self._upkeep = Upkeep(self.st, news)
         self._control = Control(self.st)
         self._summary = Summary(self.st)
 

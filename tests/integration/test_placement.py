@@ -30,12 +30,16 @@ HISTORY = " ".join(["the model queue worker gateway stream batch cache"] * 70)  
 
 @contextlib.asynccontextmanager
 async def fleet(
-    settings: Settings, redis: aioredis.Redis, workers: int = 2
+    settings: Settings,
+    redis: aioredis.Redis,
+    workers: int = 2,
+    cache_tokens: int = 64 * 256,
+    prefill_ms_per_1k: float = 20,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, list[Worker]]]:
     ws = [
         Worker(
             settings,
-            SimEngine(step_ms=2, cache_tokens=64 * 256, prefill_ms_per_1k=20),
+            SimEngine(step_ms=2, cache_tokens=cache_tokens, prefill_ms_per_1k=prefill_ms_per_1k),
             redis=redis,
         )
         for _ in range(workers)
@@ -93,6 +97,43 @@ async def test_each_turn_goes_to_the_worker_holding_the_history(settings: Settin
             assert second["usage"]["cached_tokens"] >= 512
         found = (await client.get("/metrics")).text
         assert 'genq_placements_total{outcome="prefix"} 6.0' in found
+
+
+LONG = " ".join(["the model queue worker gateway stream batch cache"] * 600)  # 4,800 tokens
+FOLLOW_UP_SHARE = 0.9
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+async def test_a_follow_up_sent_the_moment_a_turn_ends_finds_its_prompt_cached(
+    settings: Settings, redis, workers: int
+) -> None:  # type: ignore[no-untyped-def]
+    """An agent's next turn, sent as soon as the last one's answer arrives, with nothing but
+    its prompt to go by: it runs where that prompt was just computed."""
+    # Beats at their default pace: what a beat publishes comes too late for this turn.
+    s = placed_settings(
+        settings, heartbeat_s=1.0, lease_s=5.0, placement_refresh_s=0.5, placement_sweep_s=0.1
+    )
+    async with fleet(s, redis, workers, cache_tokens=16 * 4800, prefill_ms_per_1k=5) as (
+        client,
+        ws,
+    ):
+
+        async def agent(c: int) -> tuple[int, int]:
+            prompt = f"conversation {c} " + LONG
+            first = await client.post(
+                "/v1/completions", json={"model": "sim", "prompt": prompt, "max_tokens": 4}
+            )
+            assert first.status_code == 200, first.text
+            second = await client.post(
+                "/v1/completions",
+                json={"model": "sim", "prompt": prompt + " and then", "max_tokens": 4},
+            )
+            usage = second.json()["usage"]
+            return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+        turns = await asyncio.gather(*(agent(c) for c in range(8)))
+        share = sum(c for c, _ in turns) / sum(p for _, p in turns)
+        assert share >= FOLLOW_UP_SHARE, turns
 
 
 async def fake_worker(redis: aioredis.Redis, s: Settings, real: Worker, prompt: str) -> str:
