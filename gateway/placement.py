@@ -44,9 +44,9 @@ lane is one more stream of the model.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -58,7 +58,7 @@ import redis.asyncio as aioredis
 from gateway.pubsub import PubSubRouter
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys, Priority
 from shared.loops import keep_running, one_process_each_round
-from shared.pages import PAGE_TOKENS, page_hashes, pack_summary, shared_pages, unpack_summary
+from shared.pages import PAGE_TOKENS, pack_summary, page_hashes, shared_pages, unpack_summary
 from shared.records import CacheNews, Heartbeat, RecordError
 from shared.schemas import JobSpec
 from shared.settings import GatewaySettings
@@ -151,8 +151,11 @@ class _Worker:
     def wait_s(self, tps: float) -> float:
         """Expected seconds before a job placed here now begins its own prefill: its turn for
         a slot (the jobs ahead of it, at the pace slots free up), then the prefill of the
-        jobs started before it (at `tps`, prompt tokens a second)."""
+        jobs started before it (at `tps`, prompt tokens a second). Without a slot, and with
+        no job ended yet to tell how long one takes: no telling (infinite)."""
         behind = self.waiting + self.lane + self.placed + 1 - self.free
+        if behind > 0 and not self.job_s:
+            return math.inf
         slot = behind * self.job_s / max(1, self.active) if behind > 0 else 0.0
         return slot + self.prefill_backlog / tps
 
@@ -328,7 +331,7 @@ class Placement:
         own_s = (prompt - held[id(holder)]) / holder.prefill_tps
         here = start_s(holder)
         elsewhere = min((start_s(w) for w in candidates if w is not holder), default=here)
-        if here > elsewhere:
+        if here > elsewhere or math.isinf(here):
             return None, 0
         if holder.has_room():  # it starts at once: only a worker that stopped taking jobs
             return holder, bound_ms  # keeps it, and the bound is for that

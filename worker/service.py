@@ -51,7 +51,6 @@ from shared.redisconn import connect
 from shared.settings import WorkerSettings
 from shared.transitions import ScriptRunner, Transitions
 from worker.cachemodel import CacheModel, modelled_pages
-from worker.news import NewsDesk
 from worker.claims import Claimer
 from worker.control import Control
 from worker.engine import Engine
@@ -60,6 +59,7 @@ from worker.flush import Flusher
 from worker.lease import LeaseClock
 from worker.link import EngineLink
 from worker.metrics import WorkerMetrics
+from worker.news import NewsDesk
 from worker.runner import EngineRunner
 from worker.state import WorkerState
 from worker.summary import Summary

@@ -85,7 +85,8 @@ async def conversation(
 ) -> None:
     rng = random.Random(c)
     system = words(args.system_tokens, random.Random(-1) if args.shared_system else rng)
-    history = f"{system}\nconversation {c}:" if args.shared_system else f"conversation {c}: {system}"
+    name = f"conversation {c}:"
+    history = f"{system}\n{name}" if args.shared_system else f"{name} {system}"
     new_tokens = args.new_tokens or args.turn_tokens // 2
     for turn in range(args.turns):
         question = words(args.turn_tokens - new_tokens, rng)
@@ -246,8 +247,10 @@ def run_serve(args: argparse.Namespace, procs: int, placement: bool) -> dict[str
         client = redis.Redis.from_url(server.url)
         try:
             wait_for(
-                lambda: client.zcard(keys.workers()) >= procs
-                and any(m["id"] for m in httpx.get(f"{proc.url}/v1/models").json()["data"]),
+                lambda: (
+                    client.zcard(keys.workers()) >= procs
+                    and any(m["id"] for m in httpx.get(f"{proc.url}/v1/models").json()["data"])
+                ),
                 timeout=READY_S,
                 interval=1.0,
                 what=f"genq serve with {procs} processes: {proc.output()[-800:]}",
