@@ -1218,6 +1218,13 @@ class WorkerSettings(JobSettings, EngineSettings):
         description="pin each launched worker process to cores of its own (on its GPU's NUMA "
         "node where known); auto: when the launcher runs several exllamav2 processes",
     )
+    auto_procs_max: int = Field(
+        default=2,
+        ge=1,
+        description="--procs-per-gpu auto: the most worker processes per GPU with GPU sampling "
+        "(fewer where memory or cores allow fewer; 4 with GPU sampling off); the processes "
+        "sweep on docs/performance.md is what sets it",
+    )
     restart_limit: int = Field(
         default=5,
         ge=0,
