@@ -295,7 +295,7 @@ class Placement:
         held = {id(w): shared_pages(chain, w.pages) * PAGE_TOKENS for w in candidates}
         most = max(held.values(), default=0)
         self._cached = {spec.id: most}
-        if not s.placement or not candidates:
+        if not s.placement or len(candidates) < 2:  # one worker: its lane is the shared queue
             return Decision("shared"), None, chain
         if most >= s.placement_min_pages * PAGE_TOKENS and most > min(held.values()):
             best, wait_ms = self._soonest(spec, candidates, held)

@@ -26,8 +26,9 @@ on 2 and 4 sim workers at their defaults; prints the share of the second turn's 
 from cache. No `prompt_cache_key`: the prompt alone must find its worker.
 
 `--model DIR` (a GPU host): the conversations on `genq serve --model DIR --procs-per-gpu N` for
-each N of `--procs`, placement off and on for N > 1, on one private redis-server; every reply is
-`--new-tokens` long (min_tokens). E.g. the multi-turn table on an 8B synth model:
+each N of `--procs`, placement off and on for N > 1, on the Redis of GENQ_REDIS_URL (else a
+private redis-server); every reply is `--new-tokens` long (min_tokens); `--model sim` tries the
+harness on the CPU. E.g. the multi-turn table on an 8B synth model:
 
     python -m genq synth-model /tmp/m8b --shape 8b
     python -m tests.bench.placement --model /tmp/m8b --procs 1,2,3,4 --concurrency 64 \\
@@ -38,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
 import tempfile
 import time
@@ -228,33 +231,35 @@ def run_agent(args: argparse.Namespace, workers: int, placement: bool) -> dict[s
 
 
 def run_serve(args: argparse.Namespace, procs: int, placement: bool) -> dict[str, Any]:
-    """The conversations on `genq serve --model` with `procs` processes on the GPU."""
-    with tempfile.TemporaryDirectory() as tmp, redis_server() as server:
+    """The conversations on `genq serve --model` with `procs` processes on the GPU, on the Redis
+    of GENQ_REDIS_URL (a key prefix of their own), else on a private redis-server."""
+    with contextlib.ExitStack() as stack:
+        url = os.environ.get("GENQ_REDIS_URL") or stack.enter_context(redis_server()).url
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
         prefix = f"bench:{uuid.uuid4().hex[:6]}:"
-        cluster = Cluster(server.url, Path(tmp), prefix)
+        cluster = Cluster(url, Path(tmp), prefix)
         port = free_port()
-        serve = [
-            "serve",
-            "--model",
-            str(args.model),
-            "--procs-per-gpu",
-            str(procs),
-            "--port",
-            str(port),
-        ]
+        engine = ["--engine", "sim"] if str(args.model) == "sim" else ["--model", str(args.model)]
+        serve = ["serve", *engine, "--procs-per-gpu", str(procs), "--port", str(port)]
         proc = cluster._spawn("serve", serve, port, GENQ_PLACEMENT=str(placement).lower())
         keys = Keys(prefix)
-        client = redis.Redis.from_url(server.url)
+        client = redis.Redis.from_url(url)
         try:
-            wait_for(
-                lambda: (
-                    client.zcard(keys.workers()) >= procs
-                    and any(m["id"] for m in httpx.get(f"{proc.url}/v1/models").json()["data"])
-                ),
-                timeout=READY_S,
-                interval=1.0,
-                what=f"genq serve with {procs} processes: {proc.output()[-800:]}",
-            )
+
+            def ready() -> bool:
+                if proc.proc.poll() is not None:  # e.g. more processes than the GPU holds
+                    raise RuntimeError(f"genq serve exited: {proc.output()[-800:]}")
+                try:
+                    models = httpx.get(f"{proc.url}/v1/models", timeout=2).json()["data"]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    return False
+                return bool(models) and client.zcard(keys.workers()) >= procs
+
+            deadline = time.monotonic() + args.ready_s
+            while not ready():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"genq serve not ready: {proc.output()[-800:]}")
+                time.sleep(1.0)
             args.model_name = httpx.get(f"{proc.url}/v1/models").json()["data"][0]["id"]
             result = asyncio.run(workload(proc.url, args))
             return {"procs": procs, "placement": placement, **result}
@@ -293,6 +298,7 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=0.0, help="agent: seconds before turn 2")
     ap.add_argument("--model", type=Path, help="a model folder: genq serve on the GPU")
     ap.add_argument("--procs", default="1,2", help="--model: processes per GPU to run")
+    ap.add_argument("--ready-s", type=float, default=READY_S, help="--model: load time allowed")
     args = ap.parse_args()
     args.model_name = "sim"
     result: dict[str, Any] = {}
@@ -302,16 +308,20 @@ def main() -> None:
                 result[f"{n}_workers_placement_{'on' if on else 'off'}"] = run_agent(args, n, on)
     elif args.model:
         for n in (int(x) for x in args.procs.split(",")):
-            modes = (True,) if n == 1 else (False, True)
-            runs = {on: run_serve(args, n, on) for on in modes}
-            for on, r in runs.items():
-                result[f"{n}_procs_placement_{'on' if on else 'off'}"] = r
-                print(json.dumps(r), flush=True)
-            if n > 1:
+            runs: dict[bool, dict[str, Any]] = {}
+            for on in (True,) if n == 1 else (False, True):
+                try:
+                    runs[on] = run_serve(args, n, on)
+                except (RuntimeError, TimeoutError) as exc:  # the next configuration still runs
+                    runs[on] = {"procs": n, "placement": on, "error": str(exc)[-400:]}
+                result[f"{n}_procs_placement_{'on' if on else 'off'}"] = runs[on]
+                print(json.dumps(runs[on]), flush=True)
+            if n > 1 and not any("error" in r for r in runs.values()):
                 result[f"{n}_procs_ratios_on_over_off"] = ratios(runs[True], runs[False])
     else:
-        off, on = run(args, False), run(args, True)
-        result = {"placement_off": off, "placement_on": on, "ratios_on_over_off": ratios(on, off)}
+        off, placed = run(args, False), run(args, True)
+        result = {"placement_off": off, "placement_on": placed}
+        result["ratios_on_over_off"] = ratios(placed, off)
     print(json.dumps(result, indent=1))
 
 
