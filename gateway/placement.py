@@ -44,6 +44,7 @@ lane is one more stream of the model.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import math
@@ -57,7 +58,7 @@ import redis.asyncio as aioredis
 
 from gateway.pubsub import PubSubRouter
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys, Priority
-from shared.loops import keep_running, one_process_each_round
+from shared.loops import REDIS_FAILURES, keep_running, one_process_each_round
 from shared.pages import PAGE_TOKENS, pack_summary, page_hashes, shared_pages, unpack_summary
 from shared.records import CacheNews, Heartbeat, RecordError
 from shared.schemas import JobSpec
@@ -68,7 +69,7 @@ log = logging.getLogger(__name__)
 
 STEAL_BATCH = 500
 """Lane entries one steal call looks at."""
-OUTCOMES = ("prefix", "key", "shared", "stolen")
+OUTCOMES = ("prefix", "key", "soonest", "shared", "stolen")
 NEWS_KEPT = 256
 """Most cache news of one worker kept for catching up (a summary read covers older ones)."""
 
@@ -91,6 +92,10 @@ class _Worker:
     """Jobs waiting in its lanes, as its last news counted them."""
     placed: int = 0
     """Jobs placed there (by this process, or others that said so) since its last news."""
+    placed_tokens: int = 0
+    """Their prompt tokens not cached there: prefill queued before the next job's (an engine
+    that prefills one job after another)."""
+    prefill_serial: bool = False
     heard_at: float = 0.0
     """When its last news came (monotonic)."""
     log: dict[int, CacheNews] = field(default_factory=dict)
@@ -106,7 +111,7 @@ class _Worker:
         if news.seq > self.seq:
             self.seq = news.seq
             self.take_load(news)
-            self.lane, self.placed, self.heard_at = news.lane, 0, time.monotonic()
+            self.lane, self.heard_at = news.lane, time.monotonic()
         if news.version > news.since and news.version > self.version:
             if len(self.log) >= NEWS_KEPT:  # never read back: the oldest goes
                 del self.log[min(self.log)]
@@ -138,7 +143,8 @@ class _Worker:
     def take_load(self, source: Heartbeat | CacheNews) -> None:
         self.active, self.waiting, self.free = source.active, source.waiting, source.free
         self.job_s, self.prefill_tps = source.job_s, source.prefill_tps
-        self.prefill_backlog = source.prefill_backlog
+        self.prefill_backlog, self.prefill_serial = source.prefill_backlog, source.prefill_serial
+        self.placed = self.placed_tokens = 0
 
     def load(self) -> float:
         jobs = self.active + self.waiting + self.lane + self.placed
@@ -157,7 +163,9 @@ class _Worker:
         if behind > 0 and not self.job_s:
             return math.inf
         slot = behind * self.job_s / max(1, self.active) if behind > 0 else 0.0
-        return slot + self.prefill_backlog / tps
+        if not self.prefill_serial or tps <= 0:
+            return slot
+        return slot + (self.prefill_backlog + self.placed_tokens) / tps
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +195,7 @@ class Placement:
     _refreshed_at: float = 0.0
     _early: dict[str, list[CacheNews]] = field(default_factory=dict)
     """News of workers not met yet (by worker id), for the refresh that meets them."""
+    _meeting: asyncio.Future[None] | None = None
 
     async def run(self) -> None:
         await keep_running(
@@ -227,10 +236,18 @@ class Placement:
                 w.placed += news.placed
         elif w is not None:
             w.hear(news)
-        else:  # a worker the next refresh will meet: its summary is brought up to date
+        else:  # a worker not met yet: met now, its summary brought up to date by its news
             early = self._early.setdefault(news.worker, [])
             if len(early) < NEWS_KEPT:
                 early.append(news)
+            if self._meeting is None or self._meeting.done():
+                self._meeting = asyncio.ensure_future(self._meet())
+
+    async def _meet(self) -> None:
+        try:
+            await self.refresh()
+        except REDIS_FAILURES as exc:  # the loop's next round reads them again
+            log.debug("placement refresh failed", extra={"error": str(exc)})
 
     async def refresh(self) -> None:
         """Read the live workers' beats, and the summaries of those whose news was missed
@@ -250,7 +267,6 @@ class Placement:
                     w.hear(news)
             elif w.beat.beat_at != beat.beat_at and w.heard_at < last:
                 w.take_load(beat)  # silent since: its beat is the newest word
-                w.placed = 0
             w.beat = beat
             self.workers[beat.worker_id] = w
             if w.version < 0 or beat.cache_version > w.version:
@@ -270,6 +286,9 @@ class Placement:
         if worker is None:
             return decision
         worker.placed += 1
+        worker.placed_tokens += (
+            len(spec.input_ids) - shared_pages(chain, worker.pages) * PAGE_TOKENS
+        )
         worker.pages.update(chain)  # on its way there: the next job with this prefix follows
         lane = self.keys.placed(spec.model, spec.priority, worker.beat.worker_id)
         news = CacheNews(
@@ -297,48 +316,66 @@ class Placement:
         self._cached = {spec.id: most}
         if not s.placement or len(candidates) < 2:  # one worker: its lane is the shared queue
             return Decision("shared"), None, chain
+        fits = [w for w in candidates if w.load() < s.placement_max_load]
+        known = [w.prefill_tps for w in candidates if w.prefill_tps > 0]
+        tps = sum(known) / len(known) if known else 0.0
+        waits = {id(w): w.wait_s(w.prefill_tps or tps) for w in candidates}
         if most >= s.placement_min_pages * PAGE_TOKENS and most > min(held.values()):
-            best, wait_ms = self._soonest(spec, candidates, held)
-            if best is not None:
-                return Decision("prefix", wait_ms=wait_ms), best, chain
-            return Decision("shared"), None, chain
+            holder = max(candidates, key=lambda w: (held[id(w)], -waits[id(w)]))
+            if holder in fits:
+                wait_ms = self._worth_waiting(spec, holder, candidates, held, waits)
+                if wait_ms is not None:
+                    return Decision("prefix", wait_ms=wait_ms), holder, chain
+        least = min(waits[id(w)] for w in candidates)
         if conversation:
             w = _rendezvous(conversation, candidates)
-            if w.has_room() and w.load() < s.placement_max_load:
+            if w in fits and w.has_room() and waits[id(w)] <= least:
                 return Decision("key", wait_ms=0), w, chain
+        # The shared queue goes to the first worker with a slot free: one with room but more
+        # prefill queued than another (a GPU engine prefills one job after another) would
+        # start it later, so the job goes to the one where it starts soonest.
+        if any(w.has_room() and waits[id(w)] > least for w in candidates):
+            soonest = [w for w in fits if waits[id(w)] == least]
+            if soonest:
+                w = min(soonest, key=_Worker.load)
+                return Decision("soonest", wait_ms=self._bound_ms()), w, chain
         return Decision("shared"), None, chain
 
-    def _soonest(
-        self, spec: JobSpec, candidates: list[_Worker], held: dict[int, int]
-    ) -> tuple[_Worker | None, int]:
-        """The worker holding most of the prompt, if that is where the job starts soonest
-        (and how long it may wait there); else None: the shared queue."""
+    def _bound_ms(self) -> int:
+        return int(self.settings.placement_wait_s * 1000)
+
+    def _worth_waiting(
+        self,
+        spec: JobSpec,
+        holder: _Worker,
+        candidates: list[_Worker],
+        held: dict[int, int],
+        waits: dict[int, float],
+    ) -> int | None:
+        """How long the job may wait for `holder`, the worker holding most of its prompt, if
+        that is where it starts soonest; else None."""
         s = self.settings
-        bound_ms = int(s.placement_wait_s * 1000)
+        bound_ms = self._bound_ms()
         prompt = len(spec.input_ids)
-        holder = max(candidates, key=lambda w: (held[id(w)], w.has_room()))
-        if holder.load() >= s.placement_max_load:
-            return None, 0
         known = [w.prefill_tps for w in candidates if w.prefill_tps > 0]
         if holder.prefill_tps <= 0 or not known:  # nothing measured yet: no waiting
-            return (holder, bound_ms) if holder.has_room() else (None, 0)
+            return bound_ms if holder.has_room() else None
         fallback = sum(known) / len(known)
 
         def start_s(w: _Worker) -> float:
-            tps = w.prefill_tps or fallback
-            return w.wait_s(tps) + (prompt - held[id(w)]) / tps
+            return waits[id(w)] + (prompt - held[id(w)]) / (w.prefill_tps or fallback)
 
         own_s = (prompt - held[id(holder)]) / holder.prefill_tps
         here = start_s(holder)
         elsewhere = min((start_s(w) for w in candidates if w is not holder), default=here)
         if here > elsewhere or math.isinf(here):
-            return None, 0
-        if holder.has_room():  # it starts at once: only a worker that stopped taking jobs
-            return holder, bound_ms  # keeps it, and the bound is for that
+            return None
+        if holder.has_room() and not holder.prefill_serial:  # it starts at once: only a
+            return bound_ms  # worker that stopped taking jobs keeps it, and the bound is for that
         # It may wait until recomputing the prefix elsewhere would have started it sooner (at
         # least one sweep: the sweep acts no sooner anyway).
         budget_s = max(elsewhere - own_s, s.placement_sweep_s)
-        return holder, min(bound_ms, int(budget_s * 1000))
+        return min(bound_ms, int(budget_s * 1000))
 
 
 def _rendezvous(key: str, workers: Sequence[_Worker]) -> _Worker:

@@ -359,6 +359,8 @@ class Heartbeat(HashModel):
     """Prompt tokens its engine prefills a second, as measured here; 0: not measured yet."""
     prefill_backlog: int = 0
     """Prompt tokens of the jobs started here still to prefill (no first token yet)."""
+    prefill_serial: bool = False
+    """Its engine prefills one job after another: a new job waits for the backlog first."""
 
 
 class WorkerLoad(typing.TypedDict):
@@ -371,6 +373,7 @@ class WorkerLoad(typing.TypedDict):
     job_s: float
     prefill_tps: float
     prefill_backlog: int
+    prefill_serial: bool
 
 
 LOAD_FIELDS: tuple[str, ...] = tuple(WorkerLoad.__annotations__)
@@ -403,6 +406,7 @@ class CacheNews(BaseModel):
     job_s: float = 0.0
     prefill_tps: float = 0.0
     prefill_backlog: int = 0
+    prefill_serial: bool = False
     lane: int = 0
     """Jobs waiting in the worker's own lanes, not read by it yet: counted by the script
     that publishes the worker's news (`Transitions.cache_news`), never by its sender."""

@@ -31,6 +31,7 @@ class NewsDesk:
             "job_s": round(st.pace.job_s, 4),
             "prefill_tps": round(st.pace.prefill_tps(), 1),
             "prefill_backlog": st.pace.backlog(),
+            "prefill_serial": not st.pace.side_by_side,
         }
 
     def call(self) -> Call[int] | None:
