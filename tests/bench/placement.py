@@ -117,6 +117,7 @@ async def conversation(
                 "cached": job["usage"]["cached_tokens"],
                 "completion": job["usage"]["completion_tokens"],
                 "ttft_s": job["timings"]["ttft_s"],
+                "queue_s": job["timings"]["queue_s"],
             }
         )
         history = prompt + job["text"]
@@ -155,6 +156,11 @@ async def workload(url: str, args: argparse.Namespace) -> dict[str, Any]:
         ),
         "ttft_ms_p50": ms(percentile(ttft, 50), 1),
         "ttft_ms_p99": ms(percentile(ttft, 99), 1),
+        "queue_ms_p50": ms(percentile([r["queue_s"] for r in out if r["queue_s"]], 50), 1),
+        "ttft_ms_p50_by_turn": [
+            ms(percentile([r["ttft_s"] for r in out if r["turn"] == t and r["ttft_s"]], 50), 1)
+            for t in range(args.turns)
+        ],
         "tokens_per_s": round(sum(r["completion"] for r in out) / wall, 1),
         "wall_s": round(wall, 2),
         "jobs_per_worker": sorted(per_worker.values()),
