@@ -115,10 +115,8 @@ class GatewayMetrics:
         self._placements = Counter(
             "genq_placements",
             "Jobs by where placement put them: prefix (the worker caching their prompt), key "
-            "(their conversation's worker), soonest (the worker with the least prefill queued, "
-            "where the shared queue might have sent it to one with more), shared (the shared "
-            "queue); stolen: moved from a worker's lane to the shared queue (its wait ran out, "
-            "or the worker died).",
+            "(their conversation's worker), shared (the shared queue); stolen: moved from a "
+            "worker's lane to the shared queue (its wait ran out, or the worker died).",
             ["outcome"],
             registry=r,
         )

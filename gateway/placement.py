@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 
 STEAL_BATCH = 500
 """Lane entries one steal call looks at."""
-OUTCOMES = ("prefix", "key", "soonest", "shared", "stolen")
+OUTCOMES = ("prefix", "key", "shared", "stolen")
 NEWS_KEPT = 256
 """Most cache news of one worker kept for catching up (a summary read covers older ones)."""
 
@@ -316,29 +316,20 @@ class Placement:
         self._cached = {spec.id: most}
         if not s.placement or len(candidates) < 2:  # one worker: its lane is the shared queue
             return Decision("shared"), None, chain
-        fits = [w for w in candidates if w.load() < s.placement_max_load]
         known = [w.prefill_tps for w in candidates if w.prefill_tps > 0]
         tps = sum(known) / len(known) if known else 0.0
         waits = {id(w): w.wait_s(w.prefill_tps or tps) for w in candidates}
         if most >= s.placement_min_pages * PAGE_TOKENS and most > min(held.values()):
             holder = max(candidates, key=lambda w: (held[id(w)], -waits[id(w)]))
-            if holder in fits:
+            if holder.load() < s.placement_max_load:
                 wait_ms = self._worth_waiting(spec, holder, candidates, held, waits)
                 if wait_ms is not None:
                     return Decision("prefix", wait_ms=wait_ms), holder, chain
         least = min(waits[id(w)] for w in candidates)
         if conversation:
             w = _rendezvous(conversation, candidates)
-            if w in fits and w.has_room() and waits[id(w)] <= least:
+            if w.load() < s.placement_max_load and w.has_room() and waits[id(w)] <= least:
                 return Decision("key", wait_ms=0), w, chain
-        # The shared queue goes to the first worker with a slot free: one with room but more
-        # prefill queued than another (a GPU engine prefills one job after another) would
-        # start it later, so the job goes to the one where it starts soonest.
-        if any(w.has_room() and waits[id(w)] > least for w in candidates):
-            soonest = [w for w in fits if waits[id(w)] == least]
-            if soonest:
-                w = min(soonest, key=_Worker.load)
-                return Decision("soonest", wait_ms=self._bound_ms()), w, chain
         return Decision("shared"), None, chain
 
     def _bound_ms(self) -> int:
