@@ -29,8 +29,9 @@ what is not cached, at the worker's measured rate. Then:
   job only while it has a slot free;
 - `key`: with no such prefix, a job naming a conversation (`prompt_cache_key`, else `user`)
   goes to the worker that key hashes to among the live ones (rendezvous hashing: a worker
-  joining or leaving moves only its own keys) while it has a slot free, so a conversation
-  whose first turn is short still keeps to one worker; such a job saves nothing by waiting;
+  joining or leaving moves only its own keys) while it has a slot free and no worker has less
+  prefill queued, so a conversation whose first turn is short still keeps to one worker; such
+  a job saves nothing by waiting;
 - `shared`: otherwise, or with placement off, the model's shared queue, where the first
   worker with room takes it.
 

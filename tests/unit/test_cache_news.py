@@ -130,3 +130,15 @@ def test_a_placement_is_recorded_at_once_and_told_to_other_gateways() -> None:
     assert set(page_hashes(prompt)) <= other.workers["holder"].pages
     p.hear(d.news)  # its own: recorded already
     assert holder.placed == 1
+
+
+def test_on_an_engine_that_prefills_one_job_after_another_the_backlog_counts() -> None:
+    p = placement()
+    prompt = ids(8)  # 0.2 s of prefill saved on the holder
+    fleet(p, prompt, prefill_serial=True, prefill_backlog=10_000)  # 1 s queued before it
+    assert p.decide(spec(prompt)).outcome == "shared"
+    holder, _ = fleet(p, prompt, prefill_serial=True, prefill_backlog=500)  # 0.05 s queued
+    d = p.decide(spec(prompt))
+    # it may wait until the idle worker, recomputing all 0.2 s, would have started it
+    assert d.outcome == "prefix" and d.wait_ms is not None and 100 <= d.wait_ms <= 210
+    assert holder.placed_tokens == 0  # all of it cached there: nothing more to prefill
