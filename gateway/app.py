@@ -211,6 +211,7 @@ def _start_tasks(
         "admission-repair": state.admission.repair_loop,
         "gateway-presence": state.presence.run,
         "placement": state.jobs.placement.run,
+        "placement-news": lambda: state.jobs.placement.listen(router),
         "steal-sweep": steal.run,
         "webhooks": webhooks.run,
     }

@@ -309,19 +309,25 @@ class JobService:
         )
         meta = body.metadata
         conversation = meta.get("prompt_cache_key") or meta.get("user")
-        lane = self.placement.lane(spec, conversation if isinstance(conversation, str) else None)
+        placed = self.placement.decide(
+            spec, conversation if isinstance(conversation, str) else None
+        )
         admission = self.admission.admission(
             caller, spec, charge, self.placement.cached_tokens(spec)
+        )
+        entry = QueueEntry(
+            job=spec.id, tokens=admission.tokens, owner=caller.owner, wait_ms=placed.wait_ms
         )
         call = self.transitions.submit(
             record,
             queued_event=events.encode(queued),
-            entry=QueueEntry(job=spec.id, tokens=admission.tokens, owner=caller.owner),
+            entry=entry,
             idempotency_key=idempotency,
             idempotency_claim=IdempotencyClaim(job=spec.id, fingerprint=fingerprint).encode(),
             idempotency_ttl_s=idempotency_ttl_s or self.settings.idempotency_ttl_s,
             admission=admission,
-            lane=lane,
+            lane=placed.lane,
+            news=placed.news,
         )
         return Submission(call, record)
 

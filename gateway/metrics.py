@@ -40,6 +40,7 @@ from starlette.routing import Mount, compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import multiproc
+from gateway.placement import OUTCOMES
 
 UNMATCHED = "unmatched"
 """The route label of a request no route matches (a 404): raw paths would be unbounded."""
@@ -115,11 +116,11 @@ class GatewayMetrics:
             "genq_placements",
             "Jobs by where placement put them: prefix (the worker caching their prompt), key "
             "(their conversation's worker), shared (the shared queue); stolen: moved from a "
-            "worker's lane to the shared queue (steal deadline passed, or the worker died).",
+            "worker's lane to the shared queue (its wait ran out, or the worker died).",
             ["outcome"],
             registry=r,
         )
-        for outcome in ("prefix", "key", "shared", "stolen"):
+        for outcome in OUTCOMES:
             self._placements.labels(outcome)
         self.webhooks = WebhookMetrics(r)
         self._process = ProcessCollector(registry=None if self.multiprocess else r)

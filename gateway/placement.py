@@ -1,42 +1,67 @@
 """Cache-aware placement: a job goes to the worker whose prefix cache holds the most of its
-prompt, in the durable queue itself.
+prompt, in the durable queue itself, when that is where it starts soonest.
 
-Each worker publishes what its engine's cache holds — the page hash chains of its jobs
-(worker/cachemodel.py, shared/pages.py) — and how loaded it is (its heartbeat). Every gateway
-process keeps a copy, read again when a worker's `cache_version` changes (`refresh`, every
-`GENQ_PLACEMENT_REFRESH_S`). For a job, `lane` computes the chain of its prompt and picks:
+Every gateway process keeps a copy of what each worker's cache holds (page hash chains,
+shared/pages.py) and how loaded it is, kept true the moment it changes:
 
-- `prefix`: the live worker holding the longest prefix of it (`GENQ_PLACEMENT_MIN_PAGES` pages
-  at least), unless that worker is loaded past `GENQ_PLACEMENT_MAX_LOAD` (jobs running and
-  waiting, and those this process placed there since its beat, over its batch size);
+- a worker's cache news (`shared.records.CacheNews`, on `Keys.cache_news`), sent with the
+  flush that starts or ends its jobs, says which pages its cache took in (a prompt as its job
+  starts; the prompt and the reply as it ends, before the end is written) and dropped, and its
+  load: slots free, jobs waiting in its lanes, its measured prefill rate and prefill backlog,
+  how long a job holds a slot;
+- a gateway that places a job records at once that the prompt's pages will be on that worker,
+  and tells the others (the news goes out with the submit);
+- the summary each worker writes with its heartbeat (`Keys.cache_summary`) is read again only
+  when news was missed: the versions in the news have a gap, the pub/sub connection dropped,
+  or a beat names a version not heard of (`refresh`, every `GENQ_PLACEMENT_REFRESH_S`).
+
+For a job, `decide` computes the chain of its prompt and, per live worker of its model, how
+much of it that worker holds and when the job would start there: the wait for a slot (jobs
+ahead of it, at the pace slots free up), the prefill queued before it, and its own prefill of
+what is not cached, at the worker's measured rate. Then:
+
+- `prefix`: the worker holding the most of the prompt (`GENQ_PLACEMENT_MIN_PAGES` pages at
+  least, more than some other worker holds) gets the job in its own lane when it is where the
+  job starts soonest, and is not loaded past `GENQ_PLACEMENT_MAX_LOAD` (jobs running, waiting
+  and placed, over its batch size). The job waits there only as long as waiting still beats
+  the soonest start elsewhere, recomputing the prefix (the entry's `wait_ms`, never past
+  `GENQ_PLACEMENT_WAIT_S`); a worker that has not measured its prefill rate yet is given a
+  job only while it has a slot free;
 - `key`: with no such prefix, a job naming a conversation (`prompt_cache_key`, else `user`)
   goes to the worker that key hashes to among the live ones (rendezvous hashing: a worker
-  joining or leaving moves only its own keys), under the same load rule, so a conversation
-  whose first turn is short still keeps to one worker;
-- `shared`: otherwise, or with placement off, the model's shared queue, as before.
+  joining or leaving moves only its own keys) while it has a slot free and no worker has less
+  prefill queued, so a conversation whose first turn is short still keeps to one worker; such
+  a job saves nothing by waiting;
+- `shared`: otherwise, or with placement off, the model's shared queue, where the first
+  worker with room takes it.
 
 A placed job waits in that worker's own lane (`Keys.placed`), which it reads before the shared
-queue. No job waits on a busy or dead worker: `StealSweep` (one gateway process per round)
-moves every job waiting in a lane longer than `GENQ_PLACEMENT_WAIT_S` to the shared queue,
-and all of a dead worker's at once; what a dead worker had started is pending in its lane's
-group and is reclaimed like any entry. Leases, fencing, continuation, priorities, deadlines,
-quotas and dead letters are those of any queue entry: a lane is one more stream of the model.
+queue. `StealSweep` (one gateway process per round) moves every job that waited in a lane past
+its `wait_ms` to the shared queue, and all of a dead worker's at once; what a dead worker had
+started is pending in its lane's group and is reclaimed like any entry. Leases, fencing,
+continuation, priorities, deadlines, quotas and dead letters are those of any queue entry: a
+lane is one more stream of the model.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import math
+import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from gateway.pubsub import PubSubRouter
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys, Priority
-from shared.loops import keep_running, one_process_each_round
-from shared.pages import PAGE_TOKENS, page_hashes, shared_pages, unpack_summary
-from shared.records import Heartbeat
+from shared.loops import REDIS_FAILURES, keep_running, one_process_each_round
+from shared.pages import PAGE_TOKENS, pack_summary, page_hashes, shared_pages, unpack_summary
+from shared.records import CacheNews, Heartbeat, RecordError
 from shared.schemas import JobSpec
 from shared.settings import GatewaySettings
 from shared.transitions import ScriptRunner, Transitions
@@ -46,19 +71,113 @@ log = logging.getLogger(__name__)
 STEAL_BATCH = 500
 """Lane entries one steal call looks at."""
 OUTCOMES = ("prefix", "key", "shared", "stolen")
+NEWS_KEPT = 256
+"""Most cache news of one worker kept for catching up (a summary read covers older ones)."""
 
 
 @dataclass
 class _Worker:
     beat: Heartbeat
-    pages: frozenset[int] = frozenset()
+    pages: set[int] = field(default_factory=set)
     version: int = -1
+    """The cache version `pages` is at; -1: stale (news was missed), read the summary."""
+    seq: int = 0
+    """The worker's last news applied."""
+    active: int = 0
+    waiting: int = 0
+    free: int = 0
+    job_s: float = 0.0
+    prefill_tps: float = 0.0
+    prefill_backlog: int = 0
+    lane: int = 0
+    """Jobs waiting in its lanes, as its last news counted them."""
     placed: int = 0
-    """Jobs this process placed there since its last heartbeat was read."""
+    """Jobs placed there (by this process, or others that said so) since its last news."""
+    placed_tokens: int = 0
+    """Their prompt tokens not cached there: prefill queued before the next job's (an engine
+    that prefills one job after another)."""
+    prefill_serial: bool = False
+    heard_at: float = 0.0
+    """When its last news came (monotonic)."""
+    log: dict[int, CacheNews] = field(default_factory=dict)
+    """Its cache news not yet covered by a summary read, by the version each starts from:
+    news that overtook an earlier one waits here for it, and a summary read (older than the
+    news heard meanwhile) is brought up to date from here."""
+
+    def __post_init__(self) -> None:
+        self.take_load(self.beat)
+
+    def hear(self, news: CacheNews) -> None:
+        """A news of its own: the newest load; the cache's changes in version order."""
+        if news.seq > self.seq:
+            self.seq = news.seq
+            self.take_load(news)
+            self.lane, self.heard_at = news.lane, time.monotonic()
+        if news.version > news.since and news.version > self.version:
+            if len(self.log) >= NEWS_KEPT:  # never read back: the oldest goes
+                del self.log[min(self.log)]
+            self.log[news.since] = news
+            self.catch_up()
+
+    def catch_up(self) -> None:
+        """Apply the logged changes that follow on from `version`, in order; one that came
+        before the change it follows waits for it."""
+        while self.version >= 0:
+            news = self.log.get(self.version) or next(
+                (n for n in self.log.values() if n.since < self.version < n.version), None
+            )
+            if news is None:
+                return
+            self.pages.difference_update(unpack_summary(news.dropped))
+            self.pages.update(unpack_summary(news.added))
+            self.version = news.version
+
+    def read(self, summary: str | None, version: int) -> None:
+        """Its summary, written with its beat of cache `version`: what it held then, brought
+        up to date by the news heard since."""
+        self.pages = set(unpack_summary(summary))
+        self.version = version
+        for since in [v for v, n in self.log.items() if n.version <= version]:
+            del self.log[since]
+        self.catch_up()
+
+    def take_load(self, source: Heartbeat | CacheNews) -> None:
+        self.active, self.waiting, self.free = source.active, source.waiting, source.free
+        self.job_s, self.prefill_tps = source.job_s, source.prefill_tps
+        self.prefill_backlog, self.prefill_serial = source.prefill_backlog, source.prefill_serial
+        self.placed = self.placed_tokens = 0
 
     def load(self) -> float:
-        b = self.beat
-        return (b.active + b.waiting + self.placed) / max(1, b.capacity)
+        jobs = self.active + self.waiting + self.lane + self.placed
+        return jobs / max(1, self.beat.capacity)
+
+    def has_room(self) -> bool:
+        """A slot free for one more job, counting those waiting for it."""
+        return self.free - self.lane - self.placed > 0
+
+    def wait_s(self, tps: float) -> float:
+        """Expected seconds before a job placed here now begins its own prefill: its turn for
+        a slot (the jobs ahead of it, at the pace slots free up), then the prefill of the
+        jobs started before it (at `tps`, prompt tokens a second). Without a slot, and with
+        no job ended yet to tell how long one takes: no telling (infinite)."""
+        behind = self.waiting + self.lane + self.placed + 1 - self.free
+        if behind > 0 and not self.job_s:
+            return math.inf
+        slot = behind * self.job_s / max(1, self.active) if behind > 0 else 0.0
+        if not self.prefill_serial or tps <= 0:
+            return slot
+        return slot + (self.prefill_backlog + self.placed_tokens) / tps
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    outcome: str
+    lane: str | None = None
+    """The worker lane (`Keys.placed`); None for the shared queue."""
+    wait_ms: int | None = None
+    """How long the job may wait in `lane` (`QueueEntry.wait_ms`)."""
+    news: str = ""
+    """What the other gateways are told when the job is placed (`CacheNews`, encoded)."""
 
 
 @dataclass
@@ -71,7 +190,13 @@ class Placement:
     counted: Callable[[str], None] = lambda outcome: None
     """Told each decision's outcome (the gateway's metrics)."""
     workers: dict[str, _Worker] = field(default_factory=dict)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """This process, as its placement news names it (it ignores its own)."""
     _cached: dict[str, int] = field(default_factory=dict)
+    _refreshed_at: float = 0.0
+    _early: dict[str, list[CacheNews]] = field(default_factory=dict)
+    """News of workers not met yet (by worker id), for the refresh that meets them."""
+    _meeting: asyncio.Future[None] | None = None
 
     async def run(self) -> None:
         await keep_running(
@@ -82,65 +207,167 @@ class Placement:
             redis=self.redis,
         )
 
+    async def listen(self, router: PubSubRouter) -> None:
+        """Apply every cache news as it comes. A wake without news (the connection came back,
+        or this listener fell behind) may hide some: every worker's summary is read again."""
+        sub = await router.subscribe(self.keys.cache_news())
+        try:
+            while True:
+                await sub.wake.wait()
+                items = sub.take()
+                if not items:
+                    for w in self.workers.values():
+                        w.version, w.log = -1, {}
+                for text in items:
+                    self.hear(text)
+        finally:
+            await sub.close()
+
+    def hear(self, text: str) -> None:
+        """One cache news (`CacheNews`): a worker's, or another gateway's placement."""
+        try:
+            news = CacheNews.decode(text)
+        except RecordError as exc:
+            log.warning("unreadable cache news", extra={"error": str(exc)})
+            return
+        w = self.workers.get(news.worker)
+        if news.gateway:
+            if w is not None and news.gateway != self.id:  # its own is recorded already
+                w.pages.update(unpack_summary(news.added))
+                w.placed += news.placed
+        elif w is not None:
+            w.hear(news)
+        else:  # a worker not met yet: met now, its summary brought up to date by its news
+            early = self._early.setdefault(news.worker, [])
+            if len(early) < NEWS_KEPT:
+                early.append(news)
+            if self._meeting is None or self._meeting.done():
+                self._meeting = asyncio.ensure_future(self._meet())
+
+    async def _meet(self) -> None:
+        try:
+            await self.refresh()
+        except REDIS_FAILURES as exc:  # the loop's next round reads them again
+            log.debug("placement refresh failed", extra={"error": str(exc)})
+
     async def refresh(self) -> None:
-        """Read the live workers' beats, and the cache summaries that changed (also with
-        placement off: token-fair scheduling estimates cached prompts from them)."""
+        """Read the live workers' beats, and the summaries of those whose news was missed
+        (also with placement off: token-fair scheduling estimates cached prompts from them)."""
         beats: list[Heartbeat] = await self.live_workers()
         known, self.workers = self.workers, {}
         stale: list[_Worker] = []
+        last, self._refreshed_at = self._refreshed_at, time.monotonic()
+        early, self._early = self._early, {}
         for beat in beats:
             if beat.draining or beat.engine_down:
                 continue
-            w = known.get(beat.worker_id) or _Worker(beat)
-            if w.beat.beat_at != beat.beat_at:
-                w.placed = 0  # its beat counts what it took since
+            w = known.get(beat.worker_id)
+            if w is None:
+                w = _Worker(beat)
+                for news in early.get(beat.worker_id, []):
+                    w.hear(news)
+            elif w.beat.beat_at != beat.beat_at and w.heard_at < last:
+                w.take_load(beat)  # silent since: its beat is the newest word
             w.beat = beat
             self.workers[beat.worker_id] = w
-            if beat.cache_version != w.version:
+            if w.version < 0 or beat.cache_version > w.version:
                 stale.append(w)
         if stale:
             pipe = self.redis.pipeline(transaction=False)
             for w in stale:
                 pipe.get(self.keys.cache_summary(w.beat.worker_id))
             for w, text in zip(stale, await pipe.execute(), strict=True):
-                w.pages = unpack_summary(text)
-                w.version = w.beat.cache_version
+                w.read(text, w.beat.cache_version)
+
+    def decide(self, spec: JobSpec, conversation: str | None = None) -> Decision:
+        """Where `spec` goes: a worker's lane (how long it may wait there, and the news that
+        tells the other gateways), or the shared queue."""
+        decision, worker, chain = self._choose(spec, conversation)
+        self.counted(decision.outcome)
+        if worker is None:
+            return decision
+        worker.placed += 1
+        worker.placed_tokens += (
+            len(spec.input_ids) - shared_pages(chain, worker.pages) * PAGE_TOKENS
+        )
+        worker.pages.update(chain)  # on its way there: the next job with this prefix follows
+        lane = self.keys.placed(spec.model, spec.priority, worker.beat.worker_id)
+        news = CacheNews(
+            worker=worker.beat.worker_id, gateway=self.id, placed=1, added=pack_summary(chain)
+        )
+        return Decision(decision.outcome, lane, decision.wait_ms, news.encode())
 
     def lane(self, spec: JobSpec, conversation: str | None = None) -> str | None:
         """The worker lane for `spec` (`Keys.placed`), or None for the shared queue."""
-        outcome, worker = self._choose(spec, conversation)
-        self.counted(outcome)
-        if worker is None:
-            return None
-        worker.placed += 1
-        return self.keys.placed(spec.model, spec.priority, worker.beat.worker_id)
+        return self.decide(spec, conversation).lane
 
     def cached_tokens(self, spec: JobSpec) -> int:
         """Of `spec`'s prompt, the most some live worker's cache holds (tokens; an estimate:
-        what token-fair scheduling does not charge as prefill). Set by `lane`."""
+        what token-fair scheduling does not charge as prefill). Set by `decide`."""
         return self._cached.get(spec.id, 0)
 
-    def _choose(self, spec: JobSpec, conversation: str | None) -> tuple[str, _Worker | None]:
+    def _choose(
+        self, spec: JobSpec, conversation: str | None
+    ) -> tuple[Decision, _Worker | None, list[int]]:
         s = self.settings
         candidates = [w for w in self.workers.values() if w.beat.model == spec.model]
         chain = page_hashes(spec.input_ids) if candidates else []
-        best, most = None, 0
-        for w in candidates:
-            n = shared_pages(chain, w.pages) if chain else 0
-            if n > most:
-                best, most = w, n
-        self._cached = {spec.id: most * PAGE_TOKENS}
-        if not s.placement or not candidates:
-            return "shared", None
-        if best is not None and most >= s.placement_min_pages:
-            if best.load() < s.placement_max_load:
-                return "prefix", best
-            return "shared", None
+        held = {id(w): shared_pages(chain, w.pages) * PAGE_TOKENS for w in candidates}
+        most = max(held.values(), default=0)
+        self._cached = {spec.id: most}
+        if not s.placement or len(candidates) < 2:  # one worker: its lane is the shared queue
+            return Decision("shared"), None, chain
+        known = [w.prefill_tps for w in candidates if w.prefill_tps > 0]
+        tps = sum(known) / len(known) if known else 0.0
+        waits = {id(w): w.wait_s(w.prefill_tps or tps) for w in candidates}
+        if most >= s.placement_min_pages * PAGE_TOKENS and most > min(held.values()):
+            holder = max(candidates, key=lambda w: (held[id(w)], -waits[id(w)]))
+            if holder.load() < s.placement_max_load:
+                wait_ms = self._worth_waiting(spec, holder, candidates, held, waits)
+                if wait_ms is not None:
+                    return Decision("prefix", wait_ms=wait_ms), holder, chain
+        least = min(waits[id(w)] for w in candidates)
         if conversation:
             w = _rendezvous(conversation, candidates)
-            if w.load() < s.placement_max_load:
-                return "key", w
-        return "shared", None
+            if w.load() < s.placement_max_load and w.has_room() and waits[id(w)] <= least:
+                return Decision("key", wait_ms=0), w, chain
+        return Decision("shared"), None, chain
+
+    def _bound_ms(self) -> int:
+        return int(self.settings.placement_wait_s * 1000)
+
+    def _worth_waiting(
+        self,
+        spec: JobSpec,
+        holder: _Worker,
+        candidates: list[_Worker],
+        held: dict[int, int],
+        waits: dict[int, float],
+    ) -> int | None:
+        """How long the job may wait for `holder`, the worker holding most of its prompt, if
+        that is where it starts soonest; else None."""
+        s = self.settings
+        bound_ms = self._bound_ms()
+        prompt = len(spec.input_ids)
+        known = [w.prefill_tps for w in candidates if w.prefill_tps > 0]
+        if holder.prefill_tps <= 0 or not known:  # nothing measured yet: no waiting
+            return bound_ms if holder.has_room() else None
+        fallback = sum(known) / len(known)
+
+        def start_s(w: _Worker) -> float:
+            return waits[id(w)] + (prompt - held[id(w)]) / (w.prefill_tps or fallback)
+
+        own_s = (prompt - held[id(holder)]) / holder.prefill_tps
+        here = start_s(holder)
+        elsewhere = min((start_s(w) for w in candidates if w is not holder), default=here)
+        if here > elsewhere or math.isinf(here):
+            return None
+        if holder.has_room() and not holder.prefill_serial:  # it starts at once: only a
+            return bound_ms  # worker that stopped taking jobs keeps it, and the bound is for that
+        # It may wait until recomputing the prefix elsewhere would have started it sooner (at
+        # least one sweep: the sweep acts no sooner anyway).
+        budget_s = max(elsewhere - own_s, s.placement_sweep_s)
+        return min(bound_ms, int(budget_s * 1000))
 
 
 def _rendezvous(key: str, workers: Sequence[_Worker]) -> _Worker:

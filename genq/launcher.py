@@ -60,9 +60,11 @@ CRASH_LOOP_EXIT = 1
 # is the shared part: 2 per GPU was best or within 9 % of the best from 64 to 256 streams, 4
 # worse at every level. With exllamav2's CPU sampler a process wants ~4 cores and 4 did best.
 # Re-measured with the engine process (docs/performance.md, "Processes per GPU"): two
-# processes are 1.09 x one at 256 streams on an H200, 0.87-0.92 x at 64-128; the full GPU is
-# what the service is sized by, so the default stays 2 (`--procs-per-gpu 1` for 64-128).
-AUTO_MAX_PROCS = 2
+# processes are 1.09 x one at 256 streams on an H200, 0.87-0.92 x at 64-128, and 0.85 x one
+# on the multi-turn chat shape with placement before its cache state was precise; the full
+# GPU is what the service is sized by, so the default stays 2 until the sweep
+# (`tests.bench.placement --model DIR --procs 1,2,3,4`) says otherwise: GENQ_AUTO_PROCS_MAX.
+AUTO_MAX_PROCS: int = WorkerSettings.model_fields["auto_procs_max"].default
 CORES_PER_PROC = 2
 AUTO_MAX_PROCS_CPU_SAMPLING = 4
 CORES_PER_PROC_CPU_SAMPLING = 4
@@ -298,7 +300,7 @@ def _model_bytes(model_dir: Path) -> tuple[int, int]:
 def auto_procs(settings: WorkerSettings, gpus: list[str]) -> int:
     """Worker processes per GPU when none is given: one copy of the weights per process must
     fit beside the GPU's cache, each process wants CORES_PER_PROC cores, at most
-    AUTO_MAX_PROCS (the *_CPU_SAMPLING values with GPU sampling off). The sim engine, an
+    GENQ_AUTO_PROCS_MAX (the *_CPU_SAMPLING values with GPU sampling off). The sim engine, an
     unknown GPU or model: 1."""
     if settings.engine != "exllamav2" or not settings.model_dir:
         return 1
@@ -312,7 +314,7 @@ def auto_procs(settings: WorkerSettings, gpus: list[str]) -> int:
     cache = gpu_cache_tokens(settings) * kv_per_token * CACHE_BYTES_PER_ELEMENT[settings.cache_mode]
     by_memory = int((free * GPU_MEMORY_USABLE - cache) // (weights + PROC_OVERHEAD_BYTES))
     most, cores = (
-        (AUTO_MAX_PROCS, CORES_PER_PROC)
+        (settings.auto_procs_max, CORES_PER_PROC)
         if settings.gpu_sampling
         else (AUTO_MAX_PROCS_CPU_SAMPLING, CORES_PER_PROC_CPU_SAMPLING)
     )

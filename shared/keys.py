@@ -60,6 +60,12 @@ class Keys:
         8 bytes each, most recently used last."""
         return f"{self.prefix}cache:{worker_id}"
 
+    def cache_news(self) -> str:
+        """Pub/sub channel: changes of workers' caches and loads, and jobs gateways placed
+        (`shared.records.CacheNews`); the summary above is what a listener that missed one
+        reads again."""
+        return f"{self.prefix}cache-news"
+
     def job(self, job_id: str) -> str:
         """Hash: the job record."""
         return f"{self.prefix}job:{{{job_id}}}"

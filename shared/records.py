@@ -280,6 +280,9 @@ class QueueEntry(HashModel):
     owner: str | None = None
     """The job's owner (as in its record), for claiming fairly between owners; None on
     entries written before owners were recorded."""
+    wait_ms: int | None = None
+    """In a worker's own lane (placement): how long the job may wait there for that worker,
+    from when it was queued; then any worker may take it (the steal sweep). None elsewhere."""
 
 
 class RecentJob(HashModel):
@@ -352,6 +355,75 @@ class Heartbeat(HashModel):
     worker's admission counts them; both 0 for an engine that counts no pages (sim)."""
     waiting: int = 0
     """Jobs claimed from the queue and not started yet (waiting for room in the engine)."""
+    free: int = 0
+    """Jobs it could start now: batch slots free, none while a claim waits for room."""
+    job_s: float = 0.0
+    """How long a job holds its slot here (start to end), recently; 0: none ended yet."""
+    prefill_tps: float = 0.0
+    """Prompt tokens its engine prefills a second, as measured here; 0: not measured yet."""
+    prefill_backlog: int = 0
+    """Prompt tokens of the jobs started here still to prefill (no first token yet)."""
+    prefill_serial: bool = False
+    """Its engine prefills one job after another: a new job waits for the backlog first."""
+
+
+class WorkerLoad(typing.TypedDict):
+    """What a worker says of its load, in its heartbeat and in its cache news alike (the
+    fields of both, described in `Heartbeat`)."""
+
+    active: int
+    waiting: int
+    free: int
+    job_s: float
+    prefill_tps: float
+    prefill_backlog: int
+    prefill_serial: bool
+
+
+LOAD_FIELDS: tuple[str, ...] = tuple(WorkerLoad.__annotations__)
+
+
+class CacheNews(BaseModel):
+    """A message on `Keys.cache_news`: what changed in a worker's prefix cache, and its load.
+
+    A worker sends one with each flush (and beat) in which jobs started or ended there: the
+    page hashes its cache model took in (prompts at their start, prompt and reply at their
+    end) and dropped (evicted), between its cache versions `since` and `version`, and its
+    load as its heartbeat says it. A gateway process sends one with the submit of each job
+    it placed (`gateway`: which process; `placed`: jobs): that job's prompt pages will be
+    there. Page hashes are packed as in the cache summary (`shared.pages.pack_summary`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    worker: str
+    seq: int = 0
+    """The worker's count of its news (0 for a gateway's): newer news replaces the load."""
+    since: int = 0
+    version: int = 0
+    added: str = ""
+    dropped: str = ""
+    gateway: str = ""
+    placed: int = 0
+    active: int = 0
+    waiting: int = 0
+    free: int = 0
+    job_s: float = 0.0
+    prefill_tps: float = 0.0
+    prefill_backlog: int = 0
+    prefill_serial: bool = False
+    lane: int = 0
+    """Jobs waiting in the worker's own lanes, not read by it yet: counted by the script
+    that publishes the worker's news (`Transitions.cache_news`), never by its sender."""
+
+    def encode(self) -> str:
+        return self.model_dump_json(exclude_defaults=True)
+
+    @classmethod
+    def decode(cls, data: str | bytes) -> CacheNews:
+        try:
+            return cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise RecordError(f"not cache news: {exc.errors()[0].get('msg')}") from None
 
 
 class ControlMessage(BaseModel):

@@ -138,6 +138,8 @@ SUBMIT = ScriptArgs(
         "group",
         "charge",
         "tpm",
+        "news",
+        "news_channel",
     ),
     rest="n_scopes scopes (jobs field, tokens field, max jobs, max tokens), then n_entry "
     "queue entry (field, value) pairs, then record (field, value) pairs",
@@ -206,6 +208,9 @@ RELEASE = ScriptArgs(
 STEAL = ScriptArgs(
     "steal", keys=("lane", "queue", "placed_lanes"), argv=("group", "older_ms", "dead", "limit")
 )
+CACHE_NEWS = ScriptArgs(
+    "cache_news", keys=("interactive", "batch"), argv=("channel", "news", "held")
+)
 
 DECLARED: dict[str, ScriptArgs] = {
     s.name: s
@@ -229,6 +234,7 @@ DECLARED: dict[str, ScriptArgs] = {
         LEASE,
         STEAL,
         RELEASE,
+        CACHE_NEWS,
     )
 }
 """Every script's declaration, by name."""

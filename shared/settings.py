@@ -604,7 +604,7 @@ class GatewaySettings(JobSettings):
         description="how often a gateway process reads workers' beats and changed cache summaries",
     )
     placement_sweep_s: float = Field(
-        default=0.25,
+        default=0.1,
         gt=0,
         description="how often one gateway moves jobs past the steal deadline (and a dead "
         "worker's) from worker lanes to the shared queues",
@@ -1073,6 +1073,13 @@ class EngineSettings(BaseSettings):
     sim_prefill_ms_per_1k: float = Field(
         default=5.0, ge=0, description="sim engine: milliseconds of prefill per 1,000 prompt tokens"
     )
+    sim_prefill_chunk_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="sim engine: prefill one job after another, at most this many prompt "
+        "tokens a step, each step taking their prefill time on top of its decode (as a GPU "
+        "engine does); 0: every job's prefill runs beside the others', costing no step time",
+    )
     sim_max_seq_len: int = Field(
         default=8192, ge=16, description="sim engine: its context length in tokens"
     )
@@ -1231,6 +1238,13 @@ class WorkerSettings(JobSettings, EngineSettings):
         default="auto",
         description="pin each launched worker process to cores of its own (on its GPU's NUMA "
         "node where known); auto: when the launcher runs several exllamav2 processes",
+    )
+    auto_procs_max: int = Field(
+        default=2,
+        ge=1,
+        description="--procs-per-gpu auto: the most worker processes per GPU with GPU sampling "
+        "(fewer where memory or cores allow fewer; 4 with GPU sampling off); the processes "
+        "sweep on docs/performance.md is what sets it",
     )
     restart_limit: int = Field(
         default=5,

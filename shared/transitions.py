@@ -340,8 +340,10 @@ class Transitions:
         idempotency_ttl_s: int,
         admission: Admission,
         lane: str | None = None,
+        news: str = "",
     ) -> Call[SubmitReply]:
-        """`lane`: the worker lane placement chose (`Keys.placed`), None for the shared queue."""
+        """`lane`: the worker lane placement chose (`Keys.placed`), None for the shared queue;
+        `news`: what every gateway is told if the job waits there (`CacheNews`)."""
         spec = record.spec
         entry_fields = entry.to_hash()
         charge = admission.charge
@@ -386,6 +388,8 @@ class Transitions:
             "priority": spec.priority,
             "charge": charge.tokens if charge else 0,
             "tpm": charge.tpm if charge else 0,
+            "news": news if lane else "",
+            "news_channel": k.cache_news(),
         }
         rest = [*scopes, *_flat(entry_fields), *_flat(record.to_hash())]
         reply = functools.partial(_submit_reply, charge.tpm if charge else 0)
@@ -527,6 +531,15 @@ class Transitions:
             "limit": limit,
         }
         return call(lua.STEAL, lambda r: (int(r[0]), int(r[1])), keys, args)
+
+    def cache_news(self, lanes: Sequence[str], news: str, held: int) -> Call[int]:
+        """Publish a worker's cache news (`CacheNews`, encoded) with the jobs waiting in its
+        `lanes` (its own, interactive then batch) counted, less the `held` entries of them it
+        holds; how many listeners it reached."""
+        interactive, batch = lanes
+        keys = {"interactive": interactive, "batch": batch}
+        args: dict[str, Arg] = {"channel": self.keys.cache_news(), "news": news, "held": held}
+        return call(lua.CACHE_NEWS, int, keys, args)
 
     def release(
         self,

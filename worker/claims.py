@@ -17,6 +17,7 @@ from shared import events
 from shared.events import EVENT_FIELD, ErrorEvent, TokenEvent
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Priority
 from shared.loops import LOOP_RESTART_S, REDIS_FAILURES, keep_running
+from shared.pages import PAGE_TOKENS
 from shared.records import JOB_ID, JobRecord, QueueEntry, RecordError
 from shared.redisconn import is_transient
 from shared.schemas import ErrorInfo, JobSpec
@@ -560,7 +561,6 @@ class Claimer:
             text_parts=list(resumed[1]),
         )
         st.running[spec.id] = run
-        st.cache.touch([*spec.input_ids, *resumed[0]])  # prefilled now: cached from here on
         st.metrics.attempts.inc()
         st.dirty.add(spec.id)
         run.started(st.id)
@@ -578,6 +578,9 @@ class Claimer:
             return
         seed = spec.sampling.seed if spec.sampling.seed is not None else seed_of(spec.id)
         assert st.runner is not None
+        prompt = [*spec.input_ids, *resumed[0]]
+        hit = st.cache.touch(prompt)  # prefilled now: cached from here on
+        st.pace.started(spec.id, max(0, len(prompt) - hit * PAGE_TOKENS))
         st.runner.add(
             EngineJob(
                 id=spec.id,

@@ -12,6 +12,9 @@ How an engine plugs in:
    outputs: the worker admits jobs against it (worker/admission.py), never asking the engine.
    An engine that holds pages for more than prompt + max new tokens per job says how many
    tokens more in an optional `reserved_tokens` (exllamav3: 1; `reserved_tokens()` reads it).
+   One that prefills its jobs side by side rather than one after another within its steps
+   says so in an optional `prefill_side_by_side` (the sim without prefill chunks): the worker
+   measures its pace of prefill for placement accordingly (worker/pace.py).
 2. A branch in `worker.process.build_engine` that builds it from `EngineSettings` (import
    its library lazily there: a CPU install has no torch).
 3. A `sampling_support` table (`SamplingSupport`): where it honours each sampler setting
@@ -195,3 +198,9 @@ class Engine(Protocol):
 def reserved_tokens(engine: Engine) -> int:
     """Tokens `engine` holds per job beyond prompt + max new (0 unless it says otherwise)."""
     return int(getattr(engine, "reserved_tokens", 0))
+
+
+def prefill_side_by_side(engine: Engine) -> bool:
+    """Whether `engine` prefills its jobs side by side (False unless it says so): a GPU
+    engine's steps prefill one job after another."""
+    return bool(getattr(engine, "prefill_side_by_side", False))

@@ -210,6 +210,7 @@ class EngineProcess(EngineLink):
         )
         card = ModelCard.model_validate_json(hello.card)
         super().__init__(card, hello.tokenizer, admission, settings.detokenize == "worker")
+        self.prefill_side_by_side = hello.prefill_side_by_side
         self._settings = settings
         self._child: _Child | None = None
         self._outbox: collections.deque[StepOutput] = collections.deque()

@@ -26,7 +26,7 @@ from shared import lifeline, logs
 from shared.settings import EngineSettings, RedisSettings
 from worker import cpus
 from worker.core import AddCommand, CancelCommand, Command, EngineCore
-from worker.engine import Engine, StepOutput, reserved_tokens
+from worker.engine import Engine, StepOutput, prefill_side_by_side, reserved_tokens
 from worker.engines import build_engine
 from worker.wire import Add, Cancel, Channel, Close, Failed, Hello, Init, Step, ToEngine, engine_job
 
@@ -83,6 +83,7 @@ def _hello(engine: Engine) -> Hello:
         free_pages=engine.free_pages(),
         pid=os.getpid(),
         reserved_tokens=reserved_tokens(engine),
+        prefill_side_by_side=prefill_side_by_side(engine),
     )
 
 

@@ -63,6 +63,7 @@ def build_engine(settings: EngineSettings) -> Engine:
             prefill_ms_per_1k=settings.sim_prefill_ms_per_1k,
             max_seq_len=settings.sim_max_seq_len,
             cache_tokens=settings.sim_cache_tokens,
+            prefill_chunk_tokens=settings.sim_prefill_chunk_tokens,
             poison_marker=settings.sim_poison_marker,
         )
     if settings.engine == "exllamav3":

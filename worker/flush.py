@@ -22,6 +22,7 @@ from worker import joblog
 from worker.engine import StepOutput, Stop
 from worker.entries import ack, hand_back
 from worker.jobstate import Claim, RunningJob
+from worker.news import NewsDesk
 from worker.state import WorkerState
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,9 @@ Written = list[tuple[RunningJob, list[EncodedEvent]]]
 
 
 class Flusher:
-    def __init__(self, st: WorkerState) -> None:
+    def __init__(self, st: WorkerState, news: NewsDesk) -> None:
         self.st = st
+        self.news = news
         self._checks: set[asyncio.Task[None]] = set()
         """Output checks under way (`_finish`): kept, so that none is collected mid-way."""
         self._ends: list[tuple[RunningJob, FinishReason, SchemaCheck | None]] = []
@@ -90,6 +92,7 @@ class Flusher:
             if out.token_ids or out.text:
                 if run.first_token_wall is None:
                     st.urgent.add(run.id)
+                    st.pace.first_token(run.id)
                 run.add_tokens(out.text, out.token_ids, out.logprobs)
             if out.prompt_tokens:
                 run.prompt_tokens = out.prompt_tokens
@@ -102,6 +105,13 @@ class Flusher:
                 self._stopped(run, out.stopped)
             elif out.finish_reason is not None:
                 self._finish(run, out.finish_reason)
+            if run.end is not None or run.checking:
+                # The engine keeps the prompt's and the reply's pages: the flush that writes
+                # this end tells the gateways first (worker/news.py).
+                st.cache.touch([*run.spec.input_ids, *run.resumed_ids, *run.token_ids])
+                st.pace.ended(run.id, time.time() - run.started_wall)
+            elif run.retry_error is not None:
+                st.pace.ended(run.id, None)
             if run.end is not None or run.retry_error is not None or run.checking:
                 st.urgent.add(run.id)
                 freed = True
@@ -185,10 +195,14 @@ class Flusher:
             await self._retry(retries)
         if not order:
             return
+        news = self.news.call()
         try:
             # Per-call errors come back in place: one job's rejected write must not fail
-            # (and so retry forever) the flush of every other job in the pipeline.
-            results = await st.scripts.run_all(calls)
+            # (and so retry forever) the flush of every other job in the pipeline. The news
+            # goes first: a gateway hears where the prompt is cached before the job's end.
+            results = await st.scripts.run_all(calls if news is None else [news, *calls])
+            if news is not None:
+                results = results[1:]
         except (RedisError, OSError) as exc:
             await self._failed(order, exc)
             return
@@ -236,7 +250,6 @@ class Flusher:
             elif run.end is not None:
                 run.remember(events, st.settings.log_repair_window_s)
                 st.metrics.ended(run)
-                st.cache.touch([*run.spec.input_ids, *run.resumed_ids, *run.token_ids])
                 st.finish(run)
                 joblog.ended(st, run)
                 ended.append(run.claim)

@@ -62,6 +62,8 @@ class EngineLink(abc.ABC):
         """Set whenever `down` changes."""
         self.restarts = 0
         """Times the engine process was restarted."""
+        self.prefill_side_by_side = False
+        """The engine prefills its jobs side by side (`worker.engine.prefill_side_by_side`)."""
         self.engine_free_slots = admission.max_batch
         """Batch slots free in the engine as it last said (the worker counts its own)."""
         self._wake: Callable[[], None] = lambda: None

@@ -19,7 +19,14 @@ from collections.abc import Callable
 
 from worker.admission import Admission
 from worker.core import AddCommand, CancelCommand, Command, EngineCore
-from worker.engine import Engine, EngineJob, StepOutput, Stop, reserved_tokens
+from worker.engine import (
+    Engine,
+    EngineJob,
+    StepOutput,
+    Stop,
+    prefill_side_by_side,
+    reserved_tokens,
+)
 from worker.link import EngineLink
 
 STOP_TIMEOUT_S = 5.0
@@ -35,6 +42,7 @@ class EngineRunner(EngineLink):
             reserved_tokens(engine),
         )
         super().__init__(engine.card, engine.tokenizer_json, admission, detokenize)
+        self.prefill_side_by_side = prefill_side_by_side(engine)
         self.engine = engine
         self._core = EngineCore(engine)
         self._inbox: collections.deque[Command] = collections.deque()

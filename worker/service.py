@@ -61,6 +61,7 @@ from worker.flush import Flusher
 from worker.lease import LeaseClock
 from worker.link import EngineLink
 from worker.metrics import WorkerMetrics
+from worker.news import NewsDesk
 from worker.runner import EngineRunner
 from worker.state import WorkerState
 from worker.summary import Summary
@@ -143,9 +144,11 @@ class Worker:
         self.st.metrics.snapshot = self._gauges
         self.tell: Callable[[str], None] | None = None
         """Where its stop's plan is said in words too (`genq serve` prints it)."""
+        self.st.pace.side_by_side = engine.prefill_side_by_side
+        news = NewsDesk(self.st)
         self._claims = Claimer(self.st)
-        self._flusher = Flusher(self.st)
-        self._upkeep = Upkeep(self.st)
+        self._flusher = Flusher(self.st, news)
+        self._upkeep = Upkeep(self.st, news)
         self._control = Control(self.st)
         self._summary = Summary(self.st)
 

@@ -5,6 +5,12 @@ request always gives the same text, and a job resumed at position k continues ex
 undisturbed run would. Each decode step takes `step_ms` whatever the batch size (like a GPU
 step); a new job first waits a prefill delay proportional to its prompt length.
 
+Prefill (`prefill_ms_per_1k`, GENQ_SIM_PREFILL_MS_PER_1K): by default each job's prefill runs
+beside the others', costing no step time. With `prefill_chunk_tokens`
+(GENQ_SIM_PREFILL_CHUNK_TOKENS) it runs as on a GPU: one job after another, at most that many
+prompt tokens a step, each step taking their prefill time on top of its decode time, so every
+running job waits for it (what makes recomputing a prefix cost the whole batch).
+
 Prefix cache (`cache_tokens`, GENQ_SIM_CACHE_TOKENS; off when 0): like the GPU engines' it
 holds pages of 256 tokens, named by their hash chain (shared/pages.py), least recently used
 dropped first. A job's leading prompt pages found there cost no prefill time and are its
@@ -59,6 +65,7 @@ A matcher that fails (a limit llguidance hits as the output grows) fails the job
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
@@ -167,6 +174,8 @@ class _SimJob:
     """This step's next-token mask of `matcher` (a row of the engine's `MaskBatch`)."""
     cached: int = 0
     """Prompt tokens found in the prefix cache (not prefilled again)."""
+    prefill_left: int = 0
+    """Prompt tokens still to prefill (one job at a time: `prefill_chunk_tokens`)."""
     generated: list[int] = field(default_factory=list)
     """Token ids emitted (kept only with a prefix cache: its pages are cached at the end)."""
     weights: list[float] | None = None
@@ -227,6 +236,7 @@ class SimEngine:
         step_ms: float = 20.0,
         prefill_ms_per_1k: float = 5.0,
         cache_tokens: int = 0,
+        prefill_chunk_tokens: int = 0,
         max_seq_len: int = 8192,
         poison_marker: str | None = None,
         chat_template: str | None = CHAT_TEMPLATE,
@@ -235,6 +245,12 @@ class SimEngine:
         self._poison_marker = poison_marker
         self._step_s = step_ms / 1000.0
         self._prefill_s_per_token = prefill_ms_per_1k / 1000.0 / 1000.0
+        self._chunk = prefill_chunk_tokens
+        self._prefilling: collections.deque[_SimJob] = collections.deque()
+        """Jobs waiting for their prefill, first come first (with `prefill_chunk_tokens`)."""
+        self.prefill_side_by_side = not prefill_chunk_tokens
+        """Without chunks, every job's prefill runs beside the others' (the worker's pace of
+        prefill, worker/pace.py, is measured accordingly)."""
         self._cache_pages = cache_tokens // PAGE_TOKENS
         self._cache: OrderedDict[int, None] = OrderedDict()
         """Page hashes (`shared.pages`) the prefix cache holds, least recently used first."""
@@ -312,10 +328,11 @@ class SimEngine:
             )
         prompt = [*job.input_ids, *job.resume_ids]
         cached = self._cached_prefix(prompt)
+        now = time.monotonic()
         sim = _SimJob(
             job=job,
             base=_job_base(job),
-            ready_at=time.monotonic() + (len(prompt) - cached) * self._prefill_s_per_token,
+            ready_at=now + (len(prompt) - cached) * self._prefill_s_per_token,
             position=len(job.resume_ids),
             poisoned=self._is_poisoned(job),
             cached=min(cached, len(job.input_ids)),
@@ -326,6 +343,11 @@ class SimEngine:
             self._replay(sim)
         if job.resume_ids:
             self._resume(sim)
+        if self._chunk and len(prompt) > cached:  # its turn comes in `step`
+            sim.prefill_left, sim.ready_at = len(prompt) - cached, math.inf
+            self._prefilling.append(sim)
+        elif self._chunk:
+            sim.ready_at = now
         self._jobs[job.id] = sim
 
     def _replay(self, s: _SimJob) -> None:
@@ -407,19 +429,23 @@ class SimEngine:
 
     def close(self) -> None:
         self._jobs.clear()
+        self._prefilling.clear()
 
     def reset(self) -> list[str]:
         ids = list(self._jobs)
         self._jobs.clear()
+        self._prefilling.clear()
         return ids
 
     def step(self) -> list[StepOutput]:
         if not self._jobs:
             return []
+        prefill_s = self._prefill_chunk()
         now = time.monotonic()
         ready = [s for s in self._jobs.values() if s.ready_at <= now]
-        if not ready:
-            time.sleep(min(s.ready_at for s in self._jobs.values()) - now)
+        if not ready:  # only prefill this step, or jobs still in their (side by side) prefill
+            due = [s.ready_at for s in self._jobs.values() if s.ready_at < math.inf]
+            time.sleep(prefill_s if prefill_s or not due else max(0.0, min(due) - now))
             return []
         began = time.monotonic()
         constrained = [s for s in ready if s.matcher is not None and not s.poisoned]
@@ -428,8 +454,9 @@ class SimEngine:
             rows = self._grammar_set_masks().fill([s.matcher for s in constrained if s.matcher])
             for s, row in zip(constrained, rows, strict=True):
                 s.mask = row
-        if self._step_s:  # one decode step for the whole batch (0: none, as fast as it can)
-            time.sleep(max(0.0, self._step_s - (time.monotonic() - began)))
+        if self._step_s or prefill_s:  # one decode step for the whole batch, and the chunk
+            # of prefill it carries (0: none, as fast as it can)
+            time.sleep(max(0.0, self._step_s + prefill_s - (time.monotonic() - began)))
         outputs = [self._poison(s) if s.poisoned else self._advance(s) for s in ready]
         for out in outputs:
             if out.finish_reason is not None or out.error is not None:
@@ -439,6 +466,26 @@ class SimEngine:
                         page_hashes([*ended.job.input_ids, *ended.job.resume_ids, *ended.generated])
                     )
         return outputs
+
+    def _prefill_chunk(self) -> float:
+        """With `prefill_chunk_tokens`: prefill up to that many prompt tokens of the jobs
+        waiting, first come first, as a GPU engine's step does; what it costs this step
+        (seconds). A job whose prefill ends here decodes from the next step."""
+        budget = self._chunk
+        spent = 0
+        while self._prefilling and budget > 0:
+            s = self._prefilling[0]
+            if self._jobs.get(s.job.id) is not s:  # cancelled while it waited
+                self._prefilling.popleft()
+                continue
+            take = min(s.prefill_left, budget)
+            s.prefill_left -= take
+            budget -= take
+            spent += take
+            if not s.prefill_left:
+                self._prefilling.popleft()
+                s.ready_at = time.monotonic() + spent * self._prefill_s_per_token
+        return spent * self._prefill_s_per_token
 
     def _advance(self, s: _SimJob) -> StepOutput:
         job = s.job

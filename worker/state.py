@@ -19,6 +19,7 @@ from worker.lease import LeaseClock
 from worker.link import EngineLink
 from worker.metrics import WorkerMetrics
 from worker.output_check import Validators
+from worker.pace import Pace
 
 EARLY_CANCELS_KEPT = 1000
 EARLY_CANCEL_TTL_S = 60.0
@@ -65,6 +66,8 @@ class WorkerState:
     """What its engine's prefix cache holds (worker/cachemodel.py), published for placement."""
     lease: LeaseClock
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
+    pace: Pace = field(default_factory=Pace)
+    """How fast its engine prefills and frees slots (worker/pace.py), published for placement."""
     running: dict[str, RunningJob] = field(default_factory=dict)
     waiting: list[Claim] = field(default_factory=list)
     """Claimed, not STARTed yet (the engine had no room, or START has not run)."""
@@ -96,6 +99,7 @@ class WorkerState:
 
     def forget(self, job_id: str) -> RunningJob | None:
         """A job whose end is written (or that never reached the engine) leaves this worker."""
+        self.pace.ended(job_id, None)
         return self.running.pop(job_id, None)
 
     def finish(self, run: RunningJob) -> None:
@@ -122,6 +126,7 @@ class WorkerState:
         engine, forgotten, and its slot offered to the claim loop."""
         run = self.running.pop(job_id, None)
         if run is not None:
+            self.pace.ended(job_id, None)
             self.runner.cancel(job_id, run.attempt, Stop("dropped"))
             self.room.set()
         return run

@@ -25,6 +25,7 @@ from worker.entries import drop_malformed
 from worker.jobstate import Claim
 from worker.lease import reclaimable
 from worker.link import StepTimes
+from worker.news import NewsDesk
 from worker.repair import repair_finished
 from worker.state import WorkerState
 
@@ -36,8 +37,9 @@ _EXPIRE_SWEEP = 1000
 
 
 class Upkeep:
-    def __init__(self, st: WorkerState) -> None:
+    def __init__(self, st: WorkerState, news: NewsDesk) -> None:
         self.st = st
+        self.news = news
         self.started_at = time.time()
         self._tokens_at_beat = (time.monotonic(), 0)
         self._times_at_beat = StepTimes()
@@ -82,6 +84,9 @@ class Upkeep:
         st = self.st
         st.forget_finished()
         self._trim_when_idle()
+        news = self.news.call()
+        if news is not None:  # first: a gateway reading this beat has heard what it says
+            await st.scripts.run(news)
         hb = self._heartbeat()
         lease_ms = int(st.settings.lease_s * 1000)
         pipe = st.redis.pipeline(transaction=False)
@@ -177,7 +182,6 @@ class Upkeep:
             pid=os.getpid(),
             version=__version__,
             capacity=engine.max_batch,
-            active=st.in_engine(),
             tokens_per_s=round(self.tokens_per_s, 1),
             started_at=self.started_at,
             draining=st.stopping.is_set(),
@@ -195,9 +199,9 @@ class Upkeep:
             beat_at=time.time(),
             kv_pages_used=kv_used,
             kv_pages_total=kv_total,
-            waiting=len(st.waiting),
             cache_version=st.cache.version,
             cache_pages=len(st.cache),
+            **self.news.load(),
         )
 
     async def _expire_queued(self) -> None:

@@ -87,6 +87,7 @@ class Hello(msgspec.Struct, tag=10, array_like=True, gc=False):
     free_pages: int
     pid: int
     reserved_tokens: int = 0
+    prefill_side_by_side: bool = False
 
 
 class Failed(msgspec.Struct, tag=11, array_like=True, gc=False):

@@ -5,7 +5,8 @@
 -- is taken over by the reclaim loop of a live worker, as in any queue. A lane of a dead worker
 -- that is empty and holds nothing pending is deleted and leaves K.placed_lanes.
 -- KEYS and ARGV: STEAL in shared/scripts.py (A.older_ms: move entries whose id is older than
--- this many milliseconds; A.dead: '1' moves them all and may delete the lane).
+-- this many milliseconds, or than their own `wait_ms`, the wait placement found worth it;
+-- A.dead: '1' moves them all and may delete the lane).
 -- -> {moved, left}: entries moved, entries still waiting in the lane
 if redis.call('EXISTS', K.lane) == 0 then
   redis.call('SREM', K.placed_lanes, K.lane)
@@ -23,15 +24,21 @@ for _, g in ipairs(redis.call('XINFO', 'GROUPS', K.lane)) do
 end
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local cutoff = now_ms - tonumber(A.older_ms)
 local entries = redis.call('XRANGE', K.lane, '(' .. last, '+', 'COUNT', tonumber(A.limit))
 local moved = 0
+local older = tonumber(A.older_ms)
 for _, e in ipairs(entries) do
   local ms = tonumber(string.match(e[1], '^(%d+)'))
-  if A.dead ~= '1' and ms > cutoff then break end
-  redis.call('XADD', K.queue, '*', unpack(e[2]))
-  redis.call('XDEL', K.lane, e[1])
-  moved = moved + 1
+  local waits = older
+  local f = e[2]
+  for i = 1, #f - 1, 2 do
+    if f[i] == 'wait_ms' then waits = math.min(older, tonumber(f[i + 1]) or older) end
+  end
+  if A.dead == '1' or ms + waits <= now_ms then
+    redis.call('XADD', K.queue, '*', unpack(f))
+    redis.call('XDEL', K.lane, e[1])
+    moved = moved + 1
+  end
 end
 local left = #entries - moved
 if A.dead == '1' and left == 0 and pending == 0 and

@@ -9,7 +9,8 @@
 -- them are released at once, so an idle worker takes it without waiting.
 -- Placement: K.placed, when not '', is the lane of the worker whose cache holds the job's
 -- prompt: the job waits there (unless its owner is past its fair share) and the lane joins
--- K.placed_lanes, which the steal sweep walks.
+-- K.placed_lanes, which the steal sweep walks; A.news (when not '') goes to every gateway on
+-- A.news_channel: that worker's cache will hold the prompt.
 -- KEYS and ARGV: SUBMIT in shared/scripts.py. K.idempotency is '' for none, A.claim what the
 -- key holds, A.deadline '' for none, A.fair_share 0 for off; the admission keys and scopes:
 -- see admit in prelude.lua (a scope's max 0 = no limit).
@@ -56,6 +57,7 @@ if share > 0 and tonumber(redis.call('HGET', K.admission_counts, A.fair_field) o
 elseif K.placed ~= '' then
   queue = K.placed
   redis.call('SADD', K.placed_lanes, K.placed)
+  if A.news ~= '' then redis.call('PUBLISH', A.news_channel, A.news) end
 end
 if A.fair_cost ~= '' and queue == K.queue then  -- token-fair: wait for its turn (prelude)
   local owner = 'o:' .. A.fair_owner

@@ -4,6 +4,7 @@
 # jsonschema (the constraints' GPU tests import jsonschema and openai).
 #   source .gpu/activate.sh && bash tests/gpu/device_run.sh [tests] [bench64] [sweep] [procs]
 #     [bare1] [compare] [comparewt] [comparegcoff] [compareinproc] [serveauto] [procs1] [procs2]
+#     [placement] [placement12] (the multi-turn chat table, placement off/on, 1-4 processes)
 # BENCH_ARGS (environment): more flags for the exl3 matrix and turns steps' benchgpu.
 # LEVELS / ROUNDS (exllamav2) and LEVELS3 / ROUNDS3 (exllamav3): the turns steps' levels and rounds.
 # An option against the defaults, in turns (both workers and the bare loop loaded): `abwt`,
@@ -84,7 +85,7 @@ for step in $steps; do
         -k "not distribution and not top_p_keeps and (not test_exl3_gpu or (batched and fp16)) and (not test_openai_gpu or (json_schema and exllamav2))" \
         > "$OUT/constraints-gpu.log" 2>&1
       echo "gpu tests rc=$?" >> "$OUT/constraints-gpu.log"; tail -n 25 "$OUT/constraints-gpu.log" ;;
-    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|diag15*|turns*|ab*|serveauto|batchcompare|schema|table2|mintok)
+    bench64*|bare*|sweep*|procs*|gpus*|g[12]n*|exl3*|compare*|diag15*|turns*|ab*|serveauto|batchcompare|schema|table2|mintok|placement*)
       [[ $step == *q4* ]] || [ -e /tmp/m8b/config.json ] || { /usr/bin/time -v python3 -m genq synth-model /tmp/m8b --shape 8b > "$OUT/synth8b.log" 2>&1; } ;;&
     schema|schema3)  # issue 32: all jobs under one JSON schema against the same jobs
       # unconstrained, in turns, one system (2 gateways: 256 streams)
@@ -354,6 +355,14 @@ print(json.load(u.urlopen("http://127.0.0.1:8000/v1/models"))["data"][0]["id"])'
       top -H -b -n 1 -p "$pid" | head -n 30 >> "$OUT/$step.top.txt"
       timeout $(left) tail --pid=$bench -f /dev/null
       head -n 25 "$OUT/$step.top.txt"; grep -h '"run"' "$OUT/$step.log" | cut -c1-300 ;;
+    placement|placement[1-4]*)  # the multi-turn chat table: `genq serve --model` with 1-4
+      # processes (PROCS, or the digits after the step's name), placement off and on for N > 1;
+      # 200 conversations x 5 turns, 64 at once, a shared ~1,000-token system prompt
+      procs=${PROCS:-1,2,3,4}; [ $step != placement ] && procs=$(echo ${step#placement} | sed 's/./&,/g; s/,$//')
+      timeout $(left) python3 -m tests.bench.placement --model /tmp/m8b --procs $procs \
+        --concurrency 64 --shared-system --new-tokens 64 --ready-s 240 \
+        > "$OUT/$step.log" 2>&1
+      grep -h '^{"procs' "$OUT/$step.log" | cut -c1-700 ;;
     procs[1-4]|procs[1-4]cpu)  # N worker processes on the one GPU, total concurrency 64..256
       n=${step:5:1}; cpu=$([[ $step == *cpu ]] && echo --cpu-sampling)
       timeout 170 python3 -m genq.benchgpu --model /tmp/m8b --sweep 64,128,192,256 \

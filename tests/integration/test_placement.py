@@ -12,12 +12,14 @@ from collections.abc import AsyncIterator
 
 import fakeredis
 import httpx
+import openai
 import pytest
 import redis.asyncio as aioredis
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from gateway.app import create_app
 from shared.keys import Keys
-from shared.pages import pack_summary, page_hashes
+from shared.pages import PAGE_TOKENS, pack_summary, page_hashes
 from shared.settings import Settings
 from tests.conftest import _drop_keys
 from worker.service import Worker
@@ -30,14 +32,16 @@ HISTORY = " ".join(["the model queue worker gateway stream batch cache"] * 70)  
 
 @contextlib.asynccontextmanager
 async def fleet(
-    settings: Settings, redis: aioredis.Redis, workers: int = 2
+    settings: Settings,
+    redis: aioredis.Redis,
+    workers: int = 2,
+    cache_tokens: int = 64 * 256,
+    prefill_ms_per_1k: float = 20,
+    max_batch: int = 256,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, list[Worker]]]:
+    engine = {"cache_tokens": cache_tokens, "prefill_ms_per_1k": prefill_ms_per_1k}
     ws = [
-        Worker(
-            settings,
-            SimEngine(step_ms=2, cache_tokens=64 * 256, prefill_ms_per_1k=20),
-            redis=redis,
-        )
+        Worker(settings, SimEngine(step_ms=2, max_batch=max_batch, **engine), redis=redis)
         for _ in range(workers)
     ]
     tasks = [asyncio.create_task(w.run()) for w in ws]
@@ -93,6 +97,127 @@ async def test_each_turn_goes_to_the_worker_holding_the_history(settings: Settin
             assert second["usage"]["cached_tokens"] >= 512
         found = (await client.get("/metrics")).text
         assert 'genq_placements_total{outcome="prefix"} 6.0' in found
+
+
+WEATHER_TOOL: ChatCompletionToolParam = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+LONG = " ".join(["the model queue worker gateway stream batch cache"] * 600)  # 4,800 tokens
+FOLLOW_UP_SHARE = 0.9
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+async def test_a_follow_up_sent_the_moment_a_turn_ends_finds_its_prompt_cached(
+    settings: Settings, redis, workers: int
+) -> None:  # type: ignore[no-untyped-def]
+    """An agent's next turn, sent as soon as the last one's answer arrives, with nothing but
+    its prompt to go by: it runs where that prompt was just computed."""
+    # Beats at their default pace: what a beat publishes comes too late for this turn.
+    s = placed_settings(
+        settings, heartbeat_s=1.0, lease_s=5.0, placement_refresh_s=0.5, placement_sweep_s=0.1
+    )
+    async with fleet(s, redis, workers, cache_tokens=16 * 4800, prefill_ms_per_1k=5) as (
+        client,
+        _ws,
+    ):
+
+        async def agent(c: int) -> tuple[int, int]:
+            prompt = f"conversation {c} " + LONG
+            first = await client.post(
+                "/v1/completions", json={"model": "sim", "prompt": prompt, "max_tokens": 4}
+            )
+            assert first.status_code == 200, first.text
+            second = await client.post(
+                "/v1/completions",
+                json={"model": "sim", "prompt": prompt + " and then", "max_tokens": 4},
+            )
+            usage = second.json()["usage"]
+            return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+        turns = await asyncio.gather(*(agent(c) for c in range(8)))
+        share = sum(c for c, _ in turns) / sum(p for _, p in turns)
+        assert share >= FOLLOW_UP_SHARE, turns
+
+
+async def test_a_tool_call_loop_reuses_its_prefix_on_every_turn(settings: Settings, redis) -> None:  # type: ignore[no-untyped-def]
+    """An agent's loop through the OpenAI SDK: the model calls a tool, the tool's answer goes
+    back at once, the next turn starts; each turn finds the whole of the last turn's prompt
+    cached, on whichever of four workers ran it. Heartbeats far apart: what they publish
+    cannot be what finds it."""
+    s = placed_settings(
+        settings, heartbeat_s=30.0, lease_s=60.0, placement_refresh_s=0.5, placement_sweep_s=0.1
+    )
+    async with fleet(s, redis, workers=4, cache_tokens=64 * 1024, prefill_ms_per_1k=5) as (
+        client,
+        _ws,
+    ):
+        sdk = openai.AsyncOpenAI(
+            base_url="http://genq/v1", api_key="none", http_client=client, max_retries=0
+        )
+        messages: list[ChatCompletionMessageParam] = [
+            {"role": "system", "content": "You answer with tools. " + LONG[: len(LONG) // 3]},
+            {"role": "user", "content": "What is the weather in each city, one at a time?"},
+        ]
+        last_prompt = 0
+        for turn in range(4):
+            r = await sdk.chat.completions.create(
+                model="sim",
+                messages=messages,
+                tools=[WEATHER_TOOL],
+                tool_choice="required",
+                parallel_tool_calls=False,  # one call a turn, as the loop answers it
+                max_tokens=100,
+                seed=2,
+            )
+            assert r.usage is not None and r.usage.prompt_tokens_details is not None
+            cached = r.usage.prompt_tokens_details.cached_tokens or 0
+            if turn:  # every full page of the last prompt: it is this one's beginning
+                assert cached >= last_prompt // PAGE_TOKENS * PAGE_TOKENS, (turn, cached)
+            last_prompt = r.usage.prompt_tokens
+            [call] = r.choices[0].message.tool_calls or []
+            messages += [
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},  # type: ignore[list-item]
+                {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
+            ]
+
+
+async def test_a_lane_wait_longer_than_the_prefill_it_saves_goes_elsewhere(
+    settings: Settings, redis
+) -> None:  # type: ignore[no-untyped-def]
+    """Worker A caches a long prompt but is busy with a long job (one slot each); B is idle.
+    Recomputing the prompt on B takes a fraction of A's wait: the job runs on B at once, though
+    the bounds would let it wait in A's lane (GENQ_PLACEMENT_MAX_LOAD 3, 2 s)."""
+    s = placed_settings(settings, placement_max_load=3.0, placement_wait_s=2.0)
+    async with fleet(s, redis, cache_tokens=64 * 1024, prefill_ms_per_1k=5, max_batch=1) as (
+        client,
+        _ws,
+    ):
+        prompt = "a cached prompt " + LONG
+        first = await run_job(client, prompt=prompt + " one", max_tokens=300)  # ~0.6 s
+        holder = first["worker"]
+        r = await client.post(
+            "/v1/jobs", json={"model": "sim", "prompt": prompt + " two", "max_tokens": 1500}
+        )
+        busy = r.json()["id"]
+        async with asyncio.timeout(10):  # the long job runs where the prompt is cached
+            while (job := (await client.get(f"/v1/jobs/{busy}")).json())["status"] != "running":
+                await asyncio.sleep(0.02)
+        assert job["worker"] == holder
+        t0 = time.monotonic()
+        quick = await run_job(client, prompt=prompt + " three", max_tokens=4)
+        assert quick["worker"] != holder
+        assert time.monotonic() - t0 < 1.5  # the long job holds A ~3 s more
+        assert (await client.get(f"/v1/jobs/{busy}")).json()["status"] == "running"
+        await client.delete(f"/v1/jobs/{busy}")
 
 
 async def fake_worker(redis: aioredis.Redis, s: Settings, real: Worker, prompt: str) -> str:

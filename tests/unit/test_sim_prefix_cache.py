@@ -51,3 +51,31 @@ def test_a_reply_is_cached_for_the_next_turn_and_old_pages_age_out() -> None:
     assert turn2[-1].cached_tokens == 2 * PAGE_TOKENS  # the prompt's page and the reply's
     run(engine, "other", [6] * (2 * PAGE_TOKENS))  # fills the cache: the old pages go
     assert run(engine, "t3", [*prompt, *reply, 8, 8])[-1].cached_tokens == 0
+
+
+def test_chunked_prefill_runs_one_job_after_another_and_holds_up_the_step() -> None:
+    """GENQ_SIM_PREFILL_CHUNK_TOKENS: a GPU's prefill. A short prompt queued behind a long one
+    waits for it, and a running job's next token waits for the step's prefill."""
+    engine = SimEngine(step_ms=0, prefill_ms_per_1k=200.0, prefill_chunk_tokens=PAGE_TOKENS)
+    assert not engine.prefill_side_by_side
+    engine.add(EngineJob("running", [5] * 10, 100, Sampling(), seed=1))
+    while not engine.step():  # its prefill, then its first token
+        pass
+    engine.add(EngineJob("long", [6] * (4 * PAGE_TOKENS), 4, Sampling(), seed=1))
+    engine.add(EngineJob("short", [7] * 10, 4, Sampling(), seed=1))
+    firsts: dict[str, float] = {}
+    t0 = time.monotonic()
+    gaps: list[float] = []
+    while len(firsts) < 2:
+        before = time.monotonic()
+        outs = engine.step()
+        if any(o.job_id == "running" for o in outs):
+            gaps.append(time.monotonic() - before)
+        for o in outs:
+            if o.token_ids and o.job_id in ("long", "short"):
+                firsts.setdefault(o.job_id, time.monotonic() - t0)
+    assert firsts["long"] <= firsts["short"]  # first come, first prefilled
+    assert firsts["short"] >= 4 * PAGE_TOKENS * 0.0002  # behind ~0.2 s of the long one's
+    assert max(gaps) >= PAGE_TOKENS * 0.0002 * 0.9  # a chunk of 256 tokens in a step
+    side = SimEngine(step_ms=0, prefill_ms_per_1k=200.0)
+    assert side.prefill_side_by_side
