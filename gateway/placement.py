@@ -57,7 +57,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gateway.pubsub import PubSubRouter
+from gateway.pubsub import PubSubRouter, Subscription
 from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys, Priority
 from shared.loops import REDIS_FAILURES, keep_running, one_process_each_round
 from shared.pages import PAGE_TOKENS, pack_summary, page_hashes, shared_pages, unpack_summary
@@ -197,6 +197,10 @@ class Placement:
     _early: dict[str, list[CacheNews]] = field(default_factory=dict)
     """News of workers not met yet (by worker id), for the refresh that meets them."""
     _meeting: asyncio.Future[None] | None = None
+    _news: Subscription | None = None
+    """The cache-news subscription, once `listen` made it."""
+    _caught_up: bool = False
+    """`catch_up` took news since the listener's last round."""
 
     async def run(self) -> None:
         await keep_running(
@@ -210,18 +214,29 @@ class Placement:
     async def listen(self, router: PubSubRouter) -> None:
         """Apply every cache news as it comes. A wake without news (the connection came back,
         or this listener fell behind) may hide some: every worker's summary is read again."""
-        sub = await router.subscribe(self.keys.cache_news())
+        sub = self._news = await router.subscribe(self.keys.cache_news())
         try:
             while True:
                 await sub.wake.wait()
                 items = sub.take()
-                if not items:
+                if not items and not self._caught_up:
                     for w in self.workers.values():
                         w.version, w.log = -1, {}
+                self._caught_up = False
                 for text in items:
                     self.hear(text)
         finally:
             await sub.close()
+
+    def catch_up(self) -> None:
+        """Apply the news this process has been handed and its listener not yet taken: a
+        submit that comes between the two (a follow-up sent the moment its turn ended, under
+        load) places on what the worker said, not on what it said before."""
+        sub = self._news
+        if sub is not None and sub.buffer and not sub.behind:  # a wake without news: theirs
+            self._caught_up = True  # the wake it leaves behind is not one without news
+            for text in sub.take():
+                self.hear(text)
 
     def hear(self, text: str) -> None:
         """One cache news (`CacheNews`): a worker's, or another gateway's placement."""
@@ -282,6 +297,7 @@ class Placement:
     def decide(self, spec: JobSpec, conversation: str | None = None) -> Decision:
         """Where `spec` goes: a worker's lane (how long it may wait there, and the news that
         tells the other gateways), or the shared queue."""
+        self.catch_up()
         decision, worker, chain = self._choose(spec, conversation)
         self.counted(decision.outcome)
         if worker is None:
