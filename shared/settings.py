@@ -1136,6 +1136,13 @@ class WorkerSettings(JobSettings, EngineSettings):
         description="least time between event flushes (first tokens and "
         "job ends go at once); tokens produced meanwhile fold into one event per job",
     )
+    batch_flush_interval_ms: float = Field(
+        default=100.0,
+        ge=0,
+        description="least time between event flushes of batch-priority jobs (their first "
+        "tokens and ends wait for it too; cancels and failures go at once): fewer, larger "
+        "writes per job, where nobody waits on each token",
+    )
     gil_switch_interval_s: float | None = Field(
         default=None,
         gt=0,

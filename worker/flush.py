@@ -36,6 +36,9 @@ class Flusher:
 
     async def loop(self) -> None:
         """Flush every `flush_interval_ms`; a job's first tokens and its end go out at once.
+        Batch-priority jobs flush every `batch_flush_interval_ms` instead, their first tokens
+        and ends included (nobody waits on each token of theirs, and each flush of a job is
+        a script call: a job of a few tokens is then one or two writes, not one per token).
 
         Between flushes the engine keeps stepping and each job's tokens fold into one event,
         so the cost per token falls as load rises instead of swamping Redis and gateways.
@@ -43,7 +46,8 @@ class Flusher:
         st = self.st
         assert st.runner is not None
         interval = st.settings.flush_interval_ms / 1000
-        last_full = 0.0
+        batch_interval = max(interval, st.settings.batch_flush_interval_ms / 1000)
+        last_full = last_batch = 0.0
         loop = asyncio.get_running_loop()
         armed = False
 
@@ -58,17 +62,27 @@ class Flusher:
             self._collect(st.runner.drain())
             if not st.dirty:
                 continue
-            due = interval - (time.monotonic() - last_full)
-            if due <= 0:
-                last_full = time.monotonic()
-                await self._flush(set(st.dirty))
+            now = time.monotonic()
+            if now - last_full >= interval:
+                last_full = now
+                due = set(st.dirty)
+                if now - last_batch >= batch_interval:
+                    last_batch = now
+                else:
+                    due -= self._batch_jobs(due) - st.urgent
+                if due:
+                    await self._flush(due)
             else:
                 urgent = st.urgent & st.dirty
                 if urgent:
                     await self._flush(urgent)
-                if st.dirty and not armed:
-                    armed = True
-                    loop.call_later(due, due_now)
+            if st.dirty and not armed:
+                armed = True
+                loop.call_later(max(0.0, last_full + interval - time.monotonic()), due_now)
+
+    def _batch_jobs(self, job_ids: set[str]) -> set[str]:
+        running = self.st.running
+        return {j for j in job_ids if (r := running.get(j)) and r.spec.priority == "batch"}
 
     def _collect(self, outputs: list[StepOutput]) -> None:
         st = self.st
@@ -80,8 +94,9 @@ class Flusher:
             if run.end is not None or run.retry_error is not None:
                 continue
             st.metrics.output(run, out)
+            batch = run.spec.priority == "batch"
             if out.token_ids or out.text:
-                if run.first_token_wall is None:
+                if run.first_token_wall is None and not batch:
                     st.urgent.add(run.id)
                 run.add_tokens(out.text, out.token_ids, out.logprobs)
             if out.prompt_tokens:
@@ -94,7 +109,9 @@ class Flusher:
             elif out.finish_reason is not None:
                 run.finish(out.finish_reason)
             if run.end is not None or run.retry_error is not None:
-                st.urgent.add(run.id)
+                # A batch job's plain end waits for its flush; a stop or failure does not.
+                if not batch or out.finish_reason is None or out.error is not None:
+                    st.urgent.add(run.id)
                 freed = True
             st.dirty.add(out.job_id)
         if freed:  # their slots are the engine's again: claims may start beside the flush
