@@ -18,7 +18,7 @@ from shared.redisconn import is_transient
 from shared.transitions import Call, EmitReply, EncodedEvent, Fenced, LostTail
 from worker import joblog
 from worker.engine import StepOutput, Stop
-from worker.entries import ack, hand_back
+from worker.entries import hand_back
 from worker.jobstate import Claim, RunningJob
 from worker.state import WorkerState
 
@@ -156,6 +156,8 @@ class Flusher:
                     maxlen=s.event_log_maxlen,
                     fields=run.end,
                     retention_s=s.retention_s if run.end is not None else 0,
+                    # its end acknowledges its queue entry in the same step
+                    entry=None if run.end is None else (run.claim.queue, run.claim.entry_id),
                 )
             )
             order.append((run, events))
@@ -173,12 +175,8 @@ class Flusher:
         ended, lost_tail = self._apply(order, results)
         for run, events, last in lost_tail:
             await self._repair(run, events, last)
-        if ended:
+        if ended:  # their entries were acknowledged by the writes that ended them
             st.room.set()
-            try:
-                await ack(st, ended)
-            except (RedisError, OSError) as exc:  # their entries go idle and are reclaimed
-                log.log(failure_level(st.redis), "ack failed", extra={"error": str(exc)})
 
     async def _failed(self, order: Written, exc: Exception) -> None:
         """Nothing is lost: the events go again (the scripts skip seqs already written)."""
