@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import contextlib
 import json
 import shutil
@@ -82,7 +83,7 @@ class Processes:
                 continue
             raw = self.profile / f"{self.section}-{name}.raw"
             self._spies[name] = subprocess.Popen(
-                [spy, "record", "--pid", str(p.pid), "--format", "raw", "-o", str(raw)]
+                [spy, "record", "--pid", str(p.pid), "--format", "raw", "-o", str(raw)] + (["--idle"] if os.environ.get("TINY_IDLE") else [])
                 + ["--rate", "200", "--nonblocking"],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
