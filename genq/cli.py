@@ -314,10 +314,11 @@ def _run(args: argparse.Namespace) -> int:
     logs.setup(_load(RedisSettings, **level))
     if args.command == "serve":
         from genq.embedded_redis import default_data_dir
-        from genq.serve import serve
+        from genq.serve import plan_serve, serve
         from worker.process import check_engine
 
         settings = _settings(**level, **_engine_settings(args), redis_url=args.redis_url)
+        plan = plan_serve(settings, args.gpus, args.procs_per_gpu)  # refuses what cannot fit
         check_engine(settings)
         data_dir = None if args.ephemeral else (args.data_dir or default_data_dir())
         return serve(
@@ -328,6 +329,7 @@ def _run(args: argparse.Namespace) -> int:
             args.procs_per_gpu,
             data_dir,
             data_dir_chosen=args.data_dir is not None,
+            plan=plan,
         )
     if args.command == "gateway":
         return _gateway(args, level)
@@ -400,8 +402,14 @@ def _worker(args: argparse.Namespace, level: dict[str, Any]) -> int:
     # its own sections only: a gateway's files (GENQ_API_KEYS_FILE, …) need not exist here
     settings = _load(WorkerSettings, **level, **_engine_settings(args), redis_url=args.redis_url)
     _need_redis(settings, "worker")
+    launched = bool(args.gpus) or args.procs_per_gpu != "1"
+    if not launched:  # one process on one GPU must fit there too (the launcher checks its own)
+        from genq.gpu_share import check_fits
+        from genq.launcher import parse_gpus
+
+        check_fits(settings, parse_gpus(None), 1)
     check_engine(settings)
-    if args.gpus or args.procs_per_gpu != "1":
+    if launched:
         from genq.launcher import run as launch
 
         return launch(settings, args.gpus, args.procs_per_gpu)

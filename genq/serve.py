@@ -41,7 +41,7 @@ from fastapi import FastAPI
 from gateway.app import create_app
 from gateway.http_protocol import HTTP_PROTOCOL
 from gateway.server import listen, run_gateway, url_of
-from genq import launcher
+from genq import gpu_share, launcher
 from genq.embedded_redis import private_redis
 from shared import lifeline, logs, runtime
 from shared.redisconn import connect
@@ -65,8 +65,12 @@ class ServePlan:
 
 
 def plan_serve(settings: Settings, gpus: str | None, procs_per_gpu: str | None) -> ServePlan:
+    """The GPUs and processes per GPU; SystemExit with one line where they cannot fit
+    (genq/gpu_share.py)."""
     gpu_list = launcher.parse_gpus(gpus)
-    return ServePlan(gpu_list, launcher.resolve_procs(settings, gpu_list, procs_per_gpu))
+    procs = launcher.resolve_procs(settings, gpu_list, procs_per_gpu)
+    gpu_share.check_fits(settings, gpu_list, procs)
+    return ServePlan(gpu_list, procs)
 
 
 def serve(
@@ -77,13 +81,14 @@ def serve(
     procs_per_gpu: str | None,
     data_dir: Path | None,
     data_dir_chosen: bool = True,
+    plan: ServePlan | None = None,
 ) -> int:
     """`data_dir`: where the private redis-server keeps its data (None: nothing is kept);
     `data_dir_chosen`: given by the user (not the default), so one that cannot be made stops
-    the start."""
+    the start; `plan`: made already (`plan_serve`)."""
     sock = listen(host, port)
     url = url_of(sock)
-    plan = plan_serve(settings, gpus, procs_per_gpu)
+    plan = plan or plan_serve(settings, gpus, procs_per_gpu)
     with sock, contextlib.ExitStack() as stack:
         if not settings.redis_configured and (
             redis_url := stack.enter_context(private_redis(data_dir, data_dir_chosen))

@@ -1222,8 +1222,15 @@ class WorkerSettings(JobSettings, EngineSettings):
         default=5,
         ge=0,
         description="the launcher restarts a worker process that dies at most this many times "
-        "within GENQ_RESTART_WINDOW_S; one more death then stops every process (drained) and "
-        "exits non-zero, so that systemd or Kubernetes sees the crash loop (0: never restart)",
+        "within GENQ_RESTART_WINDOW_S; one more death stops that process alone (the others go "
+        "on, the gateways' /readyz names it); once none is left, the launcher exits non-zero, "
+        "so that systemd or Kubernetes sees the crash loop (0: never restart)",
+    )
+    gpu_memory_gib: float | None = Field(
+        default=None,
+        gt=0,
+        description="GiB of each GPU the launcher shares among its worker processes (weights, "
+        "cache, overhead); default: what NVML or nvidia-smi says is free before they start",
     )
     restart_window_s: float = Field(
         default=600.0,
