@@ -21,6 +21,7 @@ from gateway.app import create_app
 from shared.keys import Keys
 from shared.settings import Settings
 from tests.prefixes import RUN_PREFIX, test_prefix
+from worker.link import EngineLink
 from worker.service import Worker
 from worker.sim import SimEngine
 
@@ -101,11 +102,16 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def running_stack(
-    settings: Settings, redis: aioredis.Redis, **engine_options: object
+    settings: Settings,
+    redis: aioredis.Redis,
+    link: EngineLink | None = None,
+    **engine_options: object,
 ) -> AsyncIterator[Stack]:
+    """A gateway app and a worker; the sim engine on a thread of this process, or `link`
+    (an engine process's: `EngineProcess.spawn`)."""
     options: dict = {"step_ms": settings.sim_step_ms, "max_batch": settings.max_batch}
     options.update(engine_options)
-    worker = Worker(settings, SimEngine(**options), redis=redis)
+    worker = Worker(settings, link or SimEngine(**options), redis=redis)
     task = asyncio.create_task(worker.run())
     raw_pubsub = not isinstance(redis, fakeredis.FakeAsyncRedis)  # real Redis: genq's own reader
     app = create_app(settings, redis=redis, raw_pubsub=raw_pubsub)

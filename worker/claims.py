@@ -31,17 +31,13 @@ from worker.entries import (
     requeue,
     requeue_waiting,
 )
-from worker.jobstate import Claim, RunningJob
+from worker.jobstate import AHEAD_TOKENS, Claim, RunningJob
 from worker.state import WorkerState
 
 log = logging.getLogger(__name__)
 
 UNBLOCK_RETRY_S = 0.002
 """How soon to send CLIENT UNBLOCK again when the blocking read had not reached Redis yet."""
-
-AHEAD_TOKENS = 2
-"""A job this near its max_tokens frees its slot within as many steps: a batch claim may be
-taken for it beforehand (`Claimer._ahead`)."""
 
 RESERVE_SHARE = 4
 """The interactive reserve is at most 1/RESERVE_SHARE of a worker's slots."""
@@ -275,10 +271,7 @@ class Claimer:
         return sum(
             1
             for r in self.st.running.values()
-            if r.end is None
-            and r.retry_error is None
-            # tokens flushed and those not yet (a batch job's wait for its flush interval)
-            and r.spec.max_tokens - len(r.token_ids) - len(r.acc_ids) <= AHEAD_TOKENS
+            if r.end is None and r.retry_error is None and r.tokens_left() <= AHEAD_TOKENS
         )
 
     def _is_batch(self, claim: Claim) -> bool:

@@ -19,7 +19,7 @@ from shared.transitions import Call, EmitReply, EncodedEvent, Fenced, LostTail
 from worker import joblog
 from worker.engine import StepOutput, Stop
 from worker.entries import hand_back
-from worker.jobstate import Claim, RunningJob
+from worker.jobstate import AHEAD_TOKENS, Claim, RunningJob
 from worker.state import WorkerState
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,10 @@ class Flusher:
             if out.token_ids or out.text:
                 if run.first_token_wall is None and not batch:
                     st.urgent.add(run.id)
+                left = run.tokens_left()
                 run.add_tokens(out.text, out.token_ids, out.logprobs)
+                # near its end now: a job may be started ahead for its slot (worker/claims.py)
+                freed |= left > AHEAD_TOKENS >= run.tokens_left()
             if out.prompt_tokens:
                 run.prompt_tokens = out.prompt_tokens
                 run.cached_tokens = out.cached_tokens
@@ -114,7 +117,7 @@ class Flusher:
                     st.urgent.add(run.id)
                 freed = True
             st.dirty.add(out.job_id)
-        if freed:  # their slots are the engine's again: claims may start beside the flush
+        if freed:  # slots are the engine's again, or soon: claims may start beside the flush
             st.room.set()
         if st.runner is not None and st.runner.failures >= _MAX_ENGINE_FAILURES:
             log.error("engine keeps failing; stopping", extra={"worker_id": st.id})
