@@ -402,17 +402,16 @@ def _worker(args: argparse.Namespace, level: dict[str, Any]) -> int:
     # its own sections only: a gateway's files (GENQ_API_KEYS_FILE, …) need not exist here
     settings = _load(WorkerSettings, **level, **_engine_settings(args), redis_url=args.redis_url)
     _need_redis(settings, "worker")
-    launched = bool(args.gpus) or args.procs_per_gpu != "1"
-    if not launched:  # one process on one GPU must fit there too (the launcher checks its own)
-        from genq.gpu_share import check_fits
-        from genq.launcher import parse_gpus
+    from genq.gpu_share import check_fits
+    from genq.launcher import Launcher, parse_gpus, resolve_procs
 
-        check_fits(settings, parse_gpus(None), 1)
+    # before anything loads: the processes must fit their GPUs (one line otherwise)
+    gpus = parse_gpus(args.gpus)
+    procs = resolve_procs(settings, gpus, args.procs_per_gpu)
+    memory = check_fits(settings, gpus, procs)
     check_engine(settings)
-    if launched:
-        from genq.launcher import run as launch
-
-        return launch(settings, args.gpus, args.procs_per_gpu)
+    if args.gpus or args.procs_per_gpu != "1":
+        return Launcher(settings, gpus, procs, memory=memory).run()
     from worker.process import run
 
     return run(settings)

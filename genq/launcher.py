@@ -342,11 +342,12 @@ def sync_client(s: WorkerSettings) -> redis.Redis:
     timeouts["socket_connect_timeout"] = s.redis_socket_timeout_s
     if s.redis_url:
         return redis.Redis.from_url(s.redis_url, **timeouts)
+    if not s.redis_sentinels or s.redis_sentinel_master is None:
+        raise ValueError("no Redis to report to (GENQ_REDIS_URL, GENQ_REDIS_SENTINELS)")
     sentinel = Sentinel(
         [sentinel_address(a) for a in s.redis_sentinels],
         sentinel_kwargs={"password": _secret(s.redis_sentinel_password), **timeouts},
     )
-    assert s.redis_sentinel_master is not None  # the settings refuse sentinels without
     return sentinel.master_for(
         s.redis_sentinel_master,
         username=s.redis_username,
