@@ -267,7 +267,11 @@ class Claimer:
 
     def _ahead(self) -> int:
         """Batch claims worth taking before their slots are free: one per job in the engine
-        within `AHEAD_TOKENS` of its max_tokens (it ends within that many steps, or sooner)."""
+        within `AHEAD_TOKENS` of its max_tokens (it ends within that many steps, or sooner).
+        None without an interactive reserve: there a slot coming free is the next
+        interactive job's, if one comes, not a batch job's taken ahead."""
+        if not self._reserve():
+            return 0
         return sum(
             1
             for r in self.st.running.values()
@@ -373,14 +377,16 @@ class Claimer:
 
         Batch claims may start ahead of their slots, one per job within `AHEAD_TOKENS` of its
         end: they wait at the engine's doorstep (worker/core.py) and join it at the step that
-        frees a slot, instead of a Redis round trip and a socket hop after it."""
+        frees a slot, instead of a Redis round trip and a socket hop after it. Only beside an
+        interactive reserve (which batch jobs never join, so an interactive job finds a slot
+        there) and while no interactive claim waits here: interactive work goes first."""
         st = self.st
         ready: list[Claim] = []
         running = [r for r in st.running.values() if r.end is None and r.retry_error is None]
         batch_slots = st.engine.max_batch - self._reserve()
         batch = sum(1 for r in running if self._is_batch(r.claim))
         others = len(running) - batch
-        ahead = self._ahead()
+        ahead = self._ahead() if all(self._is_batch(c) for c in st.waiting) else 0
         limits = self._owner_limits()
         kept: list[Claim] = []
         self._paged_out = False

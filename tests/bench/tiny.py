@@ -9,23 +9,26 @@ and sim workers with --step-ms steps, and stops them after):
   batch  a --batch-lines batch (Batch API, `/v1/completions`) of --tiny-tokens new tokens a
          line on --batch-workers workers of --slots slots: jobs/s from the batch's creation
          to its end, and the mean jobs in the engines' batches meanwhile
-  drain  --drain-jobs `POST /v1/jobs` jobs of --tiny-tokens tokens queued while one worker of
-         --slots slots is stopped (SIGSTOP), then drained (tests/bench/drain.py): jobs/s
-  feed   a --feed-lines batch of --feed-tokens tokens a line on --batch-workers workers of
+  drain  --drain-jobs `batch`-priority `POST /v1/jobs` jobs of --tiny-tokens tokens (raw
+         keep-alive HTTP from --concurrency clients) queued while one worker of --slots
+         slots is stopped (SIGSTOP), then drained: jobs/s from the first job done to the
+         last (the queue's length, read in Redis: an entry goes with its job's end)
+  feed   a --feed-lines batch of --feed-tokens tokens a line (a shared system prompt of
+         --feed-system-words words: the file takes ~36 chunks) on --batch-workers workers of
          --feed-slots slots: seconds to its end against the slot-bound ideal (every slot busy
-         from the start: lines × (tokens + 1) steps over all slots), and the jobs running and
-         chunks still unqueued at the 40 % mark
+         from the start: lines × (tokens + 1) steps over all slots), and the jobs running
+         and chunks still unqueued at the 40 % mark
 
 Each section also prints the CPU seconds each process spent in its measured part (where the
-time goes); with --profile DIR, py-spy records each one then (DIR/<section>-<process>.txt,
-the hottest frames, and the raw collapsed stacks beside them).
+time goes; steadier than seconds on a shared box); with --profile DIR, py-spy records each
+one then (DIR/<section>-<process>.txt: the hottest frames; the raw collapsed stacks beside).
+The workers' /metrics are read once a second (a render costs a worker milliseconds).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import contextlib
 import json
 import shutil
@@ -42,12 +45,17 @@ from typing import Any
 
 import httpx
 import psutil
+import redis
 
 from genq.bench import Target, _read_head
+from shared.keys import Keys
 from tests.bench.drain import metric
 from tests.procs import Cluster, Proc, engine_processes, free_port, redis_server, wait_for
 
 POLL_S = 0.1
+METRICS_EVERY = 10
+"""Polls between two reads of the workers' /metrics (a render costs a worker milliseconds:
+read ten times a second it would take a tenth of a core from the work measured)."""
 MARK = 0.4
 """The feed section reads the jobs running and the chunks unqueued when this share is done."""
 PROMPT_WORDS = "is this review positive or negative the food was cold but the staff kind"
@@ -59,9 +67,13 @@ class Processes:
     """The genq processes of one section (gateway, workers, their engines, redis-server):
     CPU seconds over a measured part, and py-spy on each meanwhile with --profile."""
 
-    def __init__(self, named: dict[str, int], profile: Path | None, section: str) -> None:
+    def __init__(
+        self, named: dict[str, int], profile: Path | None, section: str, idle: bool = False
+    ) -> None:
         self.procs = {name: psutil.Process(pid) for name, pid in named.items()}
         self.profile = profile
+        self.idle = idle
+        """py-spy's --idle: waiting threads sampled too."""
         self.section = section
         self._spies: dict[str, subprocess.Popen[bytes]] = {}
         self._cpu0: dict[str, float] = {}
@@ -83,7 +95,8 @@ class Processes:
                 continue
             raw = self.profile / f"{self.section}-{name}.raw"
             self._spies[name] = subprocess.Popen(
-                [spy, "record", "--pid", str(p.pid), "--format", "raw", "-o", str(raw)] + (["--idle"] if os.environ.get("TINY_IDLE") else [])
+                [spy, "record", "--pid", str(p.pid), "--format", "raw", "-o", str(raw)]
+                + (["--idle"] if self.idle else [])
                 + ["--rate", "200", "--nonblocking"],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -215,15 +228,17 @@ def run_batch(
     b = http.post(f"{url}/v1/batches", json=body).json()
     seen: list[float] = []
     at_mark: dict[str, Any] = {}
-    import redis
-
     r = redis.Redis.from_url(redis_url, decode_responses=True)
+    polls = 0
     while b["status"] not in ENDED:
         time.sleep(POLL_S)
+        polls += 1
         b = http.get(f"{url}/v1/batches/{b['id']}").json()
-        seen.append(running(http, ws))
         done = b["request_counts"]["completed"] + b["request_counts"]["failed"]
-        if not at_mark and done >= MARK * lines:
+        marked = not at_mark and done >= MARK * lines
+        if polls % METRICS_EVERY == 0 or marked:
+            seen.append(running(http, ws))
+        if marked:
             raw = r.hgetall(next(r.scan_iter(f"*batch:{{{b['id']}}}")))
             chunks = len(json.loads(raw["chunks"]))
             at_mark = {
@@ -247,7 +262,7 @@ def section_batch(args: argparse.Namespace) -> dict[str, Any]:
     with cluster(args) as c, httpx.Client(timeout=120) as http:
         gw = c.gateway()
         ws = workers(c, args.batch_workers, args, args.slots)
-        procs = Processes(named(c, gw, ws), args.profile, "batch")
+        procs = Processes(named(c, gw, ws), args.profile, "batch", args.profile_idle)
         out = run_batch(http, gw.url, args.batch_lines, args.tiny_tokens, ws, procs, c.redis_url)
     ceiling = args.batch_workers * args.slots / ((args.tiny_tokens + 1) * args.step_ms / 1000)
     return {"lines": args.batch_lines, **out, "ceiling_jobs_per_s": round(ceiling, 1)}
@@ -257,7 +272,7 @@ def section_feed(args: argparse.Namespace) -> dict[str, Any]:
     with cluster(args) as c, httpx.Client(timeout=120) as http:
         gw = c.gateway()
         ws = workers(c, args.batch_workers, args, args.feed_slots)
-        procs = Processes(named(c, gw, ws), args.profile, "feed")
+        procs = Processes(named(c, gw, ws), args.profile, "feed", args.profile_idle)
         out = run_batch(
             http,
             gw.url,
@@ -307,7 +322,7 @@ def section_drain(args: argparse.Namespace) -> dict[str, Any]:
     with cluster(args) as c:
         gw = c.gateway()
         ((w, port),) = workers(c, 1, args, args.slots)
-        procs = Processes(named(c, gw, [(w, port)]), args.profile, "drain")
+        procs = Processes(named(c, gw, [(w, port)]), args.profile, "drain", args.profile_idle)
         w.signal(signal.SIGSTOP)
         filling = Processes({"gateway": gw.proc.pid}, args.profile, "submit")
         filling.start()
@@ -323,17 +338,21 @@ def section_drain(args: argparse.Namespace) -> dict[str, Any]:
         t_first = None
         done = 0.0
         deadline = time.monotonic() + args.timeout_s
+        r = redis.Redis.from_url(c.redis_url)
+        queue = Keys(c.env["GENQ_KEY_PREFIX"]).queue("sim", "batch")  # gone at its job's end
         with httpx.Client(timeout=5) as http:
+            polls = 0
             while time.monotonic() < deadline and done < args.drain_jobs:
-                text = http.get(f"http://127.0.0.1:{port}/metrics").text
-                done = metric(text, "genq_request_success_total")
+                done = args.drain_jobs - r.xlen(queue)
                 now = time.perf_counter()
                 if done and t_first is None:
                     t_first = now
-                if t_first is not None:
-                    seen.append(metric(text, "genq_num_requests_running"))
+                polls += 1
+                if t_first is not None and polls % METRICS_EVERY == 0:
+                    seen.append(running(http, [(w, port)]))
                 time.sleep(POLL_S)
         t_last = time.perf_counter()
+        r.close()
         cpu = procs.stop()
     if t_first is None or done < args.drain_jobs:
         raise SystemExit(f"the backlog did not drain within {args.timeout_s} s ({done:.0f})")
@@ -344,7 +363,7 @@ def section_drain(args: argparse.Namespace) -> dict[str, Any]:
         "submit_gateway_cpu_ms_per_job": round(submit_cpu * 1000 / args.drain_jobs, 2),
         "s": round(t_last - t_first, 2),
         "jobs_per_s": round(args.drain_jobs / (t_last - t_first), 1),
-        "running_mean": round(statistics.mean(seen), 1),
+        "running_mean": round(statistics.mean(seen), 1) if seen else None,
         "cpu_s": cpu,
         "ceiling_jobs_per_s": round(ceiling, 1),
     }
@@ -375,6 +394,7 @@ def main() -> None:
     )
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--profile", type=Path, help="py-spy each process into this folder")
+    ap.add_argument("--profile-idle", action="store_true", help="py-spy --idle: waits too")
     ap.add_argument("--logs", type=Path, help="copy the processes' logs into this folder")
     ap.add_argument("--env", action="append", default=[], help="K=V for every process")
     args = ap.parse_args()
