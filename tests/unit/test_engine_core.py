@@ -70,7 +70,7 @@ def test_a_higher_limit_passes_waiting_adds_and_adds_count_in_order() -> None:
 
 
 def test_a_new_attempt_replaces_its_jobs_waiting_one() -> None:
-    core, engine = _core(max_batch=1)
+    core, _ = _core(max_batch=1)
     core.apply([_add("a"), _add("b"), _add("b", attempt=2)])
     assert core.waiting() == 1
     core.step()
