@@ -111,13 +111,14 @@ class EngineCore:
 
     def _leave_doorstep(self, job_id: str, attempt: int | None = None) -> bool:
         """Drop the job's add (of `attempt`, or any) from the doorstep; whether there was one."""
-        before = len(self._waiting)
-        self._waiting = collections.deque(
+        gone = [
             (n, c)
             for n, c in self._waiting
-            if c.job.id != job_id or (attempt is not None and c.attempt != attempt)
-        )
-        return len(self._waiting) < before
+            if c.job.id == job_id and (attempt is None or c.attempt == attempt)
+        ]
+        for entry in gone:
+            self._waiting.remove(entry)
+        return bool(gone)
 
     def _add(self, c: AddCommand) -> list[StepOutput]:
         job_id = c.job.id
