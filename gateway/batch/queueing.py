@@ -5,7 +5,8 @@ Idempotent: a line's job has an id that follows from the batch and the line
 (`batch_job_id`), and is created by a SUBMIT that also claims the line's key
 (`Keys.batch_line`), so a chunk queued twice (a driver that died before moving its cursor)
 makes no job twice. A chunk goes in groups of `QUEUE_GROUP` lines, each queued as soon as it
-is checked, so the workers start on a chunk's first lines while the rest are still checked.
+is checked (its SUBMITs run in Redis while the next group is checked), so the workers start
+on a chunk's first lines while the rest are still checked.
 Within a group, lines are queued sorted by their prompt's tokens: lines sharing a prefix (a
 system prompt) reach the engine together, and its prefix cache shares their pages.
 """
@@ -84,24 +85,34 @@ class Queuer:
         prepared: list[PreparedLine] = []
         failed: list[LineResult] = []
         queued, model = 0, None
-        for n in range(first, last):
-            if raws is None:
-                failed.append(_gone(record.id, n))
-                continue
-            raw = raws[n - first]
-            checked = await self.checker.check(n, raw)
-            if isinstance(checked, LineProblem):
-                failed.append(_refused(record.id, checked, custom_id_of(raw)))
-            else:
-                prepared.append(checked)
-                model = checked.spec.model
-            if len(prepared) >= QUEUE_GROUP:
-                queued += await self._submit(record, prepared)
-                prepared = []
-                await lease.renew()
-            elif (n - first) % CHECK_GROUP == CHECK_GROUP - 1:
-                await asyncio.sleep(0)  # tokenizing is CPU work: let the loop serve others
-        queued += await self._submit(record, prepared)
+        # A group's SUBMITs run in Redis while the next group is checked here.
+        submitting: asyncio.Task[int] | None = None
+        try:
+            for n in range(first, last):
+                if raws is None:
+                    failed.append(_gone(record.id, n))
+                    continue
+                raw = raws[n - first]
+                checked = await self.checker.check(n, raw)
+                if isinstance(checked, LineProblem):
+                    failed.append(_refused(record.id, checked, custom_id_of(raw)))
+                else:
+                    prepared.append(checked)
+                    model = checked.spec.model
+                if len(prepared) >= QUEUE_GROUP:
+                    queued += await submitting if submitting is not None else 0
+                    submitting = asyncio.create_task(self._submit(record, prepared))
+                    prepared = []
+                    await lease.renew()
+                elif (n - first) % CHECK_GROUP == CHECK_GROUP - 1:
+                    await asyncio.sleep(0)  # tokenizing is CPU work: let the loop serve others
+            queued += await submitting if submitting is not None else 0
+            submitting = None
+            queued += await self._submit(record, prepared)
+        finally:
+            if submitting is not None:  # checking failed: the chunk is queued again later
+                submitting.cancel()
+                await asyncio.wait({submitting})  # its outcome is not ours to raise
         await lease.renew()
         if queued:  # one line per chunk: a batch's jobs are `batch_job_id(batch, line)`
             log.info(
