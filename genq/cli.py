@@ -315,10 +315,11 @@ def _run(args: argparse.Namespace) -> int:
     logs.setup(_load(RedisSettings, **level))
     if args.command == "serve":
         from genq.embedded_redis import default_data_dir
-        from genq.serve import serve
+        from genq.serve import plan_serve, serve
         from worker.process import check_engine
 
         settings = _settings(**level, **_engine_settings(args), redis_url=args.redis_url)
+        plan = plan_serve(settings, args.gpus, args.procs_per_gpu)  # refuses what cannot fit
         check_engine(settings)
         data_dir = None if args.ephemeral else (args.data_dir or default_data_dir())
         return serve(
@@ -329,6 +330,7 @@ def _run(args: argparse.Namespace) -> int:
             args.procs_per_gpu,
             data_dir,
             data_dir_chosen=args.data_dir is not None,
+            plan=plan,
         )
     if args.command == "gateway":
         return _gateway(args, level)
@@ -402,11 +404,16 @@ def _worker(args: argparse.Namespace, level: dict[str, Any]) -> int:
     # its own sections only: a gateway's files (GENQ_API_KEYS_FILE, …) need not exist here
     settings = _load(WorkerSettings, **level, **_engine_settings(args), redis_url=args.redis_url)
     _need_redis(settings, "worker")
+    from genq.gpu_share import check_fits
+    from genq.launcher import Launcher, parse_gpus, resolve_procs
+
+    # before anything loads: the processes must fit their GPUs (one line otherwise)
+    gpus = parse_gpus(args.gpus)
+    procs = resolve_procs(settings, gpus, args.procs_per_gpu)
+    memory = check_fits(settings, gpus, procs)
     check_engine(settings)
     if args.gpus or args.procs_per_gpu != "1":
-        from genq.launcher import run as launch
-
-        return launch(settings, args.gpus, args.procs_per_gpu, early)
+        return Launcher(settings, gpus, procs, memory=memory).run(early)
     from worker.process import run
 
     return run(settings, early)

@@ -7,13 +7,19 @@ since each claims only what it can start now. Each child is a plain `genq worker
 and cache (`--max-batch` and `--cache-tokens` are per GPU here). Weights are loaded once per
 process: N copies of the model must fit on the GPU beside the caches.
 
+Before any child starts, the GPU's memory is shared among them (genq/gpu_share.py): each
+gets a cache its share of the memory holds, or the launcher refuses to start at all.
+
 The launcher restarts a child that dies (backoff doubling from `RESTART_BACKOFF_S` up to
 `RESTART_BACKOFF_MAX_S`, reset once a child has stayed up `STABLE_AFTER_S`; its jobs are
 reclaimed by the queue as usual), but only `GENQ_RESTART_LIMIT` times within
 `GENQ_RESTART_WINDOW_S`: a child that dies once more in that window is a crash loop the
-launcher cannot fix (a bad model, a broken GPU), so it stops every child (drained, as on
-SIGTERM) and exits `CRASH_LOOP_EXIT` — restarting the whole set, with its own backoff and
-alerting, is then the job of systemd or Kubernetes. SIGTERM/SIGINT are passed on, so that
+launcher cannot fix (a bad GPU, a process that does not fit), so it stops that child alone:
+the others go on serving. It says so in its log and in Redis (`Keys.stopped_workers`, which
+the gateways' /readyz reads: the model's capacity dropped), every `STOPPED_REPORT_S` while it
+runs. Once no child is left, it exits `CRASH_LOOP_EXIT` — restarting the whole set, with its
+own backoff and alerting, is then the job of systemd or Kubernetes; so does a launcher
+stopped later, one of whose children it had stopped. SIGTERM/SIGINT are passed on, so that
 every child drains; the same signal again is passed on again (each child then hands its jobs
 back at once).
 """
@@ -34,14 +40,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
 from pydantic import SecretStr
+from redis.exceptions import RedisError
+from redis.sentinel import Sentinel
 
+from genq import gpu_share
+from genq.gpu_share import CACHE_BYTES_PER_ELEMENT, GPU_MEMORY_USABLE, PROC_OVERHEAD_BYTES
 from shared import lifeline
-from shared.settings import WorkerSettings
+from shared.keys import Keys
+from shared.records import StoppedWorker
+from shared.settings import WorkerSettings, sentinel_address
 from worker import cpus
-from worker.dyngen.backend import PAGE_TOKENS, cache_tokens
+from worker.dyngen.backend import cache_tokens
 from worker.exl2 import loader
-from worker.gpus import free_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +65,10 @@ KILL_MARGIN_S = 10.0
 """After SIGTERM a child has `shutdown_grace_s` plus this to leave before it is killed."""
 CRASH_LOOP_EXIT = 1
 """The launcher's exit code after a child exceeded its restarts (a failure to systemd)."""
+STOPPED_REPORT_S = 5.0
+"""How often the launcher writes its stopped children to Redis again; each entry is shown
+for `STOPPED_REPORT_TTL_S` after its last write (a launcher gone, they lapse)."""
+STOPPED_REPORT_TTL_S = 3 * STOPPED_REPORT_S
 
 # `--procs-per-gpu auto`: as many processes as memory and CPU allow, up to the point where
 # more stopped paying on an H200 with an 8B model (docs/performance.md). With sampling
@@ -68,11 +84,6 @@ AUTO_MAX_PROCS: int = WorkerSettings.model_fields["auto_procs_max"].default
 CORES_PER_PROC = 2
 AUTO_MAX_PROCS_CPU_SAMPLING = 4
 CORES_PER_PROC_CPU_SAMPLING = 4
-PROC_OVERHEAD_BYTES = 3 * 1024**3
-"""Per process beside weights and cache: CUDA context, activations, scratch buffers."""
-GPU_MEMORY_USABLE = 0.9
-CACHE_BYTES_PER_ELEMENT = {"FP16": 2.0, "Q8": 1.125, "Q6": 0.875, "Q4": 0.625}
-"""K/V bytes per element by cache mode, quantisation scales included (approximate)."""
 
 
 @dataclass
@@ -88,17 +99,21 @@ class Child:
     exit_codes: list[int] = field(default_factory=list)
     recent_restarts: collections.deque[float] = field(default_factory=collections.deque)
     """When this child was last restarted, within the restart window."""
+    stopped_at: float | None = None
+    """When the launcher gave up on it (a crash loop; unix seconds): never restarted again."""
 
     @property
     def name(self) -> str:
         return f"gpu{self.gpu}/p{self.index}"
 
 
-def child_settings(settings: WorkerSettings, procs_per_gpu: int) -> dict[str, Any]:
-    """Per-process share of one GPU: batch slots and cache tokens divided by N."""
+def child_settings(
+    settings: WorkerSettings, procs_per_gpu: int, share: gpu_share.Share | None = None
+) -> dict[str, Any]:
+    """Per-process share of one GPU: batch slots and cache tokens divided by N, the cache no
+    larger than the process's share of the GPU's memory holds (`share`, when known)."""
     per = max(1, math.ceil(settings.max_batch / procs_per_gpu))
-    page = PAGE_TOKENS
-    per_cache = max(page, (gpu_cache_tokens(settings) // procs_per_gpu) // page * page)
+    per_cache = gpu_share.process_cache_tokens(settings, procs_per_gpu, share)
     return {"max_batch": per, "cache_tokens": per_cache}
 
 
@@ -131,10 +146,12 @@ class Launcher:
         procs_per_gpu: int,
         command: list[str] | None = None,
         cpu_sets: list[list[int]] | None = None,
+        memory: gpu_share.Share | None = None,
     ) -> None:
+        """`memory`: how the GPUs' memory is shared (`gpu_share.check_fits`), when known."""
         self.settings = settings
         self.command = command or [sys.executable, "-m", "genq", "worker"]
-        share = child_settings(settings, procs_per_gpu)
+        share = child_settings(settings, procs_per_gpu, memory)
         base_id = settings.worker_id or socket.gethostname()
         placement = [gpu for gpu in gpus for _ in range(procs_per_gpu)]
         cpu_sets = cpu_sets_for(settings, placement) if cpu_sets is None else cpu_sets
@@ -157,7 +174,9 @@ class Launcher:
         self._signals: set[int] = set()
         """The signals that stopped the launcher so far."""
         self.crash_loop: Child | None = None
-        """The child whose deaths passed the restart limit, once one has."""
+        """The first child whose deaths passed the restart limit, once one has."""
+        self._reported_at = 0.0
+        self._redis: redis.Redis | None = None
 
     def _start(self, c: Child) -> None:
         env = dict(c.env)
@@ -203,14 +222,20 @@ class Launcher:
         their drain; `CRASH_LOOP_EXIT` after a crash loop, else the worst child's exit code."""
         for c in self.children if not self.stopping else []:
             self._start(c)
-        while not self.stopping:
-            self._supervise(time.monotonic())
-            time.sleep(POLL_S)
-        code = self._wait_all()
+        try:
+            while not self.stopping:
+                self._supervise(time.monotonic())
+                self._report(time.monotonic())
+                time.sleep(POLL_S)
+            code = self._wait_all()
+        finally:
+            self._unreport()
         return CRASH_LOOP_EXIT if self.crash_loop is not None else code
 
     def _supervise(self, now: float) -> None:
         for c in self.children:
+            if c.stopped_at is not None:
+                continue
             if c.proc is None:
                 if now >= c.next_start:
                     self._start(c)
@@ -241,17 +266,71 @@ class Launcher:
         return len(c.recent_restarts) < self.settings.restart_limit
 
     def _give_up(self, c: Child, code: int) -> None:
+        """Stop restarting `c`; the others go on. None left: the launcher stops too."""
+        c.stopped_at = time.time()
+        self.crash_loop = self.crash_loop or c
+        left = [o for o in self.children if o.stopped_at is None]
         log.error(
-            "worker process keeps dying: stopping every worker process",
+            "worker process keeps dying: stopped it; "
+            + (f"{len(left)} other(s) go on" if left else "none is left"),
             extra={
                 "child": c.name,
+                "worker_id": c.env["GENQ_WORKER_ID"],
                 "code": code,
                 "restarts": len(c.recent_restarts),
                 "window_s": self.settings.restart_window_s,
             },
         )
-        self.crash_loop = c
-        self._stop()
+        self._reported_at = 0.0  # say so now
+        if not left:
+            self._stop()
+
+    # ---- telling the gateways -------------------------------------------------------------
+
+    def _report(self, now: float) -> None:
+        """Every `STOPPED_REPORT_S`: the stopped children into Redis, for /readyz."""
+        stopped = [c for c in self.children if c.stopped_at is not None]
+        if not stopped or now - self._reported_at < STOPPED_REPORT_S:
+            return
+        self._reported_at = now
+        until = time.time() + STOPPED_REPORT_TTL_S
+        entries = {c.env["GENQ_WORKER_ID"]: self._entry(c, until).encode() for c in stopped}
+        try:
+            self._client().hset(Keys(self.settings.key_prefix).stopped_workers(), mapping=entries)
+        except (RedisError, OSError, ValueError) as exc:  # told again at the next report
+            log.warning("could not report stopped worker processes", extra={"error": str(exc)})
+
+    def _entry(self, c: Child, until: float) -> StoppedWorker:
+        window = self.settings.restart_window_s
+        assert c.stopped_at is not None
+        return StoppedWorker(
+            worker_id=c.env["GENQ_WORKER_ID"],
+            model=served_model(self.settings),
+            gpu=c.gpu,
+            host=socket.gethostname(),
+            reason=f"died {len(c.exit_codes)} times, {self.settings.restart_limit} restarts "
+            f"within {window:g} s (GENQ_RESTART_LIMIT): stopped by its launcher",
+            exit_codes=c.exit_codes[-self.settings.restart_limit - 1 :],
+            since=c.stopped_at,
+            until=until,
+        )
+
+    def _unreport(self) -> None:
+        """The launcher leaves: its stopped children are no longer its to report."""
+        ids = [c.env["GENQ_WORKER_ID"] for c in self.children if c.stopped_at is not None]
+        if not ids or self._redis is None:
+            return
+        try:
+            self._redis.hdel(Keys(self.settings.key_prefix).stopped_workers(), *ids)
+        except (RedisError, OSError):
+            pass  # they lapse
+        finally:
+            self._redis.close()
+
+    def _client(self) -> redis.Redis:
+        if self._redis is None:
+            self._redis = sync_client(self.settings)
+        return self._redis
 
     def _wait_all(self) -> int:
         deadline = time.monotonic() + self.settings.shutdown_grace_s + KILL_MARGIN_S
@@ -267,6 +346,39 @@ class Launcher:
                 code = c.proc.wait()
             worst = worst or code
         return worst
+
+
+def sync_client(s: WorkerSettings) -> redis.Redis:
+    """A plain (blocking) client of the workers' Redis, for the launcher's few writes: the
+    URL's, else the master the sentinels name."""
+    timeouts = {"socket_timeout": s.redis_socket_timeout_s}
+    timeouts["socket_connect_timeout"] = s.redis_socket_timeout_s
+    if s.redis_url:
+        return redis.Redis.from_url(s.redis_url, **timeouts)
+    if not s.redis_sentinels or s.redis_sentinel_master is None:
+        raise ValueError("no Redis to report to (GENQ_REDIS_URL, GENQ_REDIS_SENTINELS)")
+    sentinel = Sentinel(
+        [sentinel_address(a) for a in s.redis_sentinels],
+        sentinel_kwargs={"password": _secret(s.redis_sentinel_password), **timeouts},
+    )
+    return sentinel.master_for(
+        s.redis_sentinel_master,
+        username=s.redis_username,
+        password=_secret(s.redis_password),
+        **timeouts,
+    )
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return value.get_secret_value() if value else None
+
+
+def served_model(settings: WorkerSettings) -> str:
+    """The model's name as its workers announce it: --model-name, else the folder's, else
+    `sim`."""
+    if settings.model_name:
+        return settings.model_name
+    return Path(settings.model_dir).name if settings.model_dir else "sim"
 
 
 def cpu_sets_for(settings: WorkerSettings, placement: list[str]) -> list[list[int]] | None:
@@ -287,16 +399,6 @@ def parse_gpus(spec: str | None) -> list[str]:
     return [g for g in visible.split(",") if g] if visible else ["0"]
 
 
-def _model_bytes(model_dir: Path) -> tuple[int, int]:
-    """(weight bytes, K/V elements per cached token) of a model folder."""
-    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-    cfg = json.loads((model_dir / "config.json").read_text())
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    return weights, 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim
-
-
 def auto_procs(settings: WorkerSettings, gpus: list[str]) -> int:
     """Worker processes per GPU when none is given: one copy of the weights per process must
     fit beside the GPU's cache, each process wants CORES_PER_PROC cores, at most
@@ -304,15 +406,17 @@ def auto_procs(settings: WorkerSettings, gpus: list[str]) -> int:
     unknown GPU or model: 1."""
     if settings.engine != "exllamav2" or not settings.model_dir:
         return 1
-    free = free_memory_bytes(gpus[0])
+    free = gpu_share.gpu_memory(settings, gpus[0])
     try:
-        weights, kv_per_token = _model_bytes(Path(settings.model_dir))
+        size = gpu_share.model_size(Path(settings.model_dir))
     except (OSError, ValueError, KeyError):
         return 1
-    if free is None or weights == 0:
+    if free is None or size.weights_bytes == 0:
         return 1
-    cache = gpu_cache_tokens(settings) * kv_per_token * CACHE_BYTES_PER_ELEMENT[settings.cache_mode]
-    by_memory = int((free * GPU_MEMORY_USABLE - cache) // (weights + PROC_OVERHEAD_BYTES))
+    per_token = size.kv_per_token * CACHE_BYTES_PER_ELEMENT[settings.cache_mode]
+    cache = gpu_cache_tokens(settings) * per_token
+    per_proc = size.weights_bytes + PROC_OVERHEAD_BYTES
+    by_memory = int((free * GPU_MEMORY_USABLE - cache) // per_proc)
     most, cores = (
         (settings.auto_procs_max, CORES_PER_PROC)
         if settings.gpu_sampling
@@ -337,6 +441,9 @@ def run(
     procs_per_gpu: str | int | None,
     early: list[int] | None = None,
 ) -> int:
+    """Plan the GPUs' memory (SystemExit with one line where the processes do not fit),
+    then start and supervise them; `early`: the stop signals that came before."""
     gpu_list = parse_gpus(gpus)
-    launcher = Launcher(settings, gpu_list, resolve_procs(settings, gpu_list, procs_per_gpu))
-    return launcher.run(early)
+    procs = resolve_procs(settings, gpu_list, procs_per_gpu)
+    memory = gpu_share.check_fits(settings, gpu_list, procs)
+    return Launcher(settings, gpu_list, procs, memory=memory).run(early)

@@ -56,7 +56,7 @@ from gateway.http_protocol import HTTP_PROTOCOL
 from gateway.registry import ModelRegistry
 from gateway.server import listen, run_gateway, url_of
 from gateway.stopping import Stopping, uvicorn_timeout_s
-from genq import launcher
+from genq import gpu_share, launcher
 from genq.embedded_redis import private_redis
 from shared import lifeline, logs, runtime
 from shared.keys import Keys
@@ -86,8 +86,12 @@ class ServePlan:
 
 
 def plan_serve(settings: Settings, gpus: str | None, procs_per_gpu: str | None) -> ServePlan:
+    """The GPUs and processes per GPU; SystemExit with one line where they cannot fit
+    (genq/gpu_share.py)."""
     gpu_list = launcher.parse_gpus(gpus)
-    return ServePlan(gpu_list, launcher.resolve_procs(settings, gpu_list, procs_per_gpu))
+    procs = launcher.resolve_procs(settings, gpu_list, procs_per_gpu)
+    gpu_share.check_fits(settings, gpu_list, procs)
+    return ServePlan(gpu_list, procs)
 
 
 def serve(
@@ -98,15 +102,16 @@ def serve(
     procs_per_gpu: str | None,
     data_dir: Path | None,
     data_dir_chosen: bool = True,
+    plan: ServePlan | None = None,
 ) -> int:
     """`data_dir`: where the private redis-server keeps its data (None: nothing is kept);
     `data_dir_chosen`: given by the user (not the default), so one that cannot be made stops
-    the start."""
+    the start; `plan`: made already (`plan_serve`)."""
     sock = listen(host, port)
     url = url_of(sock)
     if "shutdown_grace_s" not in settings.model_fields_set:  # a fleet's default is too long
         settings = settings.model_copy(update={"shutdown_grace_s": SERVE_SHUTDOWN_GRACE_S})
-    plan = plan_serve(settings, gpus, procs_per_gpu)
+    plan = plan or plan_serve(settings, gpus, procs_per_gpu)
     expected = sorted({*settings.queue_models, served_model(settings)})
     settings = settings.model_copy(update={"queue_models": expected})
     with sock, contextlib.ExitStack() as stack:

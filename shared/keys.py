@@ -116,6 +116,11 @@ class Keys:
         """Sorted set: worker id scored by its lease expiry (unix seconds)."""
         return f"{self.prefix}workers"
 
+    def stopped_workers(self) -> str:
+        """Hash: worker id → shared.records.StoppedWorker (a crash-looping process its
+        launcher stopped alone)."""
+        return f"{self.prefix}workers:stopped"
+
     def control(self, worker_id: str) -> str:
         """Pub/sub channel: commands to one worker (cancel)."""
         return f"{self.prefix}ctl:{worker_id}"

@@ -426,6 +426,34 @@ class CacheNews(BaseModel):
             raise RecordError(f"not cache news: {exc.errors()[0].get('msg')}") from None
 
 
+class StoppedWorker(BaseModel):
+    """A field of the hash `workers:stopped` (JSON), keyed by worker id: a worker process its
+    launcher stopped for dying again and again (a crash loop), while the others go on. The
+    launcher writes it again every `STOPPED_REPORT_S` with a later `until`; a launcher gone,
+    its entries lapse."""
+
+    worker_id: str
+    model: str
+    gpu: str | None = None
+    host: str
+    reason: str
+    exit_codes: list[int]
+    since: float
+    """When it was stopped (unix seconds)."""
+    until: float
+    """Shown until then, unless written again (unix seconds)."""
+
+    def encode(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def decode(cls, data: str | bytes) -> StoppedWorker:
+        try:
+            return cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise RecordError(f"not a stopped worker: {exc.errors()[0].get('msg')}") from None
+
+
 class ControlMessage(BaseModel):
     """A command on a worker's control channel (JSON)."""
 

@@ -146,8 +146,19 @@ SUBMIT = ScriptArgs(
 )
 EMIT = ScriptArgs(
     "emit",
-    keys=ENDING,
-    argv=("worker", "attempt", "maxlen", "retention", "job_id", "recent_cap", "compact_at", "n"),
+    keys=(*ENDING, "queue"),
+    argv=(
+        "worker",
+        "attempt",
+        "maxlen",
+        "retention",
+        "job_id",
+        "recent_cap",
+        "compact_at",
+        "group",
+        "entry",
+        "n",
+    ),
     rest="n (seq, json) pairs, then record (field, value) pairs",
 )
 SETTLE = ScriptArgs(

@@ -1164,6 +1164,13 @@ class WorkerSettings(JobSettings, EngineSettings):
         description="least time between event flushes (first tokens and "
         "job ends go at once); tokens produced meanwhile fold into one event per job",
     )
+    batch_flush_interval_ms: float = Field(
+        default=100.0,
+        ge=0,
+        description="least time between event flushes of batch-priority jobs (their first "
+        "tokens and ends wait for it too; cancels and failures go at once): fewer, larger "
+        "writes per job, where nobody waits on each token",
+    )
     gil_switch_interval_s: float | None = Field(
         default=None,
         gt=0,
@@ -1250,8 +1257,15 @@ class WorkerSettings(JobSettings, EngineSettings):
         default=5,
         ge=0,
         description="the launcher restarts a worker process that dies at most this many times "
-        "within GENQ_RESTART_WINDOW_S; one more death then stops every process (drained) and "
-        "exits non-zero, so that systemd or Kubernetes sees the crash loop (0: never restart)",
+        "within GENQ_RESTART_WINDOW_S; one more death stops that process alone (the others go "
+        "on, the gateways' /readyz names it); once none is left, the launcher exits non-zero, "
+        "so that systemd or Kubernetes sees the crash loop (0: never restart)",
+    )
+    gpu_memory_gib: float | None = Field(
+        default=None,
+        gt=0,
+        description="GiB of each GPU the launcher shares among its worker processes (weights, "
+        "cache, overhead); default: what NVML or nvidia-smi says is free before they start",
     )
     restart_window_s: float = Field(
         default=600.0,

@@ -416,8 +416,11 @@ class Transitions:
         maxlen: int,
         fields: dict[str, str] | None = None,
         retention_s: int = 0,
+        entry: tuple[str, str] | None = None,
     ) -> Call[EmitReply]:
-        """The owner's events, and (when the job ends) its record `fields` and retention."""
+        """The owner's events, and (when the job ends) its record `fields` and retention;
+        with `entry` (queue, entry id), the end acknowledges and deletes that queue entry."""
+        queue, entry_id = entry or ("", "")
         args: dict[str, Arg] = {
             "worker": worker,
             "attempt": attempt,
@@ -426,10 +429,13 @@ class Transitions:
             "job_id": job_id,
             "recent_cap": self.recent_jobs,
             "compact_at": self._compact_at(),
+            "group": CONSUMER_GROUP,
+            "entry": entry_id,
             "n": len(events),
         }
         rest = [*_events(events), *_flat(fields or {})]
-        return call(lua.EMIT, _emit_reply, self._ending(job_id), args, rest)
+        keys = {**self._ending(job_id), "queue": queue}
+        return call(lua.EMIT, _emit_reply, keys, args, rest)
 
     def settle(
         self,

@@ -7,8 +7,9 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from gateway.app import create_app
 from shared.keys import Keys
 from shared.settings import Settings
 from tests.prefixes import RUN_PREFIX, test_prefix
+from worker.link import EngineLink
 from worker.service import Worker
 from worker.sim import SimEngine
 
@@ -39,6 +41,18 @@ def _drop_this_runs_keys() -> object:
         for i in range(0, len(batch), 1000):
             client.delete(*batch[i : i + 1000])
         client.close()
+
+
+@pytest.fixture(autouse=True)
+def _own_signal_handlers() -> Iterator[None]:
+    """SIGINT and SIGTERM as they were before each test: code run in-process (a worker's
+    stop ignores both as it leaves) must not leave this process ignoring them, which every
+    process a later test starts would inherit (a CLI's Ctrl-C test then waits in vain)."""
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in kept.items():
+        if signal.getsignal(sig) is not handler and handler is not None:
+            signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session")
@@ -104,12 +118,14 @@ async def running_stack(
     settings: Settings,
     redis: aioredis.Redis,
     engine: type[SimEngine] = SimEngine,
+    link: EngineLink | None = None,
     **engine_options: object,
 ) -> AsyncIterator[Stack]:
-    """The gateway and one worker of `engine` (the sim, or a test's variant of it)."""
+    """A gateway app and a worker: one of `engine` (the sim, or a test's variant of it) on a
+    thread of this process, or `link` (an engine process's: `EngineProcess.spawn`)."""
     options: dict = {"step_ms": settings.sim_step_ms, "max_batch": settings.max_batch}
     options.update(engine_options)
-    worker = Worker(settings, engine(**options), redis=redis)
+    worker = Worker(settings, link or engine(**options), redis=redis)
     task = asyncio.create_task(worker.run())
     raw_pubsub = not isinstance(redis, fakeredis.FakeAsyncRedis)  # real Redis: genq's own reader
     app = create_app(settings, redis=redis, raw_pubsub=raw_pubsub)

@@ -51,10 +51,11 @@ class Admission:
         """(add number, pages) of adds sent that the engine has not reported yet."""
         self._adds_sent = 0
 
-    def fits(self, need_tokens: int, active: int) -> bool:
+    def fits(self, need_tokens: int, active: int, slots: int | None = None) -> bool:
         """Whether a job of `need_tokens` (prompt + max new) could start now beside `active`
-        jobs; if so, its pages are promised to it."""
-        if active >= self.max_batch:
+        jobs, of at most `slots` (default: the max batch; more for jobs started ahead, which
+        wait at the engine's doorstep, worker/core.py); if so, its pages are promised to it."""
+        if active >= (self.max_batch if slots is None else slots):
             return False
         if not self.page_size:
             return True

@@ -32,17 +32,13 @@ from worker.entries import (
     requeue,
     requeue_waiting,
 )
-from worker.jobstate import Claim, RunningJob
+from worker.jobstate import AHEAD_TOKENS, Claim, RunningJob
 from worker.state import WorkerState
 
 log = logging.getLogger(__name__)
 
 UNBLOCK_RETRY_S = 0.002
 """How soon to send CLIENT UNBLOCK again when the blocking read had not reached Redis yet."""
-
-AHEAD_TOKENS = 2
-"""A job this near its max_tokens frees its slot within as many steps: a batch claim may be
-taken for it beforehand (`Claimer._ahead`)."""
 
 RESERVE_SHARE = 4
 """The interactive reserve is at most 1/RESERVE_SHARE of a worker's slots."""
@@ -275,13 +271,15 @@ class Claimer:
 
     def _ahead(self) -> int:
         """Batch claims worth taking before their slots are free: one per job in the engine
-        within `AHEAD_TOKENS` of its max_tokens (it ends within that many steps, or sooner)."""
+        within `AHEAD_TOKENS` of its max_tokens (it ends within that many steps, or sooner).
+        None without an interactive reserve: there a slot coming free is the next
+        interactive job's, if one comes, not a batch job's taken ahead."""
+        if not self._reserve():
+            return 0
         return sum(
             1
             for r in self.st.running.values()
-            if r.end is None
-            and r.retry_error is None
-            and r.spec.max_tokens - len(r.token_ids) <= AHEAD_TOKENS
+            if r.end is None and r.retry_error is None and r.tokens_left() <= AHEAD_TOKENS
         )
 
     def _is_batch(self, claim: Claim) -> bool:
@@ -379,21 +377,37 @@ class Claimer:
 
     async def _start_waiting(self) -> None:
         """START every waiting claim the engine has room for, in one pipeline, in order; batch
-        claims (taken ahead of their slots) leave the interactive reserve free."""
+        claims (taken ahead of their slots) leave the interactive reserve free.
+
+        Batch claims may start ahead of their slots, one per job within `AHEAD_TOKENS` of its
+        end: they wait at the engine's doorstep (worker/core.py) and join it at the step that
+        frees a slot, instead of a Redis round trip and a socket hop after it. Only beside an
+        interactive reserve (which batch jobs never join, so an interactive job finds a slot
+        there) and while no interactive claim waits here: interactive work goes first."""
         st = self.st
         ready: list[Claim] = []
-        active = st.in_engine()
+        running = [r for r in st.running.values() if r.end is None and r.retry_error is None]
         batch_slots = st.engine.max_batch - self._reserve()
+        batch = sum(1 for r in running if self._is_batch(r.claim))
+        others = len(running) - batch
+        ahead = self._ahead() if all(self._is_batch(c) for c in st.waiting) else 0
         limits = self._owner_limits()
         kept: list[Claim] = []
         self._paged_out = False
         for i, claim in enumerate(st.waiting):
-            if self._is_batch(claim) and active + len(ready) >= batch_slots:
+            is_batch = self._is_batch(claim)
+            if is_batch and others + batch >= batch_slots + ahead:
                 kept.append(claim)
             elif limits is not None and not limits.allows(claim):
                 kept.append(claim)  # its owner holds all but the owner reserve already
-            elif st.engine.fits(claim.need_tokens, active + len(ready)):
+            elif (
+                st.engine.fits(claim.need_tokens, others + batch, batch_slots + ahead)
+                if is_batch  # below, the engine's own slots: batch jobs past theirs wait outside
+                else st.engine.fits(claim.need_tokens, others + min(batch, batch_slots))
+            ):
                 ready.append(claim)
+                batch += is_batch
+                others += not is_batch
                 if limits is not None and claim.owner is not None:
                     limits.held[claim.owner] += 1
             else:  # no pages for it: what follows waits behind it
@@ -577,6 +591,8 @@ class Claimer:
             st.urgent.add(spec.id)
             return
         seed = spec.sampling.seed if spec.sampling.seed is not None else seed_of(spec.id)
+        # a batch job joins the engine only beside fewer than the batch slots' jobs
+        limit = st.engine.max_batch - self._reserve() if self._is_batch(claim) else 0
         assert st.runner is not None
         prompt = [*spec.input_ids, *resumed[0]]
         hit = st.cache.touch(prompt)  # prefilled now: cached from here on
@@ -592,6 +608,7 @@ class Claimer:
                 grammar=spec.constraint.grammar if spec.constraint else None,
             ),
             started.attempt,
+            limit,
         )
 
 

@@ -255,14 +255,14 @@ class EngineProcess(EngineLink):
 
     # ---- commands -----------------------------------------------------------------------
 
-    def _send_add(self, job: EngineJob, attempt: int) -> None:
+    def _send_add(self, job: EngineJob, attempt: int, limit: int) -> None:
         if self._child is None:  # died since the claim loop admitted it: fails like its peers
             self._deliver([StepOutput(job.id, error=f"the engine {self.down}", attempt=attempt)])
             return
         if not self._held:
             self._last_message = time.monotonic()  # a stall is counted from the engine's work
         self._held[job.id] = (attempt, None)
-        self._write(frame(add_message(job, attempt)))
+        self._write(frame(add_message(job, attempt, limit)))
 
     def _send_cancel(self, job_id: str, attempt: int, stop: Stop) -> None:
         held = self._held.get(job_id)

@@ -193,7 +193,7 @@ def serve(
     received: list[ToEngine] | None = early
     while True:
         if received is None:
-            busy = engine.active() > 0
+            busy = engine.active() > 0 or core.waiting() > 0
             if not busy:
                 outbox.send(now=True)  # before waiting: nothing may stay behind
                 outbox.waited()
@@ -225,7 +225,7 @@ def _commands(received: list[ToEngine]) -> list[Command] | None:
     out: list[Command] = []
     for m in received:
         if isinstance(m, Add):
-            out.append(AddCommand(engine_job(m), m.attempt))
+            out.append(AddCommand(engine_job(m), m.attempt, m.limit))
         elif isinstance(m, Cancel):
             out.append(CancelCommand(m.job_id, m.attempt, m.stop))
         elif isinstance(m, Close):

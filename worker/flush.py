@@ -20,8 +20,8 @@ from shared.schemas import FinishReason
 from shared.transitions import Call, EmitReply, EncodedEvent, Fenced, LostTail
 from worker import joblog
 from worker.engine import StepOutput, Stop
-from worker.entries import ack, hand_back
-from worker.jobstate import Claim, RunningJob
+from worker.entries import hand_back
+from worker.jobstate import AHEAD_TOKENS, Claim, RunningJob
 from worker.news import NewsDesk
 from worker.state import WorkerState
 
@@ -44,6 +44,9 @@ class Flusher:
 
     async def loop(self) -> None:
         """Flush every `flush_interval_ms`; a job's first tokens and its end go out at once.
+        Batch-priority jobs flush every `batch_flush_interval_ms` instead, their first tokens
+        and ends included (nobody waits on each token of theirs, and each flush of a job is
+        a script call: a job of a few tokens is then one or two writes, not one per token).
 
         Between flushes the engine keeps stepping and each job's tokens fold into one event,
         so the cost per token falls as load rises instead of swamping Redis and gateways.
@@ -51,7 +54,8 @@ class Flusher:
         st = self.st
         assert st.runner is not None
         interval = st.settings.flush_interval_ms / 1000
-        last_full = 0.0
+        batch_interval = max(interval, st.settings.batch_flush_interval_ms / 1000)
+        last_full = last_batch = 0.0
         loop = asyncio.get_running_loop()
         armed = False
 
@@ -66,17 +70,27 @@ class Flusher:
             self._collect(st.runner.drain())
             if not st.dirty:
                 continue
-            due = interval - (time.monotonic() - last_full)
-            if due <= 0:
-                last_full = time.monotonic()
-                await self._flush(set(st.dirty))
+            now = time.monotonic()
+            if now - last_full >= interval:
+                last_full = now
+                due = set(st.dirty)
+                if now - last_batch >= batch_interval:
+                    last_batch = now
+                else:
+                    due -= self._batch_jobs(due) - st.urgent
+                if due:
+                    await self._flush(due)
             else:
                 urgent = st.urgent & st.dirty
                 if urgent:
                     await self._flush(urgent)
-                if st.dirty and not armed:
-                    armed = True
-                    loop.call_later(due, due_now)
+            if st.dirty and not armed:
+                armed = True
+                loop.call_later(max(0.0, last_full + interval - time.monotonic()), due_now)
+
+    def _batch_jobs(self, job_ids: set[str]) -> set[str]:
+        running = self.st.running
+        return {j for j in job_ids if (r := running.get(j)) and r.spec.priority == "batch"}
 
     def _collect(self, outputs: list[StepOutput]) -> None:
         st = self.st
@@ -89,11 +103,16 @@ class Flusher:
             if run.end is not None or run.retry_error is not None or run.checking:
                 continue
             st.metrics.output(run, out)
+            batch = run.spec.priority == "batch"
             if out.token_ids or out.text:
                 if run.first_token_wall is None:
-                    st.urgent.add(run.id)
                     st.pace.first_token(run.id)
+                    if not batch:
+                        st.urgent.add(run.id)
+                left = run.tokens_left()
                 run.add_tokens(out.text, out.token_ids, out.logprobs)
+                # near its end now: a job may be started ahead for its slot (worker/claims.py)
+                freed |= left > AHEAD_TOKENS >= run.tokens_left()
             if out.prompt_tokens:
                 run.prompt_tokens = out.prompt_tokens
                 run.cached_tokens = out.cached_tokens
@@ -113,10 +132,12 @@ class Flusher:
             elif run.retry_error is not None:
                 st.pace.ended(run.id, None)
             if run.end is not None or run.retry_error is not None or run.checking:
-                st.urgent.add(run.id)
+                # A batch job's plain end waits for its flush; a stop or failure does not.
+                if not batch or out.finish_reason is None or out.error is not None:
+                    st.urgent.add(run.id)
                 freed = True
             st.dirty.add(out.job_id)
-        if freed:  # their slots are the engine's again: claims may start beside the flush
+        if freed:  # slots are the engine's again, or soon: claims may start beside the flush
             st.room.set()
         if st.runner is not None and st.runner.failures >= _MAX_ENGINE_FAILURES:
             log.error("engine keeps failing; stopping", extra={"worker_id": st.id})
@@ -188,6 +209,8 @@ class Flusher:
                     maxlen=s.event_log_maxlen,
                     fields=run.end,
                     retention_s=s.retention_s if run.end is not None else 0,
+                    # its end acknowledges its queue entry in the same step
+                    entry=None if run.end is None else (run.claim.queue, run.claim.entry_id),
                 )
             )
             order.append((run, events))
@@ -209,12 +232,8 @@ class Flusher:
         ended, lost_tail = self._apply(order, results)
         for run, events, last in lost_tail:
             await self._repair(run, events, last)
-        if ended:
+        if ended:  # their entries were acknowledged by the writes that ended them
             st.room.set()
-            try:
-                await ack(st, ended)
-            except (RedisError, OSError) as exc:  # their entries go idle and are reclaimed
-                log.log(failure_level(st.redis), "ack failed", extra={"error": str(exc)})
 
     async def _failed(self, order: Written, exc: Exception) -> None:
         """Nothing is lost: the events go again (the scripts skip seqs already written)."""

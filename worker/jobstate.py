@@ -15,6 +15,10 @@ from shared.schemas import ErrorInfo, FinishReason, JobResult, JobSpec, Timings,
 from shared.transitions import EncodedEvent
 from worker.engine import Stop
 
+AHEAD_TOKENS = 2
+"""A job this near its max_tokens frees its slot within as many steps: a batch job may be
+started for it beforehand (worker/claims.py), to wait at the engine's doorstep."""
+
 
 @dataclass(slots=True)
 class Claim:
@@ -111,6 +115,10 @@ class RunningJob:
     @property
     def id(self) -> str:
         return self.spec.id
+
+    def tokens_left(self) -> int:
+        """Tokens it may still make: flushed, and taken from the engine since."""
+        return self.spec.max_tokens - len(self.token_ids) - len(self.acc_ids)
 
     def _push(self, event: Event) -> None:
         self.pending.append((event.seq, events.encode(event)))

@@ -85,16 +85,18 @@ class EngineLink(abc.ABC):
     async def aclose(self) -> None:
         """Stop the engine (every job in it) and let go of it."""
 
-    def fits(self, need_tokens: int, active: int) -> bool:
-        return self.down is None and self.admission.fits(need_tokens, active)
+    def fits(self, need_tokens: int, active: int, slots: int | None = None) -> bool:
+        return self.down is None and self.admission.fits(need_tokens, active, slots)
 
-    def add(self, job: EngineJob, attempt: int) -> None:
+    def add(self, job: EngineJob, attempt: int, limit: int = 0) -> None:
+        """Start that attempt of the job; `limit`: it joins the engine only while the engine
+        holds fewer jobs, and waits at the engine's doorstep until then (worker/core.py)."""
         if self._detokenizer is not None:
             stream = self._detokenizer.stream(job.sampling.stop, job.input_ids, job.resume_ids)
             self._streams[job.id] = (attempt, stream)
             job = dataclasses.replace(job, text=False)
         self.admission.sent(len(job.input_ids) + job.max_tokens)
-        self._send_add(job, attempt)
+        self._send_add(job, attempt, limit)
 
     def cancel(self, job_id: str, attempt: int, stop: Stop) -> None:
         """Stop that attempt of the job; its last output comes back with `stopped` set."""
@@ -133,7 +135,7 @@ class EngineLink(abc.ABC):
         self._streams.clear()
 
     @abc.abstractmethod
-    def _send_add(self, job: EngineJob, attempt: int) -> None: ...
+    def _send_add(self, job: EngineJob, attempt: int, limit: int) -> None: ...
 
     @abc.abstractmethod
     def _send_cancel(self, job_id: str, attempt: int, stop: Stop) -> None: ...

@@ -9,6 +9,7 @@ knows what vLLM's engine knows:
     prefill (started → first token) and decode (first token → end) time, prompt and
     generation tokens, and `genq_request_success_total{finished_reason}` (stop, length,
     abort for a cancel); jobs that failed or expired count in `genq_request_failure_total`;
+    kept as plain numbers (`Plain`) and made metrics only when scraped;
   - per engine output with tokens: the inter-token latency (the time since the job's last
     output, spread over the tokens it brings) and the generation tokens, as plain numbers
     (`TokenStats`) made metrics only when scraped;
@@ -26,11 +27,11 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client import generate_latest as render
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -38,6 +39,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.utils import floatToGoString
 
 from worker.engine import StepOutput
 from worker.http import HttpServer, Response
@@ -87,58 +89,41 @@ class WorkerMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.labels = (model, worker, gpu)
         self.snapshot: Snapshot = lambda: (0, 0, 0.0)
-
-        def hist(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*self.labels)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, LABELS, registry=r).labels(*self.labels)
-
-        lat = REQUEST_LATENCY_BUCKETS
-        self.ttft = hist("genq_time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.tokens = TokenStats()
-        self.e2e = hist("genq_e2e_request_latency_seconds", "Submission to end.", lat)
-        self.queue = hist("genq_request_queue_time_seconds", "Submission to start here.", lat)
-        self.prefill = hist("genq_request_prefill_time_seconds", "Start to first token.", lat)
-        self.decode = hist("genq_request_decode_time_seconds", "First token to end.", lat)
+        # Per job (and per start) too, plain numbers made metrics when scraped, as per token:
+        # prometheus-client's observe and inc (a lock each) were a quarter of what the worker
+        # spends on a job of a few tokens (measured: docs/performance.md, "Tiny jobs").
+        lat = REQUEST_LATENCY_BUCKETS
         tokens = buckets_1_2_5(max_seq_len)
-        self.prompt_hist = hist("genq_request_prompt_tokens", "Prompt tokens per job.", tokens)
-        self.generation_hist = hist(
+        self.ttft = Plain("genq_time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.e2e = Plain("genq_e2e_request_latency_seconds", "Submission to end.", lat)
+        self.queue = Plain("genq_request_queue_time_seconds", "Submission to start here.", lat)
+        self.prefill = Plain("genq_request_prefill_time_seconds", "Start to first token.", lat)
+        self.decode = Plain("genq_request_decode_time_seconds", "First token to end.", lat)
+        self.prompt_hist = Plain("genq_request_prompt_tokens", "Prompt tokens per job.", tokens)
+        self.generation_hist = Plain(
             "genq_request_generation_tokens", "Generated tokens per job.", tokens
         )
-        self.prompt_tokens = counter("genq_prompt_tokens", "Prompt tokens of jobs ended here.")
-        self.prefix_queries = counter(
+        self.prompt_tokens = Plain("genq_prompt_tokens", "Prompt tokens of jobs ended here.")
+        self.prefix_queries = Plain(
             "genq_prefix_cache_queries",
             "Prompt tokens looked up in the engine's prefix cache (jobs ended here; vLLM's name).",
         )
-        self.prefix_hits = counter(
+        self.prefix_hits = Plain(
             "genq_prefix_cache_hits",
             "Prompt tokens the engine found in its prefix cache and did not prefill again.",
         )
         self.hit_ratio = (0, 0)
         """(hits, queries) since start: `genq_prefix_cache_hit_ratio` at scrape."""
-        self._success = Counter(
-            "genq_request_success",
-            "Jobs that ended here with a finish reason (abort: cancelled).",
-            [*LABELS, "finished_reason"],
-            registry=r,
-        )
-        self._failure = Counter(
-            "genq_request_failure",
-            "Jobs that ended here failed or expired.",
-            [*LABELS, "status"],
-            registry=r,
-        )
-        for reason in ("stop", "length", ABORT):  # at 0 from the start: alerts see them
-            self._success.labels(*self.labels, reason)
-        for status in ("failed", "expired"):
-            self._failure.labels(*self.labels, status)
-        self.attempts = counter("genq_attempts", "Attempts of jobs started here.")
-        self.attempt_failures = counter(
+        # at 0 from the start: alerts see them
+        self._success = dict.fromkeys(("stop", "length", ABORT), 0)
+        self._failure = dict.fromkeys(("failed", "expired"), 0)
+        self.attempts = Plain("genq_attempts", "Attempts of jobs started here.")
+        self.attempt_failures = Plain(
             "genq_attempt_failures", "Attempts that failed here and went back to the queue."
         )
-        self.reclaims = counter("genq_reclaims", "Queue entries taken over from dead workers.")
-        self.dead_lettered = counter("genq_dead_lettered", "Jobs dead-lettered here.")
+        self.reclaims = Plain("genq_reclaims", "Queue entries taken over from dead workers.")
+        self.dead_lettered = Plain("genq_dead_lettered", "Jobs dead-lettered here.")
         r.register(_Gauges(self))
 
     # ---- the hot path: once per engine output of a running job ----------------------------
@@ -179,9 +164,39 @@ class WorkerMetrics:
         outcome = run.outcome or "failed"
         if outcome in ("stop", "length", "cancelled"):
             reason = ABORT if outcome == "cancelled" else outcome
-            self._success.labels(*self.labels, reason).inc()
+            self._success[reason] = self._success.get(reason, 0) + 1
         else:
-            self._failure.labels(*self.labels, outcome).inc()
+            self._failure[outcome] = self._failure.get(outcome, 0) + 1
+
+    def families(self) -> Iterator[Metric]:
+        """The per-job numbers as metrics (at scrape time)."""
+        labels = list(self.labels)
+        for plain in (self.ttft, self.e2e, self.queue, self.prefill, self.decode):
+            yield plain.family(labels)
+        for plain in (self.prompt_hist, self.generation_hist, self.prompt_tokens):
+            yield plain.family(labels)
+        for plain in (self.prefix_queries, self.prefix_hits):
+            yield plain.family(labels)
+        for name, doc, by, label in (
+            (
+                "genq_request_success",
+                "Jobs that ended here with a finish reason (abort: cancelled).",
+                self._success,
+                "finished_reason",
+            ),
+            (
+                "genq_request_failure",
+                "Jobs that ended here failed or expired.",
+                self._failure,
+                "status",
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=[*LABELS, label])
+            for key, n in by.items():
+                family.add_metric([*labels, key], n)
+            yield family
+        for plain in (self.attempts, self.attempt_failures, self.reclaims, self.dead_lettered):
+            yield plain.family(labels)
 
     # ---- serving ---------------------------------------------------------------------------
 
@@ -190,6 +205,38 @@ class WorkerMetrics:
 
     async def respond(self) -> Response:
         return Response(200, self.render(), CONTENT_TYPE)
+
+
+class Plain:
+    """A counter (no `buckets`) or a histogram kept as plain numbers, made a metric family
+    only when scraped; `inc` and `observe` are an addition (and a bucket index)."""
+
+    __slots__ = ("_bounds", "buckets", "counts", "doc", "name", "sum")
+
+    def __init__(self, name: str, doc: str, buckets: Sequence[float] = ()) -> None:
+        self.name, self.doc = name, doc
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        """Per bucket: index i counts values in (bucket i-1, bucket i]; the last, above all."""
+        self.sum: float = 0
+        self._bounds = [*(floatToGoString(b) for b in self.buckets), "+Inf"]  # type: ignore[no-untyped-call]
+
+    def inc(self, amount: float = 1) -> None:
+        self.sum += amount
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def family(self, labels: list[str]) -> Metric:
+        if not self.buckets:
+            counter = CounterMetricFamily(self.name, self.doc, labels=LABELS)
+            counter.add_metric(labels, self.sum)
+            return counter
+        hist = HistogramMetricFamily(self.name, self.doc, labels=LABELS)
+        cumulative = list(accumulate(self.counts))
+        hist.add_metric(labels, list(zip(self._bounds, cumulative, strict=True)), self.sum)
+        return hist
 
 
 @dataclass(slots=True)
@@ -232,6 +279,7 @@ class _Gauges:
         running, waiting, kv = self.metrics.snapshot()
         labels = list(self.metrics.labels)
         yield from self.metrics.tokens.families(labels)
+        yield from self.metrics.families()
 
         def gauge(name: str, doc: str, value: float) -> Metric:
             family = GaugeMetricFamily(name, doc, labels=LABELS)

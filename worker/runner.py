@@ -71,12 +71,12 @@ class EngineRunner(EngineLink):
         await asyncio.to_thread(self.stop)
         self.engine.close()
 
-    def fits(self, need_tokens: int, active: int) -> bool:
+    def fits(self, need_tokens: int, active: int, slots: int | None = None) -> bool:
         self.admission.report(*self._report)
-        return super().fits(need_tokens, active)
+        return super().fits(need_tokens, active, slots)
 
-    def _send_add(self, job: EngineJob, attempt: int) -> None:
-        self._post(AddCommand(job, attempt))
+    def _send_add(self, job: EngineJob, attempt: int, limit: int) -> None:
+        self._post(AddCommand(job, attempt, limit))
 
     def _send_cancel(self, job_id: str, attempt: int, stop: Stop) -> None:
         self._post(CancelCommand(job_id, attempt, stop))
@@ -106,9 +106,9 @@ class EngineRunner(EngineLink):
         last_step: float | None = None
         while True:
             with self._cond:
-                if not self._stop and not self._inbox and self.engine.active() == 0:
+                if not self._stop and not self._inbox and self._idle():
                     last_step = None  # idle: the next step's interval starts afresh
-                    while not self._stop and not self._inbox and self.engine.active() == 0:
+                    while not self._stop and not self._inbox and self._idle():
                         self._cond.wait()
                 if self._stop:
                     return
@@ -123,6 +123,9 @@ class EngineRunner(EngineLink):
             self.failures, self.tokens = core.failures, core.tokens
             if outputs:
                 self._emit(outputs)
+
+    def _idle(self) -> bool:
+        return self.engine.active() == 0 and self._core.waiting() == 0
 
     def _count_step(self, last_step: float | None) -> float:
         now = time.perf_counter()

@@ -155,11 +155,14 @@ class Upkeep:
         for (claim, attempt), still in zip(held, await st.scripts.run_all(calls), strict=True):
             if still is not False:
                 continue  # touched, or an error this once: next beat
-            log.warning("entry moved to another worker; letting go", extra={"job_id": claim.job_id})
             if attempt is None:
                 st.waiting = [c for c in st.waiting if c.entry_id != claim.entry_id]
-            elif (run := st.running.get(claim.job_id)) is not None and run.attempt == attempt:
+            else:
+                run = st.running.get(claim.job_id)
+                if run is None or run.attempt != attempt or run.end is not None:
+                    continue  # it ended here meanwhile (its end let go of the entry)
                 st.drop(claim.job_id)
+            log.warning("entry moved to another worker; letting go", extra={"job_id": claim.job_id})
 
     def _heartbeat(self) -> Heartbeat:
         st = self.st

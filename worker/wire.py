@@ -65,6 +65,8 @@ class Add(msgspec.Struct, tag=2, array_like=True, gc=False):
     text: bool
     sampling: SamplingWire
     grammar: str | None = None
+    limit: int = 0
+    """Join the engine only while it holds fewer jobs (0: its max batch; worker/core.py)."""
 
 
 class Cancel(msgspec.Struct, tag=3, array_like=True, gc=False):
@@ -171,7 +173,7 @@ _sampling_values = operator.attrgetter(*SAMPLING_FIELDS)
 """A `Sampling`'s values in field order (one C call)."""
 
 
-def add_message(job: EngineJob, attempt: int) -> Add:
+def add_message(job: EngineJob, attempt: int, limit: int = 0) -> Add:
     sampling = SamplingWire(*_sampling_values(job.sampling))
     return Add(
         job.id,
@@ -183,6 +185,7 @@ def add_message(job: EngineJob, attempt: int) -> Add:
         job.text,
         sampling,
         job.grammar,
+        limit,
     )
 
 

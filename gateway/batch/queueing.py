@@ -4,9 +4,11 @@ upload: its job is built now) and queued as one `batch`-priority job.
 Idempotent: a line's job has an id that follows from the batch and the line
 (`batch_job_id`), and is created by a SUBMIT that also claims the line's key
 (`Keys.batch_line`), so a chunk queued twice (a driver that died before moving its cursor)
-makes no job twice. Within a chunk, lines are queued sorted by their prompt's tokens: lines
-sharing a prefix (a system prompt) reach the engine together, and its prefix cache shares
-their pages.
+makes no job twice. A chunk goes in groups of `QUEUE_GROUP` lines, each queued as soon as it
+is checked (its SUBMITs run in Redis while the next group is checked), so the workers start
+on a chunk's first lines while the rest are still checked.
+Within a group, lines are queued sorted by their prompt's tokens: lines sharing a prefix (a
+system prompt) reach the engine together, and its prefix cache shares their pages.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ CHECK_GROUP = 128
 """Lines checked (or jobs built) between two yields to the event loop."""
 SUBMIT_PIPELINE = 100
 """SUBMITs per pipeline."""
+QUEUE_GROUP = 256
+"""Lines checked, then queued together (sorted by prompt), before the next are checked."""
 CLAIM_MARGIN_S = 3600
 """A line's claim outlives the batch's deadline by this much (no chunk is queued later)."""
 
@@ -80,24 +84,47 @@ class Queuer:
         last = min(first + record.chunks[index], record.total + 1)  # trailing blanks: none
         prepared: list[PreparedLine] = []
         failed: list[LineResult] = []
-        for n in range(first, last):
-            if raws is None:
-                failed.append(_gone(record.id, n))
-                continue
-            raw = raws[n - first]
-            checked = await self.checker.check(n, raw)
-            if isinstance(checked, LineProblem):
-                failed.append(_refused(record.id, checked, custom_id_of(raw)))
-            else:
-                prepared.append(checked)
-            if (n - first) % CHECK_GROUP == CHECK_GROUP - 1:
-                await asyncio.sleep(0)  # tokenizing is CPU work: let the loop serve others
-        await self._submit(record, sorted(prepared, key=lambda p: p.spec.input_ids))
+        queued, model = 0, None
+        # A group's SUBMITs run in Redis while the next group is checked here.
+        submitting: asyncio.Task[int] | None = None
+        try:
+            for n in range(first, last):
+                if raws is None:
+                    failed.append(_gone(record.id, n))
+                    continue
+                raw = raws[n - first]
+                checked = await self.checker.check(n, raw)
+                if isinstance(checked, LineProblem):
+                    failed.append(_refused(record.id, checked, custom_id_of(raw)))
+                else:
+                    prepared.append(checked)
+                    model = checked.spec.model
+                if len(prepared) >= QUEUE_GROUP:
+                    queued += await submitting if submitting is not None else 0
+                    submitting = asyncio.create_task(self._submit(record, prepared))
+                    prepared = []
+                    await lease.renew()
+                elif (n - first) % CHECK_GROUP == CHECK_GROUP - 1:
+                    await asyncio.sleep(0)  # tokenizing is CPU work: let the loop serve others
+            queued += await submitting if submitting is not None else 0
+            submitting = None
+            queued += await self._submit(record, prepared)
+        finally:
+            if submitting is not None:  # checking failed: the chunk is queued again later
+                submitting.cancel()
+                await asyncio.wait({submitting})  # its outcome is not ours to raise
         await lease.renew()
+        if queued:  # one line per chunk: a batch's jobs are `batch_job_id(batch, line)`
+            log.info(
+                "batch lines queued",
+                extra={"batch_id": record.id, "jobs": queued, "model": model},
+            )
         return failed
 
-    async def _submit(self, record: BatchRecord, lines: list[PreparedLine]) -> None:
-        """One job per line, in this order; a line queued before (its claim taken) is left."""
+    async def _submit(self, record: BatchRecord, lines: list[PreparedLine]) -> int:
+        """One job per line, sorted by prompt; a line queued before (its claim taken) is left.
+        How many lines it was given."""
+        lines = sorted(lines, key=lambda p: p.spec.input_ids)
         k = self.keys
         claim_ttl_s = int(record.expires_at - time.time()) + CLAIM_MARGIN_S
         owner = Identity(
@@ -127,11 +154,7 @@ class Queuer:
             refused = next((r for r in replies if isinstance(r, Exception)), None)
             if refused is not None:  # e.g. Redis out of memory: queue the chunk again later
                 raise refused
-        if lines:  # one line per chunk: a batch's jobs are `batch_job_id(batch, line)`
-            log.info(
-                "batch lines queued",
-                extra={"batch_id": record.id, "jobs": len(lines), "model": lines[0].spec.model},
-            )
+        return len(lines)
 
 
 def _gone(batch_id: str, n: int) -> LineResult:

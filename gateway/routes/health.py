@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import resource
+import time
+from collections import Counter
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -15,15 +17,27 @@ from gateway.auth_throttle import AuthThrottle, client_of
 from gateway.deps import State, accepted, presented_key
 from gateway.http_errors import is_out_of_memory
 from gateway.state import GatewayState
+from shared.records import RecordError, StoppedWorker
 
 router = APIRouter(tags=["health"])
 _PROBE_TTL_MS = 10_000
+
+
+class Capacity(BaseModel):
+    workers: int
+    """Live worker processes serving the model."""
+    stopped: int
+    """Its worker processes a launcher stopped for crash-looping (the others serve on)."""
 
 
 class Status(BaseModel):
     status: str
     models: dict[str, bool] | None = None
     """Whether a live worker serves each model."""
+    capacity: dict[str, Capacity] | None = None
+    """Per model: its live worker processes, and those stopped for crash-looping."""
+    stopped_workers: list[StoppedWorker] | None = None
+    """The stopped ones: which, where, why (with a key, where API keys are set)."""
     pid: int | None = None
     streams: int | None = None
     rss_mb: float | None = None
@@ -52,15 +66,18 @@ async def health() -> dict[str, str]:
 )
 async def readyz(state: State, request: Request) -> JSONResponse:
     """200 while Redis answers and takes writes and the gateway is not draining, with
-    `models` (whether a live worker serves each model) and `redis_memory` (how full Redis is,
-    whether new jobs are admitted: above GENQ_REDIS_MEMORY_LIMIT new jobs get a 503 but
+    `models` (whether a live worker serves each model), `capacity` (each model's live worker
+    processes, and those their launcher stopped for crash-looping: the model is served by
+    fewer), `stopped_workers` (which those are, and why) and `redis_memory` (how full Redis
+    is, whether new jobs are admitted: above GENQ_REDIS_MEMORY_LIMIT new jobs get a 503 but
     everything else is served). With API keys set, only a request with a key also sees the
-    process (pid, open streams, memory) and `redis_memory`."""
+    process (pid, open streams, memory), `stopped_workers` and `redis_memory`."""
     if state.draining:
         return JSONResponse({"status": "draining"}, 503)
     keyed = _keyed(state, request)
     try:
-        models = await _models_served(state)
+        models, capacity = await _models_served(state)
+        stopped = await _stopped(state)
         memory = await _memory(state)
     except (RedisError, OSError) as exc:
         body: dict[str, Any] = {"status": "redis unreachable"}
@@ -71,7 +88,11 @@ async def readyz(state: State, request: Request) -> JSONResponse:
         oom = memory["writes"] == "refused: out of memory"
         status = "redis out of memory" if oom else "redis refuses writes"
         return JSONResponse({"status": status} | ({"redis_memory": memory} if keyed else {}), 503)
-    body = {"status": "ready", "models": models}
+    for w in stopped:
+        capacity.setdefault(w.model, {"workers": 0, "stopped": 0})["stopped"] += 1
+    body = {"status": "ready", "models": models, "capacity": capacity}
+    if keyed and stopped:
+        body["stopped_workers"] = [w.model_dump() for w in stopped]
     if keyed:
         body |= {
             "pid": os.getpid(),
@@ -98,11 +119,28 @@ def _keyed(state: GatewayState, request: Request) -> bool:
     return False
 
 
-async def _models_served(state: GatewayState) -> dict[str, bool]:
-    """Every model a worker ever announced: True while some live, undrained worker serves it."""
+async def _models_served(state: GatewayState) -> tuple[dict[str, bool], dict[str, Any]]:
+    """Every model a worker ever announced: True while some live, undrained worker serves it;
+    and per model, its live workers (`Capacity`, its stopped ones counted by the caller)."""
     known = await state.redis.smembers(state.keys.models())
-    live = {b.model for b in await state.registry.live_workers() if not b.draining}
-    return {m: m in live for m in sorted(known | live)}
+    live = Counter(b.model for b in await state.registry.live_workers() if not b.draining)
+    served = {m: m in live for m in sorted(known | set(live))}
+    return served, {m: {"workers": live[m], "stopped": 0} for m in served}
+
+
+async def _stopped(state: GatewayState) -> list[StoppedWorker]:
+    """Worker processes their launchers stopped for crash-looping, as those still say."""
+    raw = await state.redis.hgetall(state.keys.stopped_workers())
+    now = time.time()
+    out = []
+    for value in raw.values():
+        try:
+            w = StoppedWorker.decode(value)
+        except RecordError:
+            continue
+        if w.until > now:
+            out.append(w)
+    return sorted(out, key=lambda w: w.worker_id)
 
 
 async def _memory(state: State) -> dict[str, Any]:

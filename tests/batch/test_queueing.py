@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.app import create_app
+from gateway.batch.queueing import QUEUE_GROUP
 from gateway.batch.runtime import BatchRuntime
 from shared.batches import BatchRecord
 from shared.keys import Keys
@@ -270,3 +271,34 @@ async def test_a_gateway_without_batch_loops_serves_batches_others_drive(
         async with _gateway(settings, SMALL_CHUNK_BYTES) as driver:
             record = await _all_queued(driver, batch_id)
             assert record.status == "in_progress" and record.lines_queued == 3
+
+
+async def test_a_chunks_first_lines_are_queued_while_the_rest_are_checked(
+    one_chunk_gateway: Gateway,
+) -> None:
+    """The workers start on a chunk's first group of lines while the driver still checks the
+    rest (held here at the line after the first group): the queue is fed ahead of them, not
+    a whole chunk at a time."""
+    g = one_chunk_gateway
+    lines = [_line(i, f"review {i} positive?") for i in range(QUEUE_GROUP * 2 + 10)]
+    checker = g.runtime.driver.queuer.checker
+    check, held = checker.check, asyncio.Event()
+
+    async def held_after_the_first_group(n: int, raw: bytes) -> Any:
+        if n == QUEUE_GROUP + 1:
+            await held.wait()
+        return await check(n, raw)
+
+    checker.check = held_after_the_first_group  # type: ignore[method-assign]
+    batch_id = await _start(g.client, lines)
+    queue = g.runtime.driver.keys.queue("sim", "batch")
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while await g.redis.xlen(queue) < QUEUE_GROUP:
+                await asyncio.sleep(POLL_S)
+        assert (await _record(g, batch_id)).queued_chunks == 0  # the chunk is not done yet
+    finally:
+        held.set()
+    record = await _all_queued(g, batch_id)
+    assert len(record.chunks) == 1
+    assert sorted(await _queued_lines(g)) == list(range(1, len(lines) + 1))

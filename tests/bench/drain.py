@@ -5,8 +5,9 @@
 It starts its own redis-server, one `genq gateway` and one `genq worker` (sim engine), stops
 the worker (SIGSTOP), queues --jobs `batch`-priority jobs of --max-tokens new tokens each
 through the gateway, lets the worker go on (SIGCONT) and follows it through its metrics port
-until every job has finished. Prints jobs/s over the drain, the jobs in the engine's batch
-(mean and peak of `genq_num_requests_running`, sampled every 0.1 s), the worker's peak RSS
+until every job has finished (the queue's length in Redis). Prints jobs/s over the drain, the
+jobs in the engine's batch (mean and peak of `genq_num_requests_running`, read once a
+second), the worker's peak RSS
 (worker and engine processes), and the ceiling the shape allows: max-batch jobs every
 (max-tokens + 1) steps.
 """
@@ -25,9 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 
+from shared.keys import Keys
 from tests.bench.worker_memory import rss_parts
 from tests.procs import Cluster, free_port, redis_server
+
+METRICS_EVERY = 10
+"""Polls (0.1 s apart) between two reads of the worker's /metrics."""
 
 
 def metric(text: str, name: str) -> float:
@@ -53,22 +59,27 @@ async def submit(url: str, jobs: int, max_tokens: int, concurrency: int) -> floa
     return jobs / (time.perf_counter() - t0)
 
 
-def drain(args: argparse.Namespace, worker_pid: int, metrics_url: str) -> dict[str, Any]:
+def drain(
+    args: argparse.Namespace, worker_pid: int, metrics_url: str, queue: redis.Redis, key: str
+) -> dict[str, Any]:
+    """Follows the drain in Redis (a queue entry goes with its job's end) ten times a second,
+    and the worker's /metrics once a second: a render costs the worker milliseconds."""
     running: list[float] = []
     peak_rss = 0.0
     peak_parts: dict[str, float] = {}
     t_first = t_last = None
     done = 0.0
+    polls = 0
     deadline = time.monotonic() + args.timeout_s
     with httpx.Client(timeout=5) as http:
         while time.monotonic() < deadline:
-            text = http.get(metrics_url).text
-            done = metric(text, "genq_request_success_total")
+            done = args.jobs - int(queue.xlen(key))
             now = time.perf_counter()
             if done and t_first is None:
                 t_first = now
-            if t_first is not None:
-                running.append(metric(text, "genq_num_requests_running"))
+            polls += 1
+            if t_first is not None and polls % METRICS_EVERY == 0:
+                running.append(metric(http.get(metrics_url).text, "genq_num_requests_running"))
             parts = rss_parts(worker_pid)
             peak_rss = max(peak_rss, sum(parts.values()))
             for name, mb in parts.items():
@@ -83,8 +94,8 @@ def drain(args: argparse.Namespace, worker_pid: int, metrics_url: str) -> dict[s
         "jobs": args.jobs,
         "drain_s": round(t_last - t_first, 2),
         "jobs_per_s": round(args.jobs / (t_last - t_first), 1),
-        "batch_mean": round(statistics.mean(running), 1),
-        "batch_peak": max(running),
+        "batch_mean": round(statistics.mean(running), 1) if running else None,
+        "batch_peak": max(running) if running else None,
         "worker_peak_rss_mb": round(peak_rss, 1),
         "peak_rss_mb_by_process": {k: round(v, 1) for k, v in peak_parts.items()},
         "ceiling_jobs_per_s": round(
@@ -123,7 +134,14 @@ def main() -> None:
                 )
             finally:
                 worker.signal(signal.SIGCONT)
-            result = drain(args, worker.proc.pid, f"http://127.0.0.1:{port}/metrics")
+            queue = redis.Redis.from_url(server.url)
+            key = Keys(cluster.env["GENQ_KEY_PREFIX"]).queue("sim", "batch")
+            try:
+                result = drain(
+                    args, worker.proc.pid, f"http://127.0.0.1:{port}/metrics", queue, key
+                )
+            finally:
+                queue.close()
             result["submitted_per_s"] = round(submit_rate, 1)
         finally:
             cluster.close()

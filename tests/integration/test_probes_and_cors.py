@@ -58,7 +58,7 @@ async def test_readyz_says_which_models_a_live_worker_serves(keyed: Stack) -> No
 async def test_readyz_shows_no_process_details_without_a_key(keyed: Stack) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         body = (await keyed.client.get("/readyz", headers=headers)).json()
-        assert set(body) == {"status", "models"}, body
+        assert set(body) == {"status", "models", "capacity"}, body  # counts, no process
 
 
 async def test_readyz_keeps_its_details_when_the_api_is_open(stack: Stack) -> None:

@@ -16,12 +16,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
+import genq.gpu_share as gpu_share
 import genq.launcher as launcher
 from genq.launcher import Launcher, child_settings, parse_gpus, settings_env
+from shared.keys import Keys
+from shared.records import StoppedWorker
 from shared.settings import Settings
 from tests.conftest import REDIS_URL, test_prefix
-from tests.procs import free_port, wait_for
+from tests.procs import Cluster, free_port, wait_for
 from worker.exl2 import loader
 
 
@@ -132,20 +136,51 @@ def _fast_restarts(la: Launcher, backoff: float) -> None:
 
 
 @pytest.mark.parametrize("limit", [3, 0])
-def test_a_crash_loop_stops_every_child_and_exits_non_zero(
-    limit: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # the healthy child can drain before the launcher gives up (a SIGTERM earlier kills it)
-    monkeypatch.setenv("LAUNCHER_TEST_READY", str(tmp_path / "ready"))
-    s = Settings(restart_limit=limit, restart_window_s=60, shutdown_grace_s=5)
+def test_a_crash_loop_stops_that_child_alone(limit: int, tmp_path: Path) -> None:
+    """The child on GPU 0 dies at every start; the one on GPU 1 serves on. The launcher gives
+    up on the first alone, says so in Redis (the gateways' /readyz shows it), keeps the other
+    running, and once stopped exits non-zero (a child of its set was lost)."""
+    prefix = test_prefix()
+    s = Settings(
+        restart_limit=limit,
+        restart_window_s=60,
+        shutdown_grace_s=5,
+        redis_url=REDIS_URL,
+        key_prefix=prefix,
+        worker_id="box",
+    )
     la = Launcher(s, ["0", "1"], 1, command=[sys.executable, "-c", _GPU0_DIES])
     _fast_restarts(la, 0.05)
-    assert _supervise(la, timeout=30) == launcher.CRASH_LOOP_EXIT
-    dying, healthy = la.children
-    assert la.crash_loop is dying
-    assert dying.restarts == limit and dying.exit_codes == [3] * (limit + 1)
-    assert healthy.restarts == 0
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(la.run_supervised()))
+    t.start()
+    r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    stopped_key = Keys(prefix).stopped_workers()
+    try:
+        dying, healthy = la.children
+        wait_for(lambda: r.hexists(stopped_key, "box-g0p0"), timeout=30, what="the report")
+        entry = StoppedWorker.decode(r.hget(stopped_key, "box-g0p0") or "")
+        assert entry.model == "sim" and entry.gpu == "0" and entry.exit_codes == [3] * (limit + 1)
+        assert la.crash_loop is dying and dying.restarts == limit
+        time.sleep(0.5)  # the launcher goes on supervising: the healthy child is left alone
+        assert t.is_alive() and not la.stopping
+        assert healthy.proc is not None and healthy.proc.poll() is None and healthy.restarts == 0
+    finally:
+        la._stop()
+        t.join(30)
+    assert result == [launcher.CRASH_LOOP_EXIT]
     assert healthy.proc is not None and healthy.proc.returncode == 0  # drained by SIGTERM
+    assert not r.hexists(stopped_key, "box-g0p0")  # the launcher gone: no longer its to say
+    r.close()
+
+
+def test_once_every_child_crash_loops_the_launcher_exits_non_zero() -> None:
+    die = [sys.executable, "-c", "raise SystemExit(3)"]
+    s = Settings(restart_limit=1, restart_window_s=60, shutdown_grace_s=5)
+    la = Launcher(s, ["0", "1"], 1, command=die)
+    _fast_restarts(la, 0.05)
+    assert _supervise(la, timeout=30) == launcher.CRASH_LOOP_EXIT
+    assert all(c.stopped_at is not None and c.exit_codes == [3, 3] for c in la.children)
 
 
 def test_crashes_spread_out_keep_being_restarted(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -182,14 +217,62 @@ def test_genq_worker_exits_non_zero_when_its_processes_crash_loop() -> None:
     assert "keeps dying" in out.stderr
 
 
+@pytest.mark.e2e
+def test_a_crash_looping_process_leaves_the_others_serving(tmp_path: Path) -> None:
+    """The real commands: `genq worker --procs-per-gpu 2` (sim), whose second process dies at
+    every start (its health port is taken), and a gateway. The first serves on: a job runs,
+    and /readyz says the model lost one of its two processes and which."""
+    prefix = test_prefix()
+    with _held_ports(1, skip=1) as port:  # port + 1 held: the second process cannot start
+        env = {
+            **os.environ,
+            "GENQ_REDIS_URL": REDIS_URL,
+            "GENQ_KEY_PREFIX": prefix,
+            "GENQ_RESTART_LIMIT": "1",
+            "GENQ_RESTART_WINDOW_S": "120",
+            "GENQ_METRICS_PORT": str(port),  # the launcher's Nth process takes port + N
+            "GENQ_WORKER_ID": "box",
+        }
+        cmd = [sys.executable, "-m", "genq", "worker", "--procs-per-gpu", "2"]
+        log = tmp_path / "launcher.log"
+        with open(log, "wb") as out:
+            workers = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        cluster = Cluster(REDIS_URL, tmp_path, prefix)
+        try:
+            gw = cluster.gateway()
+            ready = lambda: httpx.get(f"{gw.url}/readyz", timeout=5).json()  # noqa: E731
+            wait_for(
+                lambda: ready()["capacity"]["sim"] == {"workers": 1, "stopped": 1},
+                timeout=60,
+                what=f"one process serving, one stopped: {log.read_text()[-2000:]}",
+            )
+            [stopped] = ready()["stopped_workers"]
+            assert stopped["worker_id"] == "box-g0p1" and stopped["model"] == "sim"
+            assert ready()["models"] == {"sim": True}
+            r = httpx.post(
+                f"{gw.url}/v1/jobs",
+                json={"model": "sim", "prompt": "still here?", "max_tokens": 4, "stream": True},
+                timeout=30,
+            )
+            assert r.status_code == 200 and "event: done" in r.text
+            assert workers.poll() is None  # the launcher goes on, with its healthy process
+            assert "keeps dying: stopped it; 1 other(s) go on" in log.read_text()
+        finally:
+            workers.send_signal(signal.SIGTERM)
+            code = workers.wait(60)
+            cluster.close()
+    assert code == launcher.CRASH_LOOP_EXIT  # stopped, it says a process of its set was lost
+
+
 @contextlib.contextmanager
-def _held_ports(n: int) -> Iterator[int]:
-    """`n` consecutive local ports, listened on (so nothing else can bind them)."""
+def _held_ports(n: int, skip: int = 0) -> Iterator[int]:
+    """A free local port; the `n` after its first `skip` successors are listened on (so
+    nothing else can bind them)."""
     for _ in range(50):
         first = free_port()
         socks: list[socket.socket] = []
         try:
-            for i in range(n):
+            for i in range(skip, skip + n):
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", first + i))
@@ -290,7 +373,7 @@ def _model(tmp_path, weight_gib: float):  # type: ignore[no-untyped-def]
 
 def test_auto_procs_fits_weights_cache_and_cores(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     model = _model(tmp_path, 15)
-    monkeypatch.setattr(launcher, "free_memory_bytes", lambda gpu: 140 * 1024**3)
+    monkeypatch.setattr(gpu_share, "free_memory_bytes", lambda gpu: 140 * 1024**3)
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
     s = Settings(engine="exllamav2", model_dir=str(model), max_batch=256, cache_tokens=196_608)
     assert launcher.auto_procs(s, ["0"]) == 2  # 8B fp16 on an H200, GPU sampling: capped at 2
@@ -305,7 +388,7 @@ def test_auto_procs_fits_weights_cache_and_cores(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
     big = _model(tmp_path, 130)  # a 70B-class model fits once
     assert launcher.auto_procs(s.model_copy(update={"model_dir": str(big)}), ["0"]) == 1
-    monkeypatch.setattr(launcher, "free_memory_bytes", lambda gpu: None)  # no NVML, nvidia-smi
+    monkeypatch.setattr(gpu_share, "free_memory_bytes", lambda gpu: None)  # no NVML, nvidia-smi
     assert launcher.auto_procs(s, ["0"]) == 1
     assert launcher.auto_procs(Settings(), ["0"]) == 1  # the sim engine
 

@@ -1,0 +1,101 @@
+"""Short batch jobs at the engine's pace, on real Redis with an in-process sim worker: a batch
+job's events go out in few writes (its flush interval, not one write a token), its end
+acknowledges its queue entry in the same write, and a slot a batch job leaves is taken at the
+engine's next step (a job started ahead waits at the engine's doorstep), not a step later."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from shared.keys import CONSUMER_GROUP
+from shared.settings import Settings
+from tests.conftest import REDIS_URL, Stack, running_stack
+from worker.engine_client import EngineProcess
+
+FLUSH_TOKENS = 16
+FLUSH_JOBS = 16
+WRITES_PER_JOB = 8
+"""At most this many event writes for a batch job of FLUSH_TOKENS tokens (one a step, 16 or
+17, before batch jobs flushed at their own interval)."""
+WAVES = 8
+SLOTS = 4
+"""The sim's batch: one slot is the interactive reserve (a quarter), three run batch jobs."""
+BATCH_SLOTS = SLOTS - 1
+TINY_TOKENS = 4
+SLACK_STEPS = 4
+"""Steps the worker may lose over the whole run (a wave it was late for, on a busy box)."""
+STEP_MS = 50.0
+DONE_WITHIN_S = 60.0
+
+
+async def _submit_batch(stack: Stack, n: int, max_tokens: int) -> list[str]:
+    jobs = []
+    for i in range(n):
+        job = await stack.submit(prompt=f"classify {i}", max_tokens=max_tokens, priority="batch")
+        jobs.append(job["id"])
+    return jobs
+
+
+async def _all_done(stack: Stack, jobs: list[str]) -> list[dict[str, Any]]:
+    return [await stack.wait_status(j, "succeeded", timeout=DONE_WITHIN_S) for j in jobs]
+
+
+async def test_a_batch_jobs_tokens_go_out_in_few_writes(settings: Settings, redis) -> None:  # type: ignore[no-untyped-def]
+    settings = settings.model_copy(update={"sim_step_ms": 20.0, "max_batch": FLUSH_JOBS * 2})
+    async with running_stack(settings, redis) as stack:
+        tx = stack.worker.st.transitions
+        writes: dict[str, int] = {}
+        emit = tx.emit
+
+        def counted(job_id: str, **kw: Any) -> Any:
+            writes[job_id] = writes.get(job_id, 0) + 1
+            return emit(job_id, **kw)
+
+        tx.emit = counted  # type: ignore[method-assign]
+        jobs = await _submit_batch(stack, FLUSH_JOBS, FLUSH_TOKENS)
+        done = await _all_done(stack, jobs)
+        texts = [await _streamed_text(stack, j) for j in jobs]
+        queue = stack.worker.st.queues["batch"]
+        pending = await redis.xpending(queue, CONSUMER_GROUP)
+        left = await redis.xlen(queue)
+    for record, text in zip(done, texts, strict=True):
+        assert record["usage"]["completion_tokens"] == FLUSH_TOKENS
+        assert text == record["text"]  # folded tokens: the same text, in order
+    assert max(writes[j] for j in jobs) <= WRITES_PER_JOB, writes
+    # each end acknowledged (and deleted) its queue entry in the write that ended it
+    assert pending["pending"] == 0 and left == 0
+
+
+async def _streamed_text(stack: Stack, job_id: str) -> str:
+    """The job's text as its event log replays it (every token event, in order)."""
+    r = await stack.client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "0"})
+    text = []
+    for line in r.text.splitlines():
+        if line.startswith("data:") and '"type":"token"' in line.replace(" ", ""):
+            text.append(json.loads(line[len("data:") :])["text"])
+    return "".join(text)
+
+
+async def test_a_slot_a_batch_job_leaves_is_taken_at_the_next_step(settings: Settings) -> None:
+    """Waves of batch jobs of TINY_TOKENS tokens through BATCH_SLOTS slots of an engine
+    process: each wave takes TINY_TOKENS steps when the next wave waits at the engine's
+    doorstep; a wave started once its slots are free (the claim, its START, the add after the
+    step) takes one step more."""
+    settings = settings.model_copy(
+        update={"sim_step_ms": STEP_MS, "max_batch": SLOTS, "sim_prefill_ms_per_1k": 0.0}
+    )
+    redis = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    link = await EngineProcess.spawn(settings)
+    try:
+        async with running_stack(settings, redis, link=link) as stack:
+            times = stack.worker.st.engine.times
+            before = times.steps
+            jobs = await _submit_batch(stack, WAVES * BATCH_SLOTS, TINY_TOKENS)
+            await _all_done(stack, jobs)
+            steps = times.steps - before
+    finally:
+        await redis.aclose()
+    assert steps <= WAVES * TINY_TOKENS + SLACK_STEPS, steps
