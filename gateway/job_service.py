@@ -27,7 +27,7 @@ from shared.compact import CompactLog
 from shared.deadlines import expire_due
 from shared.errors import BadRequest, Conflict, JobNotFound, PromptTooLong, Unprocessable, shown
 from shared.events import EVENT_FIELD, CancelledEvent, EventError, QueuedEvent, TokenEvent
-from shared.keys import Keys, seq_of
+from shared.keys import seq_of
 from shared.records import JOB_ID, ControlMessage, IdempotencyClaim, JobRecord, QueueEntry
 from shared.schemas import MAX_METADATA_DEPTH, JobCreate, JobSpec, JobView, Sampling, json_depth
 from shared.settings import GatewaySettings
@@ -87,7 +87,7 @@ class JobService:
         self.redis = redis
         self.scripts = scripts
         self.registry = registry
-        self.keys = Keys(settings.key_prefix)
+        self.keys = settings.keys()
         self.transitions = Transitions(
             self.keys, settings.recent_jobs, settings.event_compact_grace_s
         )

@@ -106,6 +106,11 @@ class Keys:
         """The two streams of a model's priority: (queue, overflow)."""
         return self.queue(model, priority, shard), self.overflow(model, priority, shard)
 
+    def all_lanes(self, model: str, priority: Priority) -> list[str]:
+        """The queue and overflow of a model's priority in every shard (on one Redis: the
+        two of `lanes`). KEDA's lag trigger reads each: one trigger per stream, summed."""
+        return [lane for s in range(self.shards) for lane in self.lanes(model, priority, s)]
+
     def placed(self, model: str, priority: Priority, worker_id: str, shard: int = 0) -> str:
         """Stream: one worker's own lane of a model's priority (placement: jobs whose prompt
         its cache holds wait here for it, a bounded time, before any worker may take them)."""
@@ -352,3 +357,8 @@ def event_id(seq: int) -> str:
 def seq_of(entry_id: str | bytes) -> int:
     s = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     return int(s.partition("-")[2])
+
+
+def keys_for(prefix: str, cluster: bool, shards: int) -> Keys:
+    """The keys of a deployment: its prefix, and the slot plan when on a cluster."""
+    return Keys(prefix, cluster=cluster, shards=shards if cluster else 1)

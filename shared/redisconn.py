@@ -247,8 +247,6 @@ def cluster_client(settings: RedisSettings, **overrides: Any) -> Any:
         socket_connect_timeout=settings.redis_socket_timeout_s,
         socket_keepalive=True,
         max_connections=settings.redis_max_connections,
-        # a failover: the next command asks again where the slot lives, at once
-        cluster_error_retry_attempts=settings.redis_retries,
     )
     options.update(overrides)
     return RedisCluster(**options)

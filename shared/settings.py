@@ -31,6 +31,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from shared.keys import Keys, keys_for
 from shared.model_format import engine_for_folder
 from shared.webhooks import EVENT_TYPES, check_secret
 
@@ -346,6 +347,10 @@ class RedisSettings(BaseSettings):
                 "primaries, and WAIT counts one connection's writes to one of them"
             )
         return self
+
+    def keys(self) -> Keys:
+        """The key builder of this deployment (its prefix; the slot plan on a cluster)."""
+        return keys_for(self.key_prefix, bool(self.redis_cluster), self.queue_shards)
 
     @property
     def redis_configured(self) -> bool:
@@ -943,6 +948,27 @@ class GatewaySettings(JobSettings):
                 "a key in both GENQ_API_KEYS_FILE and GENQ_ADMIN_KEYS_FILE has other options "
                 "in each"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_features(self) -> GatewaySettings:
+        """On a Redis Cluster, what genq does not run there yet is off: token-fair scheduling
+        (owners then share by jobs in flight), cache-aware placement, tokens-per-minute
+        limits. Asked for by name, each stops the start instead of being dropped quietly."""
+        if not self.redis_cluster:
+            return self
+        off: dict[str, object] = {"fair_scheduling": "jobs", "placement": False}
+        for name, value in off.items():
+            if getattr(self, name) != value:
+                if name in self.model_fields_set:
+                    raise ValueError(
+                        f"GENQ_{name.upper()}={getattr(self, name)}: not supported on a Redis "
+                        f"Cluster yet (leave it unset there, or set {value})"
+                    )
+                object.__setattr__(self, name, value)
+        files = (*self._file_keys.values(), *self._admin_file_keys.values())
+        if self.tokens_per_minute_per_key or any(o.tpm for o in files):
+            raise ValueError("tokens-per-minute limits are not supported on a Redis Cluster yet")
         return self
 
     @model_validator(mode="after")

@@ -2,6 +2,10 @@
 -- script's KEYS and ARGV: shared/scripts.py). A job's keys: its record (hash), its event log
 -- (stream, entry ids 0-<seq>), its live channel.
 
+-- How a job's events are published: PUBLISH on one Redis; on a Cluster SPUBLISH, so they go
+-- only to the node holding the job's slot (`shared.transitions.script` swaps this line).
+local PUB = 'PUBLISH'
+
 -- The ownership check, the only one: a running job is its worker's while the record names
 -- that worker at that attempt. A worker that lost its lease (paused, cut off) fails it and
 -- can write nothing more.
@@ -33,7 +37,7 @@ local function append(events, channel, maxlen, from, to)
   for i = from, to, 2 do
     if tonumber(ARGV[i]) > last then
       redis.call('XADD', events, 'MAXLEN', '~', maxlen, '0-' .. ARGV[i], 'd', ARGV[i + 1])
-      redis.call('PUBLISH', channel, ARGV[i + 1])
+      redis.call(PUB, channel, ARGV[i + 1])
     end
   end
   return nil

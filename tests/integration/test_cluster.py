@@ -1,0 +1,189 @@
+"""genq on a Redis Cluster (3 primaries, 3 replicas, started once for this module): the main
+flows through the gateway app and an in-process sim worker, with the queues in 3 shards, job
+events on shard channels, and a submit's steps in the slots the plan puts them in."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from gateway.deadline_sweep import RECONCILE_GRACE_S, DeadlineSweep
+from shared.keys import PRIORITIES
+from shared.records import QueueEntry
+from shared.redisconn import connect
+from shared.settings import Settings
+from shared.transitions import Call, Queued, ScriptRunner
+from tests.cluster import LocalCluster
+from tests.conftest import Stack, parse_sse, running_stack
+from tests.prefixes import test_prefix
+
+SHARDS = 3
+SLOW_STEP_MS = 20.0
+
+
+def cluster_settings(cluster: LocalCluster, **overrides: Any) -> Settings:
+    options: dict[str, Any] = dict(
+        redis_cluster=cluster.seeds,
+        queue_shards=SHARDS,
+        key_prefix=test_prefix("cluster"),
+        sim_step_ms=1.0,
+        heartbeat_s=0.2,
+        lease_s=1.0,
+        claim_block_ms=200,
+        shutdown_grace_s=2.0,
+    )
+    options.update(overrides)
+    return Settings(**options)
+
+
+@pytest.fixture
+async def cstack(cluster: LocalCluster) -> AsyncIterator[Stack]:
+    settings = cluster_settings(cluster)
+    client = connect(settings)
+    try:
+        async with running_stack(settings, client) as s:
+            yield s
+    finally:
+        await client.aclose()
+
+
+async def _stream(stack: Stack, job_id: str, **request: Any) -> list[tuple[int, str, dict]]:
+    async with asyncio.timeout(15):
+        r = await stack.client.get(f"/v1/jobs/{job_id}/events", **request)
+    assert r.status_code == 200, r.text
+    return parse_sse(r.text)
+
+
+async def test_jobs_run_to_the_end_and_stream_on_a_cluster(cstack: Stack) -> None:
+    jobs = [await cstack.submit(prompt=f"job {i}", max_tokens=8) for i in range(9)]
+    keys = cstack.worker.st.keys
+    assert {keys.shard_of(j["id"]) for j in jobs} == set(range(SHARDS))  # every shard used
+    for job in jobs:
+        done = await cstack.wait_status(job["id"], "succeeded")
+        assert done["usage"]["completion_tokens"] == 8
+        events = await _stream(cstack, job["id"])
+        assert [e[0] for e in events] == list(range(1, len(events) + 1))
+        assert events[0][1] == "queued" and events[-1][1] == "done"
+    # every queue entry acknowledged and deleted; nothing pending in any shard
+    for shard in range(SHARDS):
+        assert await cstack.redis.hlen(keys.pending(shard)) == 0
+        for p in PRIORITIES:
+            assert await cstack.redis.xlen(keys.queue("sim", p, shard)) == 0
+
+
+async def test_a_live_stream_gets_every_token_and_resumes_from_last_event_id(
+    cluster: LocalCluster,
+) -> None:
+    settings = cluster_settings(cluster)
+    client = connect(settings)
+    try:
+        async with running_stack(settings, client, step_ms=SLOW_STEP_MS) as stack:
+            body = {"model": "sim", "prompt": "live", "max_tokens": 20, "stream": True}
+            r = await stack.client.post("/v1/jobs", json=body)
+            assert r.status_code == 200, r.text
+            events = parse_sse(r.text)
+            assert events[-1][1] == "done"
+            text = "".join(e[2].get("text", "") for e in events if e[1] == "token")
+            job_id = events[0][2]["id"]
+            tail = await _stream(stack, job_id, headers={"Last-Event-ID": str(events[3][0])})
+            assert tail == events[4:]
+            view = (await stack.client.get(f"/v1/jobs/{job_id}")).json()
+            assert view["text"] == text
+    finally:
+        await client.aclose()
+
+
+async def test_openai_chat_completion_on_a_cluster(cstack: Stack) -> None:
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+    r = await cstack.client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["usage"]["completion_tokens"] == 6
+    r = await cstack.client.post("/v1/chat/completions", json={**body, "stream": True})
+    chunks = [
+        json.loads(line[6:])
+        for line in r.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+    assert chunks and chunks[-1]["choices"][0]["finish_reason"] is not None
+
+
+async def test_cancel_of_a_running_job_on_a_cluster(cluster: LocalCluster) -> None:
+    settings = cluster_settings(cluster)
+    client = connect(settings)
+    try:
+        async with running_stack(settings, client, step_ms=SLOW_STEP_MS) as stack:
+            job = await stack.submit(prompt="long", max_tokens=1000)
+            await stack.wait_status(job["id"], "running")
+            r = await stack.client.delete(f"/v1/jobs/{job['id']}")
+            assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+            events = await _stream(stack, job["id"])
+            assert events[-1][1] == "cancelled"
+    finally:
+        await client.aclose()
+
+
+async def test_a_submit_stopped_between_its_steps_is_queued_once_by_the_reconciler(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record and first event written, the queue entry not (the gateway's process died, or
+    lost Redis, between the two slots): the deadline sweep's reconciler queues the job, once,
+    however often it runs, and a late queue step of the submit itself writes nothing more."""
+    settings = cluster_settings(cluster)
+    client = connect(settings)
+    evalsha = ScriptRunner._evalsha
+    stopped: list[Call[Any]] = []
+
+    async def stop_before_the_queue_step(redis: Any, call: Call[Any]) -> Any:
+        if call.script.name == "submit_queue" and not stopped:
+            stopped.append(call)
+            raise RedisConnectionError("injected: the submit stops here")
+        return await evalsha(redis, call)
+
+    try:
+        async with running_stack(settings, client) as stack:
+            monkeypatch.setattr(ScriptRunner, "_evalsha", staticmethod(stop_before_the_queue_step))
+            r = await stack.client.post("/v1/jobs", json={"model": "sim", "prompt": "x"})
+            assert r.status_code >= 500 and stopped
+            monkeypatch.setattr(ScriptRunner, "_evalsha", staticmethod(evalsha))
+            keys = stack.worker.st.keys
+            (job_id,) = [
+                j for s in range(SHARDS) for j in await client.zrange(keys.pending_since(s), 0, -1)
+            ]
+            record = await client.hget(keys.job(job_id), "status")
+            assert record == "queued"  # recorded, not queued: no worker can see it
+            sweep = DeadlineSweep(settings, client, ScriptRunner(client), keys)
+            assert await sweep.reconcile() == []  # within the grace: left to its gateway
+            later = time.time() + RECONCILE_GRACE_S + 1
+            assert await sweep.reconcile(later) == [job_id]
+            assert await sweep.reconcile(later) == []
+            assert await ScriptRunner(client).run(stopped[0]) == Queued()  # the late step
+            done = await stack.wait_status(job_id, "succeeded")
+            assert done["attempt"] == 1
+            events = await _stream(stack, job_id)
+            assert [e[1] for e in events].count("started") == 1
+            assert events[-1][1] == "done"
+    finally:
+        await client.aclose()
+
+
+async def test_a_second_queue_entry_of_an_ended_job_runs_nothing(cstack: Stack) -> None:
+    """A repeated queue entry is harmless: START of an ended job writes nothing, and the entry
+    is acknowledged."""
+    job = await cstack.submit(prompt="once", max_tokens=4)
+    await cstack.wait_status(job["id"], "succeeded")
+    keys = cstack.worker.st.keys
+    before = await _stream(cstack, job["id"])
+    queue = keys.queue("sim", "interactive", keys.shard_of(job["id"]))
+    await cstack.redis.xadd(queue, QueueEntry(job=job["id"], tokens=8).to_hash())
+    async with asyncio.timeout(10):
+        while await cstack.redis.xlen(queue):
+            await asyncio.sleep(0.02)
+    assert await _stream(cstack, job["id"]) == before
+    assert (await cstack.client.get(f"/v1/jobs/{job['id']}")).json()["attempt"] == 1
