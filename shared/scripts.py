@@ -261,6 +261,7 @@ JOB_ENDED = ScriptArgs(
     argv=("job_id", "compact", "compact_at", "recent_cap", "status", "group", "entry"),
 )
 TELL_STREAM = ScriptArgs("tell_stream", keys=("stream",), argv=("job_id",))
+TELL_BATCH = ScriptArgs("tell_batch", keys=("outbox",), argv=("batch_id", "status"))
 COMPACT_JOB = ScriptArgs(
     "compact_job",
     keys=("job", "events"),
@@ -303,6 +304,7 @@ DECLARED: dict[str, ScriptArgs] = {
         SETTLE_JOB,
         JOB_ENDED,
         TELL_STREAM,
+        TELL_BATCH,
         COMPACT_JOB,
         INDEX_REMOVE,
         OWNS_JOB,

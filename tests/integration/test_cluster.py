@@ -187,3 +187,41 @@ async def test_a_second_queue_entry_of_an_ended_job_runs_nothing(cstack: Stack) 
             await asyncio.sleep(0.02)
     assert await _stream(cstack, job["id"]) == before
     assert (await cstack.client.get(f"/v1/jobs/{job['id']}")).json()["attempt"] == 1
+
+
+async def test_a_batch_completes_on_a_cluster(cstack: Stack) -> None:
+    lines = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "sim",
+                "messages": [{"role": "user", "content": f"q{i}"}],
+                "max_tokens": 4,
+            },
+        }
+        for i in range(12)
+    ]
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    files = {"file": ("in.jsonl", content, "application/jsonl")}
+    r = await cstack.client.post("/v1/files", files=files, data={"purpose": "batch"})
+    assert r.status_code == 200, r.text
+    body = {
+        "input_file_id": r.json()["id"],
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+    }
+    r = await cstack.client.post("/v1/batches", json=body)
+    assert r.status_code == 200, r.text
+    batch_id = r.json()["id"]
+    async with asyncio.timeout(30):
+        while (batch := (await cstack.client.get(f"/v1/batches/{batch_id}")).json())[
+            "status"
+        ] not in ("completed", "failed", "expired", "cancelled"):
+            await asyncio.sleep(0.05)
+    assert batch["status"] == "completed", batch
+    assert batch["request_counts"] == {"total": 12, "completed": 12, "failed": 0}
+    out = await cstack.client.get(f"/v1/files/{batch['output_file_id']}/content")
+    ids = sorted(json.loads(line)["custom_id"] for line in out.text.splitlines())
+    assert ids == sorted(f"line-{i}" for i in range(12))
