@@ -71,6 +71,9 @@ class LocalCluster:
             args = (
                 *("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
                 *("--cluster-node-timeout", "2000", "--appendfsync", "everysec"),
+                # a replica may take over however long its link was down (a test kills a
+                # primary soon after the cluster is made)
+                *("--cluster-replica-validity-factor", "0"),
             )
             server = RedisServer(node_dir, port=port, args=args)
             server.start()
@@ -100,12 +103,17 @@ class LocalCluster:
 
     @staticmethod
     def _node_ok(node: RedisServer) -> bool:
+        """The cluster is ok as this node sees it, and a replica's link to its primary is up
+        (its first sync done: until then it could not take over)."""
         with contextlib.suppress(redis.RedisError, OSError):
             c = redis.Redis(port=node.port, socket_timeout=1, decode_responses=True)
             try:
                 info = c.cluster("info")  # parsed by redis-py into a dict
+                replication = c.info("replication")
             finally:
                 c.close()
+            if replication.get("role") == "slave" and replication["master_link_status"] != "up":
+                return False
             return bool(info["cluster_state"] == "ok" and int(info["cluster_slots_ok"]) == 16384)
         return False
 
