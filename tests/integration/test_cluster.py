@@ -5,6 +5,7 @@ events on shard channels, and a submit's steps in the slots the plan puts them i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -13,14 +14,16 @@ from typing import Any
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from gateway.app import _cluster_template
 from gateway.deadline_sweep import RECONCILE_GRACE_S, DeadlineSweep
+from gateway.pubsub_cluster import ClusterPubSub
 from shared.keys import PRIORITIES
 from shared.records import QueueEntry
 from shared.redisconn import connect
 from shared.settings import Settings
 from shared.transitions import Call, Queued, ScriptRunner
 from tests.cluster import LocalCluster
-from tests.conftest import Stack, parse_sse, running_stack
+from tests.conftest import REDIS_URL, Stack, gateway_only, parse_sse, running_stack
 from tests.prefixes import test_prefix
 
 SHARDS = 3
@@ -48,6 +51,29 @@ def cluster_settings(cluster: LocalCluster, **overrides: Any) -> Settings:
 @pytest.fixture
 async def cstack(cluster: LocalCluster) -> AsyncIterator[Stack]:
     settings = cluster_settings(cluster)
+    client = connect(settings)
+    try:
+        async with running_stack(settings, client) as s:
+            yield s
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+async def either(request: pytest.FixtureRequest, cluster: LocalCluster) -> AsyncIterator[Stack]:
+    """The same flow on one Redis (the shared one, today's layout) and on the cluster."""
+    if request.param == "cluster":
+        settings = cluster_settings(cluster)
+    else:
+        settings = Settings(
+            redis_url=REDIS_URL,
+            key_prefix=test_prefix(),
+            sim_step_ms=1.0,
+            heartbeat_s=0.2,
+            lease_s=1.0,
+            claim_block_ms=200,
+            shutdown_grace_s=2.0,
+        )
     client = connect(settings)
     try:
         async with running_stack(settings, client) as s:
@@ -114,7 +140,8 @@ async def test_a_live_stream_gets_every_token_and_resumes_from_last_event_id(
         await client.aclose()
 
 
-async def test_openai_chat_completion_on_a_cluster(cstack: Stack) -> None:
+async def test_openai_chat_completion_on_a_cluster(either: Stack) -> None:
+    cstack = either
     body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
     r = await cstack.client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
@@ -204,7 +231,8 @@ async def test_a_second_queue_entry_of_an_ended_job_runs_nothing(cstack: Stack) 
     assert (await cstack.client.get(f"/v1/jobs/{job['id']}")).json()["attempt"] == 1
 
 
-async def test_a_batch_completes_on_a_cluster(cstack: Stack) -> None:
+async def test_a_batch_completes_on_a_cluster(either: Stack) -> None:
+    cstack = either
     lines = [
         {
             "custom_id": f"line-{i}",
@@ -240,6 +268,66 @@ async def test_a_batch_completes_on_a_cluster(cstack: Stack) -> None:
     out = await cstack.client.get(f"/v1/files/{batch['output_file_id']}/content")
     ids = sorted(json.loads(line)["custom_id"] for line in out.text.splitlines())
     assert ids == sorted(f"line-{i}" for i in range(12))
+
+
+async def test_the_gateways_pubsub_holds_one_connection_per_node_and_hears_spublish(
+    cluster: LocalCluster,
+) -> None:
+    settings = cluster_settings(cluster)
+    client = connect(settings)
+    backend = ClusterPubSub(client, _cluster_template(settings), "genq-test-pubsub")
+    heard: list[tuple[str, str]] = []
+    confirmed: list[str] = []
+    task = asyncio.create_task(
+        backend.run(lambda c, d: heard.append((c, d)), lambda: None, confirmed.append)
+    )
+    try:
+        keys = settings.keys()
+        channels = [keys.channel(f"job-{i}") for i in range(30)]
+        await backend.subscribe(*channels)
+        async with asyncio.timeout(10):
+            while len(confirmed) < len(channels):
+                await asyncio.sleep(0.02)
+        assert len(backend.nodes) == len(cluster.primaries())
+        assert sorted(c for chans in backend.nodes.values() for c in chans) == sorted(channels)
+        for c in channels:
+            assert (
+                await client.execute_command("SPUBLISH", c, "hello") == 1
+            )  # heard on the slot's node only
+        async with asyncio.timeout(10):
+            while len(heard) < len(channels):
+                await asyncio.sleep(0.02)
+        assert sorted(heard) == sorted((c, "hello") for c in channels)
+        await backend.unsubscribe(*channels[:10])
+        async with asyncio.timeout(10):
+            while [c for c in channels[:10] if await client.execute_command("SPUBLISH", c, "late")]:
+                await asyncio.sleep(0.02)
+    finally:
+        await backend.close()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.aclose()
+
+
+async def test_a_queued_job_past_its_deadline_expires_on_a_cluster(cluster: LocalCluster) -> None:
+    """No worker for its model: the gateway's sweep of the shard's deadlines index ends it."""
+    settings = cluster_settings(cluster, deadline_sweep_s=0.1)
+    client = connect(settings)
+    try:
+        async with gateway_only(settings, client) as http:
+            body = {"model": "sim", "prompt": "nobody runs me", "timeout_s": 1}
+            r = await http.post("/v1/jobs", json=body)
+            assert r.status_code == 202, r.text
+            job_id = r.json()["id"]
+            async with asyncio.timeout(10):
+                while (view := (await http.get(f"/v1/jobs/{job_id}")).json())["status"] == "queued":
+                    await asyncio.sleep(0.05)
+            assert view["status"] == "expired"
+            keys = settings.keys()
+            assert await client.zscore(keys.deadlines(keys.shard_of(job_id)), job_id) is None
+    finally:
+        await client.aclose()
 
 
 async def test_a_primary_killed_under_load_loses_and_repeats_nothing(
