@@ -969,6 +969,8 @@ class GatewaySettings(JobSettings):
         files = (*self._file_keys.values(), *self._admin_file_keys.values())
         if self.tokens_per_minute_per_key or any(o.tpm for o in files):
             raise ValueError("tokens-per-minute limits are not supported on a Redis Cluster yet")
+        if self.webhooks:
+            raise ValueError("GENQ_WEBHOOKS: webhooks are not delivered on a Redis Cluster yet")
         return self
 
     @model_validator(mode="after")

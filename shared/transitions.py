@@ -7,8 +7,7 @@ deadlines index, the idempotency key and the admission counters; EMIT and SETTLE
 admission counters and the deadlines index when the job ends (shared/quotas.py), and the done
 stream of a batch's job (its record names it); TOUCH the queue it checks; SUBMIT, EMIT and
 SETTLE the recent-jobs stream (the dashboard's); EMIT and SETTLE add an ended job to the
-compaction index, COMPACT takes it off. Those are the seam for Cluster (per-slot submits,
-indexes per slot).
+compaction index, COMPACT takes it off. On a cluster those run as steps (below).
 
 Who may write a job (fencing): the gateway while it is `queued` and nobody runs it (SUBMIT,
 SETTLE of a cancel), the worker the record names at the record's `attempt` while it is

@@ -50,8 +50,8 @@ end
 
 -- A job that ended keeps its record and log for `retention` seconds (0: it goes on), leaves
 -- the deadlines index and joins the compaction index (`compact_due`) at `compact_at`, when its
--- log is replaced by a compact form (compact.lua). Both indexes are in another slot: part of
--- the Cluster seam.
+-- log is replaced by a compact form (compact.lua). Both indexes are in another slot: on a
+-- Cluster JOB_ENDED does this part, as a step after the end (shared/transitions.py).
 local function retain(job, events, retention, job_id, compact_at, deadlines, compact_due)
   if tonumber(retention) > 0 then
     redis.call('EXPIRE', job, retention)
@@ -153,8 +153,8 @@ end
 
 -- A job that ended tells the stream its record names in `done_stream` (a batch's), in the
 -- step that ends it, so a tracker of the batch cannot miss it. That stream lives in its
--- batch's slot, not the job's: with SUBMIT, the seam for Cluster (which lets a script touch
--- only keys it is handed).
+-- batch's slot, not the job's: on a Cluster (which lets a script touch only keys of one
+-- slot) TELL_STREAM does this, as a step after the end.
 -- The webhook outbox its record names in `notify` hears of it the same way (a delivery is
 -- then made from it by a gateway: gateway/webhooks.py): never an end without its event.
 local function tell_done(job, job_id)
@@ -166,7 +166,8 @@ end
 
 -- Note the job in the recent-jobs stream `recent` (the dashboard's list), capped at about
 -- `cap` entries (0: not written); ARGV[from..] are its (field, value) pairs. One key for
--- every job, in no job's slot: with the deadlines index, the seam for Cluster.
+-- every job, in no job's slot (on a Cluster, one per queue shard, written by the shard's
+-- steps).
 local function note_recent(recent, cap, ...)
   if recent and recent ~= '' and tonumber(cap) > 0 then
     redis.call('XADD', recent, 'MAXLEN', '~', cap, '*', ...)

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from redis.crc import key_slot
 
 from shared.keys import Keys, shard_tags
-from shared.settings import RedisSettings
+from shared.settings import RedisSettings, Settings
 
 
 def test_one_redis_keeps_every_key_as_it_was() -> None:
@@ -78,3 +78,15 @@ def test_cluster_settings() -> None:
         RedisSettings(redis_cluster="nohost")
     with pytest.raises(ValidationError, match="only with GENQ_REDIS_CLUSTER"):
         RedisSettings(redis_cluster_tls=True)
+
+
+def test_what_a_cluster_does_not_run_yet_is_off_or_refused_by_name() -> None:
+    s = Settings(redis_cluster="h:1")
+    assert s.fair_scheduling == "jobs" and s.placement is False  # defaults turned off
+    assert Settings().fair_scheduling == "tokens" and Settings().placement  # one Redis: as ever
+    with pytest.raises(ValidationError, match="GENQ_PLACEMENT"):
+        Settings(redis_cluster="h:1", placement=True)
+    with pytest.raises(ValidationError, match="GENQ_FAIR_SCHEDULING"):
+        Settings(redis_cluster="h:1", fair_scheduling="tokens")
+    with pytest.raises(ValidationError, match="tokens-per-minute"):
+        Settings(redis_cluster="h:1", tokens_per_minute_per_key=1000)
