@@ -17,17 +17,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from gateway.app import _cluster_template
 from gateway.deadline_sweep import RECONCILE_GRACE_S, DeadlineSweep
 from gateway.pubsub_cluster import ClusterPubSub
-from shared.keys import PRIORITIES
+from shared.keys import PRIORITIES, scope_fields
 from shared.records import QueueEntry
 from shared.redisconn import connect
 from shared.settings import Settings
 from shared.transitions import Call, Queued, ScriptRunner
 from tests.cluster import LocalCluster
-from tests.conftest import REDIS_URL, Stack, gateway_only, parse_sse, running_stack
+from tests.conftest import REDIS_URL, Stack, gateway_only, gateways, parse_sse, running_stack
 from tests.prefixes import test_prefix
 
 SHARDS = 3
 SLOW_STEP_MS = 20.0
+QUOTA_JOB = {"model": "sim", "prompt": "x", "max_tokens": 8}
 KILL_JOBS = 60
 KILL_STREAMS = 12
 KILL_WAIT_S = 60.0
@@ -307,6 +308,42 @@ async def test_the_gateways_pubsub_holds_one_connection_per_node_and_hears_spubl
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        await client.aclose()
+
+
+async def test_quotas_hold_across_gateways_and_release_at_the_end_on_a_cluster(
+    cluster: LocalCluster,
+) -> None:
+    """The admission step counts atomically in its slot whatever shard a job goes to: two
+    gateways cannot overshoot a limit; an idempotent retry is not counted twice; cancelled
+    and finished jobs stop counting."""
+    limit, tries = 6, 16
+    settings = cluster_settings(cluster, max_queued_jobs={"interactive": limit})
+    client = connect(settings)
+    keys = settings.keys()
+    try:
+        async with gateways(settings, client, 2) as clients:
+            answers = await asyncio.gather(
+                *(clients[i % 2].post("/v1/jobs", json=QUOTA_JOB) for i in range(tries))
+            )
+            codes = sorted(r.status_code for r in answers)
+            assert codes == [202] * limit + [429] * (tries - limit)
+            lanes = keys.all_lanes("sim", "interactive")
+            assert sum([await client.xlen(q) for q in lanes]) == limit
+            for r in answers:
+                if r.status_code == 202:
+                    assert (
+                        await clients[0].delete(f"/v1/jobs/{r.json()['id']}")
+                    ).status_code == 200
+            assert await client.hgetall(keys.admission_counts()) == {}
+            again = {"Idempotency-Key": "same"}
+            first = await clients[0].post("/v1/jobs", json=QUOTA_JOB, headers=again)
+            second = await clients[1].post("/v1/jobs", json=QUOTA_JOB, headers=again)
+            assert (first.status_code, second.status_code) == (202, 200)  # 200: the replay
+            assert first.json()["id"] == second.json()["id"]
+            jobs_field, _ = scope_fields("interactive", "sim")
+            assert (await client.hgetall(keys.admission_counts()))[jobs_field] == "1"
+    finally:
         await client.aclose()
 
 
