@@ -132,6 +132,43 @@ class LocalCluster:
                     c.close()
         return out
 
+    def node_of(self, slot: int) -> RedisServer:
+        """The primary serving `slot` now."""
+        c = self.client()
+        try:
+            node = c.nodes_manager.get_node_from_slot(slot)
+        finally:
+            c.close()
+        return next(n for n in self.nodes if n.port == int(node.port))
+
+    def move_slot(self, slot: int, to: RedisServer) -> int:
+        """Migrate `slot` to the primary `to`, as `redis-cli --cluster reshard` does (IMPORTING,
+        MIGRATING, MIGRATE its keys in batches, then SETSLOT NODE everywhere) while clients go
+        on using it; how many keys moved."""
+        source = self.node_of(slot)
+        src = redis.Redis(port=source.port, decode_responses=True)
+        dst = redis.Redis(port=to.port, decode_responses=True)
+        try:
+            src_id, dst_id = src.cluster("myid"), dst.cluster("myid")
+            dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+            src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+            moved = 0
+            while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+                src.execute_command(
+                    "MIGRATE", "127.0.0.1", to.port, "", 0, 5000, "REPLACE", "KEYS", *keys
+                )
+                moved += len(keys)
+            for node in self.primaries():
+                c = redis.Redis(port=node.port, decode_responses=True)
+                try:
+                    c.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+                finally:
+                    c.close()
+            return moved
+        finally:
+            src.close()
+            dst.close()
+
     def stop(self) -> None:
         for n in self.nodes:
             n.kill()

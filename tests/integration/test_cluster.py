@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.app import _cluster_template
@@ -365,6 +366,45 @@ async def test_a_queued_job_past_its_deadline_expires_on_a_cluster(cluster: Loca
             assert await client.zscore(keys.deadlines(keys.shard_of(job_id)), job_id) is None
     finally:
         await client.aclose()
+
+
+async def test_slots_migrated_while_jobs_run_lose_and_repeat_nothing(
+    cluster: LocalCluster,
+) -> None:
+    """A queue shard's slot and running jobs' slots migrated to another primary (a reshard)
+    while jobs are queued, running and streamed: every job ends once, every stream whole."""
+    settings = cluster_settings(cluster)
+    client = connect(settings)
+    try:
+        async with running_stack(settings, client, step_ms=10.0) as stack:
+            keys = stack.worker.st.keys
+            jobs = [await stack.submit(prompt=f"m{i}", max_tokens=40) for i in range(30)]
+            streams = [
+                asyncio.create_task(_stream(stack, j["id"], timeout=KILL_WAIT_S)) for j in jobs[:8]
+            ]
+            await asyncio.sleep(0.2)
+            slots = {slot_of(keys.queue("sim", "interactive", 0))}
+            slots |= {slot_of(keys.job(j["id"])) for j in jobs[:8]}
+            moved = 0
+            for slot in sorted(slots):
+                here = cluster.node_of(slot)
+                there = next(n for n in cluster.primaries() if n.port != here.port)
+                moved += await asyncio.to_thread(cluster.move_slot, slot, there)
+            assert moved >= 8 * 2  # at least each streamed job's record and log moved
+            views = [await _ended(stack, j["id"]) for j in jobs]
+            assert [v["status"] for v in views] == ["succeeded"] * len(jobs)
+            for task, view in zip(streams, views, strict=False):
+                events = await task
+                assert [e[0] for e in events] == list(range(1, len(events) + 1))
+                assert [e[1] for e in events].count("done") == 1
+                text = "".join(e[2].get("text", "") for e in events if e[1] == "token")
+                assert text == view["text"]
+    finally:
+        await client.aclose()
+
+
+def slot_of(key: str) -> int:
+    return int(key_slot(key.encode()))
 
 
 async def test_a_primary_killed_under_load_loses_and_repeats_nothing(
