@@ -51,6 +51,9 @@ def command_figures(
                 by_command[cmd] = by_command.get(cmd, 0) + d
     mean = total / len(per_node)
     top = sorted(by_command.items(), key=lambda kv: -kv[1])[:12]
+    busiest = max(per_node, key=lambda port: per_node[port])
+    on_busiest = {cmd: n - before[busiest].get(cmd, 0) for cmd, n in after[busiest].items()}
+    busiest_top = sorted(on_busiest.items(), key=lambda kv: -kv[1])[:8]
     return {
         "commands": total,
         "commands_per_token": round(total / max(1, tokens), 3),
@@ -58,6 +61,7 @@ def command_figures(
         "by_command_per_job": {k: round(v / max(1, jobs), 2) for k, v in top},
         "per_primary": list(per_node.values()),
         "per_primary_vs_mean": [round(n / mean - 1, 3) for n in per_node.values()],
+        "busiest_primary_per_job": {k: round(v / max(1, jobs), 2) for k, v in busiest_top if v},
     }
 
 
@@ -116,6 +120,7 @@ def main() -> None:
         "by_command_per_job",
         "per_primary",
         "per_primary_vs_mean",
+        "busiest_primary_per_job",
     )
     result = {
         "one_redis": {k: single.get(k) for k in keep},
