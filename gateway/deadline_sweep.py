@@ -7,7 +7,8 @@ whose process stopped after the job's record was written and before its queue en
 slots, two steps: shared/transitions.py) left the entry pending in the job's queue shard;
 past `RECONCILE_GRACE_S` the sweep queues it (SUBMIT_QUEUE, exactly once whoever runs it
 first). A pending entry whose record never came (the submit stopped before it, and was
-never answered 2xx) goes after `ABANDON_S`."""
+never answered 2xx) is given up after `ABANDON_S` (ABANDON_JOB: a submit later still finds
+the job abandoned and answers 503)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ SWEEP_LIMIT = 1000
 """Overdue jobs looked at per sweep."""
 RECONCILE_GRACE_S = 5.0
 """A pending submit younger than this is left to its gateway (a submit takes milliseconds)."""
-ABANDON_S = 600.0
-"""A pending submit with no record this old was never answered: its entry goes."""
+ABANDON_S = 60.0
+"""A pending submit with no record this old was never answered: its job is marked abandoned
+(a submit later still cannot write it) and its entry goes; an Idempotency-Key it claimed is
+then free for the client's retry."""
+ABANDONED_TTL_S = 3600
+"""How long the abandoned mark stays (far past any submit's retries)."""
 
 
 class DeadlineSweep:
@@ -82,16 +87,16 @@ class DeadlineSweep:
             ]
             done = await self.scripts.run_all([transitions.reconcile(j) for j in recorded])
             queued += [j for j, ok in zip(recorded, done, strict=True) if ok is True]
-            abandoned = [
+            stale = [
                 j
                 for (j, at), st in zip(old, states, strict=True)
                 if isinstance(st, JobState) and st.status == "missing" and at < now - ABANDON_S
             ]
-            if abandoned:
-                pipe = self.redis.pipeline(transaction=False)
-                pipe.hdel(self.keys.pending(shard), *abandoned)
-                pipe.zrem(since, *abandoned)
-                await pipe.execute()
+            calls = [transitions.abandon(j, ABANDONED_TTL_S) for j in stale]
+            given_up = await self.scripts.run_all(calls)
+            came = [j for j, gone in zip(stale, given_up, strict=True) if gone is False]
+            done = await self.scripts.run_all([transitions.reconcile(j) for j in came])
+            queued += [j for j, ok in zip(came, done, strict=True) if ok is True]
         for job_id in queued:
             log.warning(
                 "a submit stopped before queueing its job: queued now", extra={"job_id": job_id}

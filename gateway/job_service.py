@@ -343,10 +343,20 @@ class JobService:
                 code="idempotency_key_reused",
             )
         raw = await self.redis.hgetall(self.keys.job(claim.job))
+        if raw.get("status") == "abandoned":  # cluster: its submit was given up, never answered
+            raw = {}
         if raw:
             return JobRecord.from_hash(raw).view()
+        if self.keys.cluster and await self._still_submitting(claim.job):
+            return None  # its submit is under way (or stopped: the reconciler settles it)
         await self.scripts.run(self.transitions.release_idempotency(idem, claim=claim_text))
         return None
+
+    async def _still_submitting(self, job_id: str) -> bool:
+        """Cluster: the job's entry is pending in its shard (its submit claimed the key and has
+        not written the record yet, or stopped there): the claim is not to be freed."""
+        k = self.keys
+        return bool(await self.redis.hexists(k.pending(k.shard_of(job_id)), job_id))
 
     async def get(self, job_id: str, caller: Identity, *, text_so_far: bool = True) -> JobView:
         """The job as its record holds it; a job that has run but has no result (running, or

@@ -225,6 +225,7 @@ CACHE_NEWS = ScriptArgs(
 
 # ---- Redis Cluster: the steps a script spanning slots runs as (shared/transitions.py) ----
 
+PEEK_IDEMPOTENCY = ScriptArgs("peek_idempotency", keys=("idempotency",), argv=("claim",))
 CLAIM_IDEMPOTENCY = ScriptArgs(
     "claim_idempotency", keys=("idempotency",), argv=("claim", "claim_ttl")
 )
@@ -269,6 +270,8 @@ COMPACT_JOB = ScriptArgs(
     rest="record (field, value) pairs, as COMPACT",
 )
 INDEX_REMOVE = ScriptArgs("index_remove", keys=("index",), argv=("job_id",))
+ABANDON_JOB = ScriptArgs("abandon_job", keys=("job",), argv=("ttl",))
+PENDING_DROP = ScriptArgs("pending_drop", keys=("pending", "pending_since"), argv=("job_id",))
 OWNS_JOB = ScriptArgs("owns_job", keys=("job",), argv=("worker", "attempt"))
 TOUCH_QUEUE = ScriptArgs("touch_queue", keys=("queue",), argv=("group", "worker", "entry"))
 
@@ -295,6 +298,7 @@ DECLARED: dict[str, ScriptArgs] = {
         STEAL,
         RELEASE,
         CACHE_NEWS,
+        PEEK_IDEMPOTENCY,
         CLAIM_IDEMPOTENCY,
         ADMIT,
         SUBMIT_INTENT,
@@ -307,6 +311,8 @@ DECLARED: dict[str, ScriptArgs] = {
         TELL_BATCH,
         COMPACT_JOB,
         INDEX_REMOVE,
+        ABANDON_JOB,
+        PENDING_DROP,
         OWNS_JOB,
         TOUCH_QUEUE,
     )

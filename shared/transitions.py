@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from redis.exceptions import NoScriptError
 
 from shared import scripts as lua
+from shared.errors import Unavailable
 from shared.keys import CONSUMER_GROUP, Keys, Priority
 from shared.records import JobRecord, QueueEntry
 from shared.scripts import DECLARED, Arg, ScriptArgs
@@ -305,6 +306,11 @@ def _state_reply(r: list[Any]) -> JobState:
     return JobState(str(r[0]), int(r[1]), int(r[2]), r[3] or None)
 
 
+def _abandoned(r: Any) -> SubmitReply:
+    """SUBMIT_JOB's reply 0 (the chain goes on at 1): the reconciler gave this submit up."""
+    raise Unavailable("the job could not be queued in time; submit it again")
+
+
 def _submit_reply(tpm: int, r: list[Any]) -> SubmitReply:
     """`tpm`: the size of the tokens bucket the submit charged (if it did)."""
     if r[0] == "queued":
@@ -471,20 +477,17 @@ class Transitions:
         claim_ttl_s: int,
         admission: Admission,
     ) -> Call[SubmitReply]:
-        """SUBMIT on a cluster, as steps (module docstring): the idempotency claim, the
-        admission, the pending entry, the record, the queue entry. Placement lanes,
+        """SUBMIT on a cluster, as steps (module docstring): a look at the idempotency key,
+        the admission, the pending entry, the idempotency claim (another request's claim,
+        made meanwhile, undoes the two before), the record, the queue entry. Placement lanes,
         token-fair scheduling and tokens-per-minute charges are not run on a cluster (the
         settings refuse them there)."""
         spec, k = record.spec, self.keys
         shard = k.shard_of(spec.id)
+        pending = {"pending": k.pending(shard), "pending_since": k.pending_since(shard)}
 
         def queue_step(_raw: Any) -> Call[SubmitReply]:
-            keys = {
-                "pending": k.pending(shard),
-                "pending_since": k.pending_since(shard),
-                "deadlines": k.deadlines(shard),
-                "recent": k.recent_jobs(shard),
-            }
+            keys = {**pending, "deadlines": k.deadlines(shard), "recent": k.recent_jobs(shard)}
             args: dict[str, Arg] = {"job_id": spec.id, "recent_cap": self.recent_jobs}
             return self._call(lua.SUBMIT_QUEUE, lambda _r: Queued(), keys, args)
 
@@ -492,57 +495,107 @@ class Transitions:
             args: dict[str, Arg] = {"queued_event": queued_event}
             rest = _flat(record.to_hash())
             return self._call(
-                lua.SUBMIT_JOB, lambda _r: Queued(), self._job(spec.id), args, rest, queue_step
+                lua.SUBMIT_JOB,
+                _abandoned,
+                self._job(spec.id),
+                args,
+                rest,
+                lambda raw: queue_step(raw) if int(raw) == 1 else None,
+            )
+
+        def claimed(raw: Any) -> Call[SubmitReply] | None:
+            if raw[0] != "exists":
+                return job_step(raw)
+            taken = _submit_reply(0, raw)  # another request's: undo this one's steps
+            undo = [
+                self._call(lua.PENDING_DROP, int, pending, {"job_id": spec.id}),
+                self._call(
+                    lua.ADMISSION_RELEASE,
+                    int,
+                    self._admission_keys(),
+                    {"job_key": k.job(spec.id)},
+                ),
+            ]
+            return steps(undo, taken)
+
+        def claim_step(_raw: Any) -> Call[SubmitReply]:
+            if idempotency_key is None:
+                return job_step(None)
+            args: dict[str, Arg] = {"claim": claim, "claim_ttl": claim_ttl_s}
+            return self._call(
+                lua.CLAIM_IDEMPOTENCY,
+                functools.partial(_submit_reply, 0),
+                {"idempotency": idempotency_key},
+                args,
+                (),
+                claimed,
             )
 
         def intent_step(overflow: bool) -> Call[SubmitReply]:
             stream = (k.overflow if overflow else k.queue)(spec.model, spec.priority, shard)
             deadline = "" if spec.deadline is None else repr(spec.deadline)
-            pairs = "\x1f".join(_flat(entry_fields))  # type: ignore[arg-type]
+            pairs = "\x1f".join(str(x) for x in _flat(entry_fields))
             packed = "\x1e".join((stream, deadline, spec.model, spec.priority, pairs))
-            keys = {"pending": k.pending(shard), "pending_since": k.pending_since(shard)}
             args: dict[str, Arg] = {"job_id": spec.id, "now": repr(time.time()), "entry": packed}
-            return self._call(lua.SUBMIT_INTENT, lambda _r: Queued(), keys, args, (), job_step)
+            return self._call(lua.SUBMIT_INTENT, lambda _r: Queued(), pending, args, (), claim_step)
 
-        def admitted(raw: Any) -> Call[SubmitReply] | None:
-            if raw[0] != "limited":
-                return intent_step(int(raw[1]) == 1)
-            refused = _submit_reply(0, raw)
-            if idempotency_key is None:
-                return None
-            undo = self.release_idempotency(idempotency_key, claim=claim)
-            return Call(undo.script, undo.keys, undo.args, lambda _r: refused)
-
-        def admit_step(_raw: Any) -> Call[SubmitReply]:
-            scopes: list[Arg] = []
-            for q in admission.quotas:
-                scopes += [q.jobs_field, q.tokens_field, q.max_jobs, q.max_tokens]
-            keys = {
-                "counts": k.admission_counts(),
-                "jobs": k.admission_jobs(),
-                "checks": k.admission_checks(),
-            }
-            args: dict[str, Arg] = {
-                "job_key": k.job(spec.id),
-                "tokens": admission.tokens,
-                "check_at": repr(admission.check_at),
-                "n_scopes": len(admission.quotas),
-                "fair_field": admission.fair_field,
-                "fair_share": admission.fair_share,
-            }
-            parse = functools.partial(_submit_reply, 0)
-            return self._call(lua.ADMIT, parse, keys, args, scopes, admitted)
-
+        scopes: list[Arg] = []
+        for q in admission.quotas:
+            scopes += [q.jobs_field, q.tokens_field, q.max_jobs, q.max_tokens]
+        args: dict[str, Arg] = {
+            "job_key": k.job(spec.id),
+            "tokens": admission.tokens,
+            "check_at": repr(admission.check_at),
+            "n_scopes": len(admission.quotas),
+            "fair_field": admission.fair_field,
+            "fair_share": admission.fair_share,
+        }
+        admit = self._call(
+            lua.ADMIT,
+            functools.partial(_submit_reply, 0),
+            self._admission_keys(),
+            args,
+            scopes,
+            lambda raw: None if raw[0] == "limited" else intent_step(int(raw[1]) == 1),
+        )
         if idempotency_key is None:
-            return admit_step(None)
-        args: dict[str, Arg] = {"claim": claim, "claim_ttl": claim_ttl_s}
+            return admit
         return self._call(
-            lua.CLAIM_IDEMPOTENCY,
+            lua.PEEK_IDEMPOTENCY,
             functools.partial(_submit_reply, 0),
             {"idempotency": idempotency_key},
-            args,
+            {"claim": claim},
             (),
-            lambda raw: None if raw[0] == "exists" else admit_step(raw),
+            lambda raw: None if raw[0] == "exists" else admit,
+        )
+
+    def _admission_keys(self) -> dict[str, str]:
+        k = self.keys
+        return {
+            "counts": k.admission_counts(),
+            "jobs": k.admission_jobs(),
+            "checks": k.admission_checks(),
+        }
+
+    def abandon(self, job_id: str, ttl_s: int) -> Call[bool]:
+        """Cluster, the reconciler: a pending submit whose record never came is given up
+        (ABANDON_JOB, then its pending entry dropped and its admission count given back);
+        False: its record is there after all."""
+        k, shard = self.keys, self.keys.shard_of(job_id)
+        pending = {"pending": k.pending(shard), "pending_since": k.pending_since(shard)}
+        undo = [
+            self._call(lua.PENDING_DROP, int, pending, {"job_id": job_id}),
+            self._call(
+                lua.ADMISSION_RELEASE, int, self._admission_keys(), {"job_key": k.job(job_id)}
+            ),
+        ]
+        return self._call(
+            lua.ABANDON_JOB,
+            _truthy,
+            {"job": k.job(job_id)},
+            {"ttl": ttl_s},
+            (),
+            lambda raw: steps(undo, True) if int(raw) == 1 else None,
         )
 
     def reconcile(self, job_id: str) -> Call[bool]:
@@ -581,14 +634,11 @@ class Transitions:
             "recent": k.recent_jobs(shard),
             "queue": queue,
         }
-        admission_keys = {
-            "counts": k.admission_counts(),
-            "jobs": k.admission_jobs(),
-            "checks": k.admission_checks(),
-        }
         out: list[Call[Any]] = [
             self._call(lua.JOB_ENDED, int, index_keys, ended),
-            self._call(lua.ADMISSION_RELEASE, int, admission_keys, {"job_key": k.job(job_id)}),
+            self._call(
+                lua.ADMISSION_RELEASE, int, self._admission_keys(), {"job_key": k.job(job_id)}
+            ),
         ]
         for stream in (done_stream, outbox):
             if stream:

@@ -16,8 +16,9 @@ from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.app import _cluster_template
-from gateway.deadline_sweep import RECONCILE_GRACE_S, DeadlineSweep
+from gateway.deadline_sweep import ABANDON_S, RECONCILE_GRACE_S, DeadlineSweep
 from gateway.pubsub_cluster import ClusterPubSub
+from shared.errors import Unavailable
 from shared.keys import PRIORITIES, scope_fields
 from shared.records import QueueEntry
 from shared.redisconn import connect
@@ -213,6 +214,73 @@ async def test_a_submit_stopped_between_its_steps_is_queued_once_by_the_reconcil
             events = await _stream(stack, job_id)
             assert [e[1] for e in events].count("started") == 1
             assert events[-1][1] == "done"
+    finally:
+        await client.aclose()
+
+
+async def test_a_submit_stopped_before_its_record_is_given_up_and_its_key_freed(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped after the idempotency claim and the pending entry, before the record: the
+    reconciler gives the job up after its bound (a record written later still is refused),
+    and the client's retry with the same key makes a new job that runs."""
+    settings = cluster_settings(cluster)
+    client = connect(settings)
+    evalsha = ScriptRunner._evalsha
+    stopped: list[Call[Any]] = []
+
+    async def stop_before_the_record(redis: Any, call: Call[Any]) -> Any:
+        if call.script.name == "submit_job" and not stopped:
+            stopped.append(call)
+            raise RedisConnectionError("injected: the submit stops here")
+        return await evalsha(redis, call)
+
+    try:
+        async with running_stack(settings, client) as stack:
+            monkeypatch.setattr(ScriptRunner, "_evalsha", staticmethod(stop_before_the_record))
+            body = {"model": "sim", "prompt": "x", "max_tokens": 4}
+            key = {"Idempotency-Key": "k1"}
+            r = await stack.client.post("/v1/jobs", json=body, headers=key)
+            assert r.status_code >= 500 and stopped
+            monkeypatch.setattr(ScriptRunner, "_evalsha", staticmethod(evalsha))
+            again = await stack.client.post("/v1/jobs", json=body, headers=key)
+            assert again.status_code == 409  # the first is still being submitted, for all we know
+            keys = stack.worker.st.keys
+            sweep = DeadlineSweep(settings, client, ScriptRunner(client), keys)
+            assert await sweep.reconcile(time.time() + ABANDON_S + 1) == []
+            with pytest.raises(Unavailable):
+                await ScriptRunner(client).run(stopped[0])  # the record, come too late
+            retried = await stack.client.post("/v1/jobs", json=body, headers=key)
+            assert retried.status_code == 202, retried.text
+            assert (await stack.wait_status(retried.json()["id"], "succeeded"))["attempt"] == 1
+            assert await client.hgetall(keys.admission_counts()) == {}
+    finally:
+        await client.aclose()
+
+
+async def test_one_idempotency_key_sent_at_once_to_two_gateways_makes_one_job(
+    cluster: LocalCluster,
+) -> None:
+    settings = cluster_settings(cluster)
+    client = connect(settings)
+    try:
+        async with gateways(settings, client, 2) as clients:
+            headers = {"Idempotency-Key": "together"}
+            answers = await asyncio.gather(
+                *(
+                    clients[i % 2].post("/v1/jobs", json=QUOTA_JOB, headers=headers)
+                    for i in range(6)
+                )
+            )
+            made = {r.json()["id"] for r in answers if r.status_code in (200, 202)}
+            assert len(made) == 1
+            assert all(r.status_code in (200, 202, 409) for r in answers)
+            assert [r.status_code for r in answers].count(202) == 1
+            keys = settings.keys()
+            jobs_field, _ = scope_fields("interactive", "sim")
+            assert (await client.hgetall(keys.admission_counts()))[jobs_field] == "1"
+            pending = [await client.hlen(keys.pending(s)) for s in range(SHARDS)]
+            assert pending == [0] * SHARDS
     finally:
         await client.aclose()
 
