@@ -319,8 +319,8 @@ def _run(args: argparse.Namespace) -> int:
         from worker.process import check_engine
 
         settings = _settings(**level, **_engine_settings(args), redis_url=args.redis_url)
-        check_engine(settings)  # a missing folder or extra is named before any plan is logged
         plan = plan_serve(settings, args.gpus, args.procs_per_gpu)  # refuses what cannot fit
+        check_engine(settings)
         data_dir = None if args.ephemeral else (args.data_dir or default_data_dir())
         return serve(
             settings,
@@ -407,12 +407,11 @@ def _worker(args: argparse.Namespace, level: dict[str, Any]) -> int:
     from genq.gpu_share import check_fits
     from genq.launcher import Launcher, parse_gpus, resolve_procs
 
-    # before anything loads: the model must be there and the processes must fit their GPUs
-    # (one line otherwise)
-    check_engine(settings)
+    # before anything loads: the processes must fit their GPUs (one line otherwise)
     gpus = parse_gpus(args.gpus)
     procs = resolve_procs(settings, gpus, args.procs_per_gpu)
     memory = check_fits(settings, gpus, procs)
+    check_engine(settings)
     if args.gpus or args.procs_per_gpu != "1":
         return Launcher(settings, gpus, procs, memory=memory).run(early)
     from worker.process import run

@@ -212,6 +212,11 @@ class Launcher:
 
     def run(self, early: list[int] | None = None) -> int:
         """`early`: the stop signals that came before this could take them (none started)."""
+        # said here, after every check that refuses a start in one line has passed
+        log.info(
+            "starting worker processes",
+            extra={"processes": len(self.children), "gpus": sorted({c.gpu for c in self.children})},
+        )
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         for sig in early or []:
@@ -438,10 +443,7 @@ def auto_procs(settings: WorkerSettings, gpus: list[str]) -> int:
 
 def resolve_procs(settings: WorkerSettings, gpus: list[str], spec: str | int | None) -> int:
     if spec is None or spec == "auto":
-        n = auto_procs(settings, gpus)
-        if settings.engine == "exllamav2":  # the sim engine has no GPU to speak of
-            log.info("worker processes per GPU chosen", extra={"procs_per_gpu": n, "gpus": gpus})
-        return n
+        return auto_procs(settings, gpus)
     return max(1, int(spec))
 
 

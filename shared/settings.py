@@ -1239,8 +1239,9 @@ class WorkerSettings(JobSettings, EngineSettings):
         default=100.0,
         ge=0,
         description="least time between event flushes of batch-priority jobs (their first "
-        "tokens and ends wait for it too; cancels and failures go at once): fewer, larger "
-        "writes per job, where nobody waits on each token",
+        "tokens and ends wait for it too; cancels and failures go at once), and how long a "
+        "running one's tokens wait before they are written: fewer, larger writes per job "
+        "(one for a job this short), where nobody waits on each token",
     )
     gil_switch_interval_s: float | None = Field(
         default=None,

@@ -46,7 +46,10 @@ class Flusher:
         """Flush every `flush_interval_ms`; a job's first tokens and its end go out at once.
         Batch-priority jobs flush every `batch_flush_interval_ms` instead, their first tokens
         and ends included (nobody waits on each token of theirs, and each flush of a job is
-        a script call: a job of a few tokens is then one or two writes, not one per token).
+        a script call), and a running one only once its oldest tokens not written yet have
+        waited that long: its `started` and first tokens ride with its end if it ends within
+        the interval (a job of a few tokens is one write), a long one writes about once an
+        interval.
 
         Between flushes the engine keeps stepping and each job's tokens fold into one event,
         so the cost per token falls as load rises instead of swamping Redis and gateways.
@@ -76,6 +79,7 @@ class Flusher:
                 due = set(st.dirty)
                 if now - last_batch >= batch_interval:
                     last_batch = now
+                    due -= self._batch_jobs(due, younger_than=now - batch_interval) - st.urgent
                 else:
                     due -= self._batch_jobs(due) - st.urgent
                 if due:
@@ -88,9 +92,21 @@ class Flusher:
                 armed = True
                 loop.call_later(max(0.0, last_full + interval - time.monotonic()), due_now)
 
-    def _batch_jobs(self, job_ids: set[str]) -> set[str]:
+    def _batch_jobs(self, job_ids: set[str], younger_than: float | None = None) -> set[str]:
+        """The batch jobs among these; with `younger_than` (monotonic), only those still
+        running whose oldest unwritten tokens came after it, or that have none yet (their
+        `started` rides with the first tokens)."""
         running = self.st.running
-        return {j for j in job_ids if (r := running.get(j)) and r.spec.priority == "batch"}
+        jobs = {j for j in job_ids if (r := running.get(j)) and r.spec.priority == "batch"}
+        if younger_than is None:
+            return jobs
+        return {
+            j
+            for j in jobs
+            if (r := running[j]).end is None
+            and r.retry_error is None
+            and (r.unwritten_since is None or r.unwritten_since > younger_than)
+        }
 
     def _collect(self, outputs: list[StepOutput]) -> None:
         st = self.st
@@ -239,7 +255,7 @@ class Flusher:
         """Nothing is lost: the events go again (the scripts skip seqs already written)."""
         log.log(failure_level(self.st.redis), "flush failed; retrying", extra={"error": str(exc)})
         for run, events in order:
-            run.pending[:0] = events
+            run.put_back(events)
             self.st.dirty.add(run.id)
         await asyncio.sleep(_FLUSH_RETRY_S)
         self.st.flush_wanted.set()
@@ -292,7 +308,7 @@ class Flusher:
             extra={"jobs": len(refused), "error": error},
         )
         for run, events in refused:
-            run.pending[:0] = events
+            run.put_back(events)
         loop = asyncio.get_running_loop()
         loop.call_later(_FLUSH_RETRY_S, self._retry_refused, [r.id for r, _ in refused])
 
@@ -315,7 +331,7 @@ class Flusher:
                 await hand_back(st, run, counted=False, why="its log was lost beyond repair")
             return
         log.warning("job log lost its tail; re-sending", extra={"job_id": run.id, "from": last})
-        run.pending[:0] = missing + events
+        run.put_back(missing + events)
         self._flush_soon(run.id)
 
     def _flush_soon(self, job_id: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -111,6 +112,9 @@ class RunningJob:
     checking: bool = False
     """The engine is done with it; its output is being checked against its JSON schema
     (worker/output_check.py) before its end is written."""
+    unwritten_since: float | None = None
+    """Monotonic time of its oldest tokens not written yet: a batch job's events wait for
+    them to age (worker/flush.py)."""
 
     @property
     def id(self) -> str:
@@ -154,6 +158,8 @@ class RunningJob:
     def add_tokens(self, text: str, ids: list[int], logprobs: list[dict[str, Any]] | None) -> None:
         if self.first_token_wall is None:
             self.first_token_wall = time.time()
+        if self.unwritten_since is None:
+            self.unwritten_since = time.monotonic()
         self.acc_text.append(text)
         self.acc_ids.extend(ids)
         if logprobs:
@@ -163,7 +169,14 @@ class RunningJob:
         """The pending events, with accumulated tokens folded into one event."""
         self._fold_tokens()
         out, self.pending = self.pending, []
+        self.unwritten_since = None
         return out
+
+    def put_back(self, events: list[EncodedEvent]) -> None:
+        """Events a flush could not write: in front of what came since, for the next flush
+        (old enough for a batch job's: they waited once already)."""
+        self.pending[:0] = events
+        self.unwritten_since = -math.inf
 
     def _fold_tokens(self) -> None:
         if self.acc_ids or self.acc_text:

@@ -149,21 +149,34 @@ def _output_line(
         return error_line(
             job.line, job_id, job.custom_id, "job_lost", f"job {job_id} has no final event"
         )
-    body = fmt.response(run).model_dump(mode="json")
     out = ResultLine(
         id=line_id(job_id),
         custom_id=job.custom_id,
-        response=LineResponse(status_code=HTTP_OK, request_id=job_id, body=body),
+        response=LineResponse(status_code=HTTP_OK, request_id=job_id, body={}),
     )
     usage = choice.usage
     return LineResult(
         job.line,
         "out",
-        out.model_dump_json(),
+        _with_body(out.model_dump_json(), fmt.response(run).model_dump_json()),
         input_tokens=run.prompt_tokens[0],
         output_tokens=usage.completion_tokens if usage else 0,
         cached_tokens=usage.cached_tokens if usage else 0,
     )
+
+
+def _with_body(line: str, body: str) -> str:
+    """`line` (a ResultLine's JSON, its response's body `{}`) with `body` (the response's JSON)
+    in its place: the response serialized once, not made a dict and serialized again. The
+    last `"body":{}` is the body's: nothing but the response's end and `error` follows it, and
+    inside a string (an id) its quotes would be escaped."""
+    head, sep, tail = line.rpartition(_EMPTY_BODY)
+    assert sep, line
+    return f"{head}{_BODY}{body}{tail}"
+
+
+_EMPTY_BODY = '"body":{}'
+_BODY = '"body":'
 
 
 async def read_logs(

@@ -43,9 +43,20 @@ async def _jittery_redis() -> AsyncIterator[aioredis.Redis]:
                 await dst.drain()
         dst.close()
 
+    writers: list[asyncio.StreamWriter] = []
+    handlers: set[asyncio.Task[None]] = set()
+
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
+        writers.append(writer)
         up_r, up_w = await asyncio.open_connection(target.hostname, target.port)
-        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+        writers.append(up_w)
+        try:
+            await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+        finally:
+            handlers.discard(task)
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -57,6 +68,12 @@ async def _jittery_redis() -> AsyncIterator[aioredis.Redis]:
     finally:
         await client.aclose()
         server.close()
+        # every proxied connection closed and its handler ended before the loop goes: a
+        # writer left to the garbage collector warns "loop is closed" in some later test
+        for w in writers:
+            w.close()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        await server.wait_closed()
 
 
 async def _job_ids(redis: aioredis.Redis, keys: Keys) -> set[str]:

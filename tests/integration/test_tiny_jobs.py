@@ -25,6 +25,7 @@ SLOTS = 4
 """The sim's batch: one slot is the interactive reserve (a quarter), three run batch jobs."""
 BATCH_SLOTS = SLOTS - 1
 TINY_TOKENS = 4
+TINY_JOBS = 24
 SLACK_STEPS = 4
 """Steps the worker may lose over the whole run (a wave it was late for, on a busy box)."""
 STEP_MS = 50.0
@@ -67,6 +68,43 @@ async def test_a_batch_jobs_tokens_go_out_in_few_writes(settings: Settings, redi
     assert max(writes[j] for j in jobs) <= WRITES_PER_JOB, writes
     # each end acknowledged (and deleted) its queue entry in the write that ended it
     assert pending["pending"] == 0 and left == 0
+
+
+async def test_a_tiny_batch_job_is_written_once(settings: Settings, redis) -> None:  # type: ignore[no-untyped-def]
+    """A batch job that ends within its flush interval of its first token goes out in one
+    write: its `started`, its tokens and its end together (two or three before: `started`
+    and the first tokens went at the interval's next tick), and its log holds every event."""
+    # steps of 10 ms: a job's first token to its end is 30 ms of the 100 ms interval
+    settings = settings.model_copy(update={"sim_step_ms": 10.0, "max_batch": TINY_JOBS * 2})
+    async with running_stack(settings, redis) as stack:
+        tx = stack.worker.st.transitions
+        writes: dict[str, int] = {}
+        emit = tx.emit
+
+        def counted(job_id: str, **kw: Any) -> Any:
+            writes[job_id] = writes.get(job_id, 0) + 1
+            return emit(job_id, **kw)
+
+        tx.emit = counted  # type: ignore[method-assign]
+        jobs = await _submit_batch(stack, TINY_JOBS, TINY_TOKENS)
+        await _all_done(stack, jobs)
+        logs = [await _event_types(stack, j) for j in jobs]
+    # a step late here and there on a busy box may split a job in two
+    assert sum(writes[j] for j in jobs) <= TINY_JOBS * 5 // 4, writes
+    assert max(writes[j] for j in jobs) <= 2, writes
+    for types in logs:  # every event, the tokens folded into one (two for a job split)
+        assert types[:3] == ["queued", "started", "token"] and types[-1] == "done", types
+        assert set(types[3:-1]) <= {"token"}, types
+    assert sum(len(types) == len(["queued", "started", "token", "done"]) for types in logs) >= (
+        TINY_JOBS * 3 // 4
+    ), logs
+
+
+async def _event_types(stack: Stack, job_id: str) -> list[str]:
+    r = await stack.client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "0"})
+    return [
+        line[len("event:") :].strip() for line in r.text.splitlines() if line.startswith("event:")
+    ]
 
 
 async def _streamed_text(stack: Stack, job_id: str) -> str:

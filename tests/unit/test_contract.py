@@ -104,6 +104,25 @@ def test_a_partial_update_is_validated_as_its_fields() -> None:
         JobRecord.fields(status="exploded")
     with pytest.raises(KeyError):
         JobRecord.fields(first_token_at=1.0)
+    # a model field: a dict is validated, a model built already is taken as it is
+    with pytest.raises(ValueError):
+        JobRecord.fields(usage={"prompt_tokens": "many"})
+    usage = Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+    assert JobRecord.fields(usage=usage) == {"usage": usage.model_dump_json()}
+    assert JobRecord.fields(usage=usage.model_dump()) == {"usage": usage.model_dump_json()}
+
+
+def test_json_fields_read_what_json_dumps_wrote() -> None:
+    """JSON fields are read by msgspec, and by `json.loads` where msgspec refuses what
+    `json.dumps` writes (NaN, Infinity); a field that is no JSON at all names the reason."""
+    stored = JobRecord(spec=_spec(), status="queued", owner=ANONYMOUS).to_hash()
+    stored["metadata"] = '{"score": NaN, "big": Infinity, "n": [1, 2.5, "x", null, true]}'
+    metadata = JobRecord.from_hash(stored).metadata
+    assert metadata["score"] != metadata["score"] and metadata["big"] == float("inf")
+    assert metadata["n"] == [1, 2.5, "x", None, True]
+    stored["metadata"] = "{not json"
+    with pytest.raises(RecordError, match="not JSON"):
+        JobRecord.from_hash(stored)
 
 
 @pytest.mark.parametrize(
