@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from redis.credentials import UsernamePasswordCredentialProvider
 
 from gateway import http_errors, queues
 from gateway.access_log import AccessLog
@@ -32,6 +33,7 @@ from gateway.openai import routes as openai_routes
 from gateway.placement import StealSweep
 from gateway.presence import Presence
 from gateway.pubsub import PubSubRouter
+from gateway.pubsub_cluster import ClusterPubSub
 from gateway.pubsub_wire import (
     Endpoint,
     PubSubBackend,
@@ -39,6 +41,7 @@ from gateway.pubsub_wire import (
     RedisPyPubSub,
     SentinelMaster,
     Target,
+    tls_context,
 )
 from gateway.rate_headers import HEADERS, RateHeaders
 from gateway.registry import ModelRegistry
@@ -47,7 +50,6 @@ from gateway.state import GatewayState
 from gateway.stopping import Stopping
 from gateway.webhooks import WebhookSender
 from shared import __version__, lifeline, runtime
-from shared.keys import Keys
 from shared.redisconn import check_url, connect, sentinels
 from shared.settings import GatewaySettings
 from shared.transitions import ScriptRunner
@@ -142,7 +144,11 @@ async def _start(
         if target is not None
         else RedisPyPubSub(client)
     )
-    keys = Keys(settings.key_prefix)
+    if settings.redis_cluster:  # shard channels, whatever `raw_pubsub` says: redis-py's
+        # SUBSCRIBE would never hear an SPUBLISH
+        name = f"genq-gateway-pubsub-{os.getpid()}"
+        backend = ClusterPubSub(client, _cluster_template(settings), name)
+    keys = settings.keys()
     registry = ModelRegistry(client, keys, settings.card_cache_s, frozenset(settings.queue_models))
     scripts = ScriptRunner(client)
     jobs = JobService(settings, client, scripts, registry)
@@ -237,6 +243,23 @@ def _end_streams(state: GatewayState) -> None:
     """At shutdown (uvicorn waited for the connections): a stream still open ends now."""
     state.draining = True
     state.stopping.close()
+
+
+def _cluster_template(settings: GatewaySettings) -> Endpoint:
+    """What every node's pub/sub connection shares: credentials, TLS, the connect timeout."""
+    password = settings.redis_password
+    username = settings.redis_username
+    auth = UsernamePasswordCredentialProvider(
+        username, password.get_secret_value() if password else None
+    ).get_credentials()
+    return Endpoint(
+        host="",
+        port=0,
+        connect_timeout_s=settings.redis_socket_timeout_s,
+        tls=tls_context({}) if settings.redis_cluster_tls else None,
+        auth=tuple(auth) if username or password else (),
+        username=username,
+    )
 
 
 def _sentinel_master(settings: GatewaySettings) -> SentinelMaster:

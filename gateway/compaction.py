@@ -57,13 +57,18 @@ class Compactor:
         started = time.monotonic()
         done = 0
         while True:
-            due = await self.redis.zrangebyscore(
-                self.keys.compact_due(), "-inf", now, 0, SWEEP_LIMIT
-            )
+            due: list[str] = []
+            full = False
+            for shard in range(self.keys.shards):  # one on one Redis
+                page = await self.redis.zrangebyscore(
+                    self.keys.compact_due(shard), "-inf", now, 0, SWEEP_LIMIT
+                )
+                due += page
+                full = full or len(page) >= SWEEP_LIMIT
             replies = await self.compact_many(due)
             done += replies.count(COMPACTED)
             spent = time.monotonic() - started
-            if len(due) < SWEEP_LIMIT or spent >= self.settings.event_compact_sweep_s:
+            if not full or spent >= self.settings.event_compact_sweep_s:
                 return done
 
     async def compact(self, job_id: str) -> str:

@@ -85,7 +85,7 @@ async def read_fleet(redis: aioredis.Redis, keys: Keys, models: Iterable[str]) -
 
 
 async def _queues(redis: aioredis.Redis, keys: Keys, models: list[str]) -> QueueStats:
-    lanes = [(m, p, lane) for m in models for p in PRIORITIES for lane in keys.lanes(m, p)]
+    lanes = [(m, p, lane) for m in models for p in PRIORITIES for lane in keys.all_lanes(m, p)]
     pipe = redis.pipeline(transaction=False)
     for _, _, lane in lanes:
         pipe.xlen(lane)

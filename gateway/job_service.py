@@ -27,7 +27,7 @@ from shared.compact import CompactLog
 from shared.deadlines import expire_due
 from shared.errors import BadRequest, Conflict, JobNotFound, PromptTooLong, Unprocessable, shown
 from shared.events import EVENT_FIELD, CancelledEvent, EventError, QueuedEvent, TokenEvent
-from shared.keys import Keys, seq_of
+from shared.keys import seq_of
 from shared.records import JOB_ID, ControlMessage, IdempotencyClaim, JobRecord, QueueEntry
 from shared.schemas import MAX_METADATA_DEPTH, JobCreate, JobSpec, JobView, Sampling, json_depth
 from shared.settings import GatewaySettings
@@ -87,7 +87,7 @@ class JobService:
         self.redis = redis
         self.scripts = scripts
         self.registry = registry
-        self.keys = Keys(settings.key_prefix)
+        self.keys = settings.keys()
         self.transitions = Transitions(
             self.keys, settings.recent_jobs, settings.event_compact_grace_s
         )
@@ -291,6 +291,8 @@ class JobService:
         (none for a batch's jobs: as OpenAI's, outside the live limits); nothing is written
         until it runs. Callers that queue many jobs pipeline these."""
         fingerprint = fingerprint or _fingerprint(body)
+        if body.webhook is not None and self.keys.cluster:
+            raise BadRequest("webhooks are not delivered on a Redis Cluster yet", param="webhook")
         kind = "response" if body.metadata.get("api") == "openai.response" else "job"
         notify = done_stream is None and notify_for(self.settings, kind, body.webhook)
         record = JobRecord(
@@ -341,10 +343,20 @@ class JobService:
                 code="idempotency_key_reused",
             )
         raw = await self.redis.hgetall(self.keys.job(claim.job))
+        if raw.get("status") == "abandoned":  # cluster: its submit was given up, never answered
+            raw = {}
         if raw:
             return JobRecord.from_hash(raw).view()
+        if self.keys.cluster and await self._still_submitting(claim.job):
+            return None  # its submit is under way (or stopped: the reconciler settles it)
         await self.scripts.run(self.transitions.release_idempotency(idem, claim=claim_text))
         return None
+
+    async def _still_submitting(self, job_id: str) -> bool:
+        """Cluster: the job's entry is pending in its shard (its submit claimed the key and has
+        not written the record yet, or stopped there): the claim is not to be freed."""
+        k = self.keys
+        return bool(await self.redis.hexists(k.pending(k.shard_of(job_id)), job_id))
 
     async def get(self, job_id: str, caller: Identity, *, text_so_far: bool = True) -> JobView:
         """The job as its record holds it; a job that has run but has no result (running, or

@@ -21,7 +21,7 @@ import contextlib
 import inspect
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
@@ -112,7 +112,7 @@ class Endpoint:
             port=int(opts.get("port", _DEFAULT_PORT)),
             connect_timeout_s=float(opts.get("socket_connect_timeout", connect_timeout_s)),
             path=path,
-            tls=_tls_context(tls) if connection_class is SSLConnection else None,
+            tls=tls_context(tls) if connection_class is SSLConnection else None,
             auth=tuple(auth) if username or password else (),
             username=username,
             client_name=client_name,
@@ -214,7 +214,7 @@ def _refuse_unhonoured(opts: dict[str, Any], *, tls: bool) -> None:
         raise ValueError(f"redis_url option(s) {', '.join(tls_given)}: TLS needs rediss://")
 
 
-def _tls_context(options: dict[str, Any]) -> ssl.SSLContext:
+def tls_context(options: dict[str, Any]) -> ssl.SSLContext:
     """redis-py's own context for these options (its defaults: certificate and host name
     verified), built now so a missing or bad file stops the start."""
     try:
@@ -280,7 +280,15 @@ class RawPubSub(asyncio.Protocol):
         *,
         ping_interval_s: float = PING_INTERVAL_S,
         pong_timeout_s: float = PONG_TIMEOUT_S,
+        sharded: bool = False,
+        on_trouble: Callable[[], None] | None = None,
     ) -> None:
+        """`sharded`: Redis Cluster shard channels (SSUBSCRIBE, one command per channel:
+        a command's channels must share a slot); `on_trouble`: called when this node may no
+        longer serve its channels (a refusal such as MOVED, a lost connection, a channel
+        unsubscribed by the server because its slot moved): gateway/pubsub_cluster.py."""
+        self._sharded = sharded
+        self._on_trouble = on_trouble or (lambda: None)
         self.target: Target = Fixed(target) if isinstance(target, Endpoint) else target
         self.endpoint = target if isinstance(target, Endpoint) else None
         """The endpoint of the current (or last) connection."""
@@ -356,7 +364,7 @@ class RawPubSub(asyncio.Protocol):
         hello.append(_pack("CLIENT", "SETNAME", self.name))  # visible in CLIENT LIST
         self._unconfirmed = dict.fromkeys(self._channels, 1)
         if self._channels:
-            hello.append(_pack("SUBSCRIBE", *self._channels))
+            hello.append(self._command("SUBSCRIBE", self._channels))
         t.write(b"".join(hello))
         self._ping()
 
@@ -366,10 +374,12 @@ class RawPubSub(asyncio.Protocol):
         try:
             while (reply := self._reader.gets()) is not False:
                 if isinstance(reply, list) and reply:
-                    if reply[0] == "message":
+                    if reply[0] in ("message", "smessage"):
                         self._on_message(reply[1], reply[2])
-                    elif reply[0] == "subscribe":
+                    elif reply[0] in ("subscribe", "ssubscribe"):
                         self._confirmed(reply[1])
+                    elif reply[0] == "sunsubscribe" and reply[1] in self._channels:
+                        self._on_trouble()  # the server let go of it: its slot moved
                     elif reply[0] == "pong":  # PONG in subscribed mode
                         self._ponged()
                 elif isinstance(reply, hiredis.ReplyError):
@@ -420,8 +430,14 @@ class RawPubSub(asyncio.Protocol):
         self._drop()
 
     def _refused(self, error: str) -> None:
-        log.error("pub/sub: Redis refused the connection; reconnecting", extra=self._fields(error))
+        if self._sharded and error.startswith(("MOVED", "CLUSTERDOWN", "TRYAGAIN")):
+            log.info("pub/sub: a slot moved; following it", extra=self._fields(error))
+        else:
+            log.error(
+                "pub/sub: Redis refused the connection; reconnecting", extra=self._fields(error)
+            )
         self._drop()
+        self._on_trouble()
 
     def _drop(self) -> None:
         """Abort, not close: a half-open connection would never flush what is buffered."""
@@ -446,6 +462,8 @@ class RawPubSub(asyncio.Protocol):
             self._lost.set_result(None)
         if not self._closed and not self._dropped:
             log.warning("pub/sub connection lost; reconnecting", extra=self._fields(exc))
+        if not self._closed:
+            self._on_trouble()
 
     async def subscribe(self, *channels: str) -> None:
         """Written at once: the caller queues its job next and wants to be listening first."""
@@ -453,12 +471,22 @@ class RawPubSub(asyncio.Protocol):
         if self._transport is not None:
             for c in channels:
                 self._unconfirmed[c] = self._unconfirmed.get(c, 0) + 1
-            self._outbox.append(_pack("SUBSCRIBE", *channels))
+            self._outbox.append(self._command("SUBSCRIBE", channels))
             self._write_out()
 
     async def unsubscribe(self, *channels: str) -> None:
         self._channels.difference_update(channels)
-        self._queue(_pack("UNSUBSCRIBE", *channels))
+        self._queue(self._command("UNSUBSCRIBE", channels))
+
+    @property
+    def channels(self) -> set[str]:
+        return self._channels
+
+    def _command(self, verb: str, channels: Iterable[str]) -> bytes:
+        """(UN)SUBSCRIBE of `channels`; sharded: S(UN)SUBSCRIBE, one command a channel."""
+        if self._sharded:
+            return b"".join(_pack(f"S{verb}", c) for c in channels)
+        return _pack(verb, *channels)
 
     def _queue(self, command: bytes) -> None:
         """Write at the end of this loop iteration: one syscall for every stream that ended

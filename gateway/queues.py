@@ -51,7 +51,7 @@ class QueueGroups:
         if not models:
             return
         pipe = self._redis.pipeline(transaction=False)
-        queues = [lane for m in models for p in PRIORITIES for lane in self._keys.lanes(m, p)]
+        queues = [lane for m in models for p in PRIORITIES for lane in self._keys.all_lanes(m, p)]
         for queue in queues:
             pipe.xgroup_create(queue, CONSUMER_GROUP, id="0", mkstream=True)
         for queue, reply in zip(queues, await pipe.execute(raise_on_error=False), strict=True):

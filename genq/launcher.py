@@ -42,6 +42,7 @@ from typing import Any
 
 import redis
 from pydantic import SecretStr
+from redis.cluster import ClusterNode
 from redis.exceptions import RedisError
 from redis.sentinel import Sentinel
 
@@ -355,11 +356,20 @@ class Launcher:
 
 def sync_client(s: WorkerSettings) -> redis.Redis:
     """A plain (blocking) client of the workers' Redis, for the launcher's few writes: the
-    URL's, else the master the sentinels name."""
+    URL's, the cluster's, else the master the sentinels name."""
     timeouts = {"socket_timeout": s.redis_socket_timeout_s}
     timeouts["socket_connect_timeout"] = s.redis_socket_timeout_s
     if s.redis_url:
         return redis.Redis.from_url(s.redis_url, **timeouts)
+    if s.redis_cluster:  # the launcher's writes are single keys: any node routes them
+        nodes = [ClusterNode(*sentinel_address(a)) for a in s.redis_cluster]
+        return redis.RedisCluster(
+            startup_nodes=nodes,
+            username=s.redis_username,
+            password=_secret(s.redis_password),
+            ssl=s.redis_cluster_tls,
+            **timeouts,
+        )
     if not s.redis_sentinels or s.redis_sentinel_master is None:
         raise ValueError("no Redis to report to (GENQ_REDIS_URL, GENQ_REDIS_SENTINELS)")
     sentinel = Sentinel(

@@ -59,7 +59,6 @@ from gateway.stopping import Stopping, uvicorn_timeout_s
 from genq import gpu_share, launcher
 from genq.embedded_redis import private_redis
 from shared import lifeline, logs, runtime
-from shared.keys import Keys
 from shared.redisconn import connect
 from shared.settings import Settings
 from worker.process import install_signals, open_engine
@@ -150,7 +149,7 @@ async def _until_served(
 ) -> bool:
     """Wait until a live worker serves `model` (its card written, its heartbeat fresh: what
     the gateway asks before it takes a request for it); False once `alive()` is not."""
-    keys = Keys(settings.key_prefix)
+    keys = settings.keys()
     registry = ModelRegistry(client, keys, settings.card_cache_s)
     while alive():
         with contextlib.suppress(RedisError, OSError):

@@ -42,6 +42,10 @@ class Updated:
     """The status before (when done), else why not: the status, 'missing' or 'lease'."""
 
 
+FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+"""A batch's final statuses (as BATCH_UPDATE's notice names them)."""
+
+
 def _results_reply(r: list[Any]) -> ResultsWritten:
     return ResultsWritten(int(r[0]), int(r[1]), int(r[2]))
 
@@ -80,7 +84,11 @@ class BatchTransitions:
         notify: bool = False,
     ) -> Call[Updated]:
         """Set `fields` if the status is one of `statuses` (and the lease is `lease_token`'s);
-        with `notify`, a final status set tells the webhook outbox in the same step."""
+        with `notify`, a final status set tells the webhook outbox in the same step (on a
+        cluster, in the step after: the outbox is in another slot)."""
+        final = fields.get("status") in FINAL
+        if self.keys.cluster:
+            return self._update_steps(batch_id, statuses, fields, lease_token, notify and final)
         keys = {
             "batch": self.keys.batch(batch_id),
             "lease": self.keys.batch_lease(batch_id),
@@ -94,6 +102,35 @@ class BatchTransitions:
         }
         pairs = [x for kv in fields.items() for x in kv]
         return call(lua.BATCH_UPDATE, _update_reply, keys, args, pairs)
+
+    def _update_steps(
+        self,
+        batch_id: str,
+        statuses: Sequence[str],
+        fields: dict[str, str],
+        lease_token: str,
+        notify: bool,
+    ) -> Call[Updated]:
+        k = self.keys
+        keys = {"batch": k.batch(batch_id), "lease": k.batch_lease(batch_id)}
+        keys["outbox"] = keys["lease"]  # not written: the notice is the next step's
+        args: dict[str, Arg] = {
+            "token": lease_token,
+            "statuses": " ".join(statuses),
+            "notify": "0",
+            "batch_id": batch_id,
+        }
+        pairs = [x for kv in fields.items() for x in kv]
+
+        def then(raw: Any) -> Call[Updated] | None:
+            updated = _update_reply(raw)
+            if not (notify and updated.done):
+                return None
+            tell: dict[str, Arg] = {"batch_id": batch_id, "status": fields["status"]}
+            step = call(lua.TELL_BATCH, int, {"outbox": k.webhook_outbox()}, tell)
+            return Call(step.script, step.keys, step.args, lambda _r: updated)
+
+        return call(lua.BATCH_UPDATE, _update_reply, keys, args, pairs, then=then)
 
     def hold(self, batch_id: str, *, token: str, ttl_ms: int) -> Call[bool]:
         """Take the batch's lease, or renew it if `token` holds it."""

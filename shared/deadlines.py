@@ -36,10 +36,12 @@ async def expire_due(
 ) -> list[str]:
     """End up to `limit` jobs past their deadline (or these `job_ids`) that nobody will end
     otherwise; their ids. Ended jobs leave the index."""
-    index = keys.deadlines()
     now = time.time()
-    if job_ids is None:
-        job_ids = await redis.zrangebyscore(index, "-inf", now, start=0, num=limit)
+    if job_ids is None:  # every queue shard's index (one on one Redis)
+        job_ids = []
+        for shard in range(keys.shards):
+            index = keys.deadlines(shard)
+            job_ids += await redis.zrangebyscore(index, "-inf", now, start=0, num=limit)
     if not job_ids:
         return []
     transitions = Transitions(keys, settings.recent_jobs, settings.event_compact_grace_s)
@@ -66,8 +68,10 @@ async def expire_due(
         for j, st in zip(job_ids, states, strict=True)
         if isinstance(st, JobState) and st.status in ENDED_STATUSES
     ]
-    if ended:  # ended before their end took them out of the index (older records)
-        await redis.zrem(index, *ended)
+    for shard in {keys.shard_of(j) for j in ended}:
+        # ended before their end took them out of the index (older records; on a cluster, an
+        # end whose index step did not run)
+        await redis.zrem(keys.deadlines(shard), *(j for j in ended if keys.shard_of(j) == shard))
     return expired
 
 

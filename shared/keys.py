@@ -3,57 +3,138 @@
 Keys of one job carry the job id as a Cluster hash tag (`{id}`) so they share a slot; so do
 the keys of one file (`{file-…}`) and of one batch (`{batch_…}`); the admission keys
 (counters of admitted jobs, see shared/quotas.py) share the tag `{admission}`.
+
+The slot plan on a Redis Cluster (`Keys(cluster=True)`; on a single Redis every key below is
+built exactly as before, untagged):
+
+- a job's slot `{<job id>}`: its record, event log, live channel (a shard channel: SPUBLISH),
+  Responses record, `resumed` mark. Every script of one job's life (START, EMIT's writes,
+  HAND_BACK, REQUEST_CANCEL, STATE, SETTLE's writes, COMPACT's writes) touches only these.
+- a queue shard's slot `{<shard tag>}` (`shard_tag`; GENQ_QUEUE_SHARDS of them, their tags
+  chosen so their slots fall in evenly spaced ranges, i.e. on different primaries of a cluster
+  made with equal ranges): every model's queues, overflows, token-fair sets and worker lanes
+  of that shard, and the shard's own indexes of its jobs: deadlines, compaction due,
+  recent jobs, placed lanes, and `pending` (submits recorded but maybe not queued yet, which
+  the reconciler finishes). A job belongs to shard `shard_of(id)` (a hash of its id), so any
+  process finds a job's indexes from its id alone.
+- `{admission}`: the admission counters, as on one Redis.
+- a file's slot, a batch's slot: as on one Redis.
+- everything else (workers, model cards, gateways, locks and leases, idempotency keys and
+  token buckets per owner, the webhook outbox, dead letters, listings) is one key in a slot
+  of its own, only ever touched alone.
+
+A script that would span slots on a cluster runs as steps instead, one slot each, ordered so
+that a crash between two leaves nothing a reader could mistake (shared/transitions.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
+from functools import cache
 from typing import Literal
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 Priority = Literal["interactive", "batch"]
 PRIORITIES: tuple[Priority, ...] = ("interactive", "batch")
 CONSUMER_GROUP = "workers"
 
 
+@cache
+def shard_tags(shards: int) -> tuple[str, ...]:
+    """A hash tag per queue shard whose slot lies in the shard's own 1/`shards` of the slot
+    range: a cluster made with equal ranges per primary (redis-cli --cluster create) then
+    holds the shards evenly, whatever their number's CRC16 would have done."""
+    tags: list[str] = []
+    width = REDIS_CLUSTER_HASH_SLOTS / shards
+    for i in range(shards):
+        n = 0
+        while int(key_slot(f"q{i}.{n}".encode()) // width) != i:
+            n += 1
+        tags.append(f"q{i}.{n}")
+    return tuple(tags)
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     prefix: str = "genq:"
+    cluster: bool = False
+    """Build the Cluster slot plan (module docstring): queue keys and the jobs' indexes under
+    their shard's tag. False: one Redis, every key as it always was."""
+    shards: int = 1
+    """Queue shards (GENQ_QUEUE_SHARDS); more than 1 only with `cluster`."""
+    _tags: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
 
-    def queue(self, model: str, priority: Priority) -> str:
-        """Stream of job ids waiting for a worker of `model`, one per priority."""
-        return f"{self.prefix}queue:{model}:{priority}"
+    def __post_init__(self) -> None:
+        if self.shards < 1 or (self.shards > 1 and not self.cluster):
+            raise ValueError("queue shards above 1 need a Redis Cluster")
+        object.__setattr__(self, "_tags", shard_tags(self.shards) if self.cluster else ())
 
-    def overflow(self, model: str, priority: Priority) -> str:
+    def shard_of(self, job_id: str) -> int:
+        """The queue shard a job belongs to (its indexes, its queue entry)."""
+        if self.shards == 1:
+            return 0
+        return zlib.crc32(job_id.encode()) % self.shards
+
+    def _q(self, shard: int) -> str:
+        """The prefix of a shard's keys: the plain prefix on one Redis, else with its tag."""
+        if not self.cluster:
+            return self.prefix
+        return f"{self.prefix}{{{self._tags[shard]}}}:"
+
+    def queue(self, model: str, priority: Priority, shard: int = 0) -> str:
+        """Stream of job ids waiting for a worker of `model`, one per priority (and shard)."""
+        return f"{self._q(shard)}queue:{model}:{priority}"
+
+    def overflow(self, model: str, priority: Priority, shard: int = 0) -> str:
         """Stream beside `queue`: the jobs of an owner past its fair share in flight wait here
         (workers take from it when the queue is empty, and every `overflow_share`-th claim)."""
-        return f"{self.prefix}queue:{model}:{priority}:overflow"
+        return f"{self._q(shard)}queue:{model}:{priority}:overflow"
 
-    def fair_queue(self, model: str, priority: Priority) -> str:
+    def fair_queue(self, model: str, priority: Priority, shard: int = 0) -> str:
         """Sorted set: keyed owners' jobs of a model's priority not yet in its queue, scored by
         their virtual finish time (token-fair scheduling: shared/lua/refill.lua)."""
-        return f"{self.prefix}fairq:{model}:{priority}"
+        return f"{self._q(shard)}fairq:{model}:{priority}"
 
-    def fair_clock(self, model: str, priority: Priority) -> str:
+    def fair_clock(self, model: str, priority: Priority, shard: int = 0) -> str:
         """Hash beside `fair_queue`: the virtual time (`V`) and each owner's last finish time
         (`o:<owner>`)."""
-        return f"{self.prefix}fairvt:{model}:{priority}"
+        return f"{self._q(shard)}fairvt:{model}:{priority}"
 
-    def lanes(self, model: str, priority: Priority) -> tuple[str, str]:
+    def lanes(self, model: str, priority: Priority, shard: int = 0) -> tuple[str, str]:
         """The two streams of a model's priority: (queue, overflow)."""
-        return self.queue(model, priority), self.overflow(model, priority)
+        return self.queue(model, priority, shard), self.overflow(model, priority, shard)
 
-    def placed(self, model: str, priority: Priority, worker_id: str) -> str:
+    def all_lanes(self, model: str, priority: Priority) -> list[str]:
+        """The queue and overflow of a model's priority in every shard (on one Redis: the
+        two of `lanes`). KEDA's lag trigger reads each: one trigger per stream, summed."""
+        return [lane for s in range(self.shards) for lane in self.lanes(model, priority, s)]
+
+    def placed(self, model: str, priority: Priority, worker_id: str, shard: int = 0) -> str:
         """Stream: one worker's own lane of a model's priority (placement: jobs whose prompt
         its cache holds wait here for it, a bounded time, before any worker may take them)."""
-        return f"{self.prefix}queue:{model}:{priority}:w:{worker_id}"
+        return f"{self._q(shard)}queue:{model}:{priority}:w:{worker_id}"
 
-    def placed_prefix(self, model: str, priority: Priority) -> str:
+    def placed_prefix(self, model: str, priority: Priority, shard: int = 0) -> str:
         """What every worker's lane of a model's priority starts with (then its worker id)."""
-        return f"{self.prefix}queue:{model}:{priority}:w:"
+        return f"{self._q(shard)}queue:{model}:{priority}:w:"
 
-    def placed_lanes(self) -> str:
+    def placed_lanes(self, shard: int = 0) -> str:
         """Set: every worker lane that was ever given a job (the steal sweep walks it)."""
-        return f"{self.prefix}placed-lanes"
+        return f"{self._q(shard)}placed-lanes"
+
+    def pending(self, shard: int) -> str:
+        """Cluster only. Hash: job id → its queue entry (packed), for each submit whose record
+        may be written but whose queue entry is not yet; the step that queues a job takes it
+        off, in the same script (so a job is queued once), and the reconciler queues what a
+        crashed submit left (gateway/deadline_sweep.py)."""
+        return f"{self._q(shard)}pending"
+
+    def pending_since(self, shard: int) -> str:
+        """Cluster only. Sorted set beside `pending`: the same job ids, scored by when their
+        submit began (unix seconds): the reconciler looks only at those older than a grace."""
+        return f"{self._q(shard)}pending-since"
 
     def cache_summary(self, worker_id: str) -> str:
         """String with TTL: the page hashes a worker's engine cache holds (shared/pages.py),
@@ -132,20 +213,21 @@ class Keys:
         """Set: names of models that have a card."""
         return f"{self.prefix}models"
 
-    def recent_jobs(self) -> str:
+    def recent_jobs(self, shard: int = 0) -> str:
         """Stream, capped (GENQ_RECENT_JOBS): an entry (`shared.records.RecentJob`) per job
         submitted and per job ended, in the script that does it; the dashboard's recent jobs.
-        One key for every job, like the deadlines index: part of the Cluster seam."""
-        return f"{self.prefix}recent"
+        On a cluster, one per queue shard (of its jobs)."""
+        return f"{self._q(shard)}recent"
 
-    def deadlines(self) -> str:
-        """Sorted set: ids of jobs with a timeout, scored by their deadline (unix seconds)."""
-        return f"{self.prefix}deadlines"
+    def deadlines(self, shard: int = 0) -> str:
+        """Sorted set: ids of jobs with a timeout, scored by their deadline (unix seconds).
+        On a cluster, one per queue shard (of its jobs)."""
+        return f"{self._q(shard)}deadlines"
 
-    def compact_due(self) -> str:
+    def compact_due(self, shard: int = 0) -> str:
         """Sorted set: ids of ended jobs scored by when their event log is compacted (unix
-        seconds). One key for every job, like the deadlines index: part of the Cluster seam."""
-        return f"{self.prefix}compactdue"
+        seconds). On a cluster, one per queue shard (of its jobs)."""
+        return f"{self._q(shard)}compactdue"
 
     def dead_letters(self) -> str:
         return f"{self.prefix}dead"
@@ -275,3 +357,8 @@ def event_id(seq: int) -> str:
 def seq_of(entry_id: str | bytes) -> int:
     s = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     return int(s.partition("-")[2])
+
+
+def keys_for(prefix: str, cluster: bool, shards: int) -> Keys:
+    """The keys of a deployment: its prefix, and the slot plan when on a cluster."""
+    return Keys(prefix, cluster=cluster, shards=shards if cluster else 1)

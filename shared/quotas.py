@@ -19,11 +19,10 @@ re-sent submit costs nothing. A bucket rather than a sliding window: O(1) state 
 (a window keeps an entry per request, or, counted per minute, lets twice the limit through
 across a minute's edge), and its level tells a client exactly when the next request fits.
 
-Cluster seam: the admission keys share the hash tag `{admission}`, not the job's; SUBMIT,
-EMIT and SETTLE touch both. Under Cluster the uncount becomes a second call after the end
-(safe: `release` is idempotent, and the repair catches a call lost in between). The buckets
-are an owner's own keys: RATE_LIMIT's two would share a tag of the owner's, and SUBMIT's
-charge would join the admission step.
+On a Cluster: the admission keys share the hash tag `{admission}`, not the job's; SUBMIT
+counts a job in a step of its own (ADMIT) before the job's record, and a job's end uncounts
+it in a step after (ADMISSION_RELEASE: idempotent, and the repair catches a step lost in
+between). Tokens-per-minute buckets are not run on a cluster yet (the settings refuse them).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Redis clients with retries and health checks set explicitly (never version defaults).
 
-Redis is named by a URL, or by Sentinels that say where the master is now: `connect` builds
-either, and a Sentinel-managed client asks them again on every new connection, so after a
-failover the next command reaches the promoted replica.
+Redis is named by a URL, by Sentinels that say where the master is now, or by a Redis
+Cluster's seed nodes: `connect` builds any of them. A Sentinel-managed client asks them again
+on every new connection, so after a failover the next command reaches the promoted replica;
+a cluster client (redis-py's `RedisCluster`) learns the slot map from the seeds and follows
+MOVED, ASK and failovers by itself (the slot plan: shared/keys.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
 from redis._parsers.hiredis import _AsyncHiredisParser
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import (
     AbstractConnection,
     SSLConnection,
@@ -193,6 +196,8 @@ def connect(settings: RedisSettings, url: str | None = None, **overrides: Any) -
     """An asyncio client for `url` (default: settings.redis_url, else the sentinels' master);
     responses decoded to str."""
     target = url or settings.redis_url
+    if not target and settings.redis_cluster:
+        return cluster_client(settings, **overrides)
     if not target and not settings.redis_sentinels:
         raise ValueError("no Redis URL: set GENQ_REDIS_URL (or use `genq serve`)")
     options: dict[str, Any] = dict(
@@ -286,3 +291,34 @@ def _master_client(settings: RedisSettings, options: dict[str, Any]) -> aioredis
         password=password.get_secret_value() if password else None,
         **options,
     )
+
+
+def is_cluster(redis: Any) -> bool:
+    """Whether `redis` is a Redis Cluster client (scripts then run split per slot)."""
+    return isinstance(redis, RedisCluster)
+
+
+def cluster_client(settings: RedisSettings, **overrides: Any) -> Any:
+    """An asyncio `RedisCluster` of the seed nodes GENQ_REDIS_CLUSTER names, with the same
+    timeouts, retries and password as the single client; responses decoded to str. Typed Any:
+    it answers the commands genq sends as `aioredis.Redis` does (its pipelines split per
+    node), and mypy cannot see that through redis-py's two class trees."""
+    password = settings.redis_password
+    options: dict[str, Any] = dict(
+        startup_nodes=[ClusterNode(*sentinel_address(a)) for a in settings.redis_cluster],
+        decode_responses=True,
+        encoding_errors="replace",
+        username=settings.redis_username,
+        password=password.get_secret_value() if password else None,
+        ssl=settings.redis_cluster_tls,
+        retry=ObservedRetry(
+            ExponentialWithJitterBackoff(base=0.05, cap=2.0), settings.redis_retries
+        ),
+        health_check_interval=settings.redis_health_check_s,
+        socket_timeout=settings.redis_socket_timeout_s,
+        socket_connect_timeout=settings.redis_socket_timeout_s,
+        socket_keepalive=True,
+        max_connections=settings.redis_max_connections,
+    )
+    options.update(overrides)
+    return RedisCluster(**options)

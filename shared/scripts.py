@@ -223,6 +223,58 @@ CACHE_NEWS = ScriptArgs(
     "cache_news", keys=("interactive", "batch"), argv=("channel", "news", "held")
 )
 
+# ---- Redis Cluster: the steps a script spanning slots runs as (shared/transitions.py) ----
+
+PEEK_IDEMPOTENCY = ScriptArgs("peek_idempotency", keys=("idempotency",), argv=("claim",))
+CLAIM_IDEMPOTENCY = ScriptArgs(
+    "claim_idempotency", keys=("idempotency",), argv=("claim", "claim_ttl")
+)
+ADMIT = ScriptArgs(
+    "admit",
+    keys=("counts", "jobs", "checks"),
+    argv=("job_key", "tokens", "check_at", "n_scopes", "fair_field", "fair_share"),
+    rest="n_scopes scopes (jobs field, tokens field, max jobs, max tokens)",
+)
+SUBMIT_INTENT = ScriptArgs(
+    "submit_intent", keys=("pending", "pending_since"), argv=("job_id", "now", "entry")
+)
+SUBMIT_JOB = ScriptArgs("submit_job", keys=JOB, argv=("queued_event",), rest="record pairs")
+SUBMIT_QUEUE = ScriptArgs(
+    "submit_queue",
+    keys=("pending", "pending_since", "deadlines", "recent"),
+    argv=("job_id", "recent_cap"),
+)
+EMIT_JOB = ScriptArgs(
+    "emit_job",
+    keys=JOB,
+    argv=("worker", "attempt", "maxlen", "retention", "n"),
+    rest="n (seq, json) pairs, then record (field, value) pairs",
+)
+SETTLE_JOB = ScriptArgs(
+    "settle_job",
+    keys=JOB,
+    argv=("status", "attempt", "last_seq", "maxlen", "retention"),
+    rest="one (seq, json) pair, then record (field, value) pairs",
+)
+JOB_ENDED = ScriptArgs(
+    "job_ended",
+    keys=("deadlines", "compact_due", "recent", "queue"),
+    argv=("job_id", "compact", "compact_at", "recent_cap", "status", "group", "entry"),
+)
+TELL_STREAM = ScriptArgs("tell_stream", keys=("stream",), argv=("job_id",))
+TELL_BATCH = ScriptArgs("tell_batch", keys=("outbox",), argv=("batch_id", "status"))
+COMPACT_JOB = ScriptArgs(
+    "compact_job",
+    keys=("job", "events"),
+    argv=("last_seq", "entries"),
+    rest="record (field, value) pairs, as COMPACT",
+)
+INDEX_REMOVE = ScriptArgs("index_remove", keys=("index",), argv=("job_id",))
+ABANDON_JOB = ScriptArgs("abandon_job", keys=("job",), argv=("ttl",))
+PENDING_DROP = ScriptArgs("pending_drop", keys=("pending", "pending_since"), argv=("job_id",))
+OWNS_JOB = ScriptArgs("owns_job", keys=("job",), argv=("worker", "attempt"))
+TOUCH_QUEUE = ScriptArgs("touch_queue", keys=("queue",), argv=("group", "worker", "entry"))
+
 DECLARED: dict[str, ScriptArgs] = {
     s.name: s
     for s in (
@@ -246,6 +298,23 @@ DECLARED: dict[str, ScriptArgs] = {
         STEAL,
         RELEASE,
         CACHE_NEWS,
+        PEEK_IDEMPOTENCY,
+        CLAIM_IDEMPOTENCY,
+        ADMIT,
+        SUBMIT_INTENT,
+        SUBMIT_JOB,
+        SUBMIT_QUEUE,
+        EMIT_JOB,
+        SETTLE_JOB,
+        JOB_ENDED,
+        TELL_STREAM,
+        TELL_BATCH,
+        COMPACT_JOB,
+        INDEX_REMOVE,
+        ABANDON_JOB,
+        PENDING_DROP,
+        OWNS_JOB,
+        TOUCH_QUEUE,
     )
 }
 """Every script's declaration, by name."""

@@ -31,6 +31,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from shared.keys import Keys, keys_for
 from shared.model_format import engine_for_folder
 from shared.webhooks import EVENT_TYPES, check_secret
 
@@ -167,12 +168,8 @@ def _limit_pairs(text: str) -> dict[str, str]:
 WAIT_TIMEOUT_MS = 100
 """A submit's WAIT on loopback costs about a millisecond (measured: docs/performance.md,
 "Redis Sentinel failover"); this bound only matters while a replica is slow or gone."""
-_SENTINEL_ONLY = (
-    "redis_sentinel_master",
-    "redis_sentinel_password",
-    "redis_password",
-    "redis_username",
-)
+_SENTINEL_ONLY = ("redis_sentinel_master", "redis_sentinel_password")
+_SENTINEL_OR_CLUSTER = ("redis_password", "redis_username")
 
 
 def sentinel_address(address: str) -> tuple[str, int]:
@@ -232,11 +229,31 @@ class RedisSettings(BaseSettings):
     )
     redis_password: SecretStr | None = Field(
         default=None,
-        description="with redis_sentinels: the master's (and replicas') password; with "
+        description="with redis_sentinels or redis_cluster: the Redis nodes' password; with "
         "redis_url the password goes in the URL",
     )
     redis_username: str | None = Field(
-        default=None, description="with redis_sentinels: the master's ACL user, if not default"
+        default=None,
+        description="with redis_sentinels or redis_cluster: the nodes' ACL user, if not default",
+    )
+
+    # Cluster: seed nodes instead of a URL (docs/deploy.md "Redis Cluster")
+    redis_cluster: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Redis Cluster seed nodes as host:port, comma-separated (or a JSON list): "
+        "clients learn the slot map from them and follow it; not with redis_url or "
+        "redis_sentinels",
+    )
+    redis_cluster_tls: bool = Field(
+        default=False, description="with redis_cluster: connect to every node over TLS"
+    )
+    queue_shards: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="streams each model's queue of each priority is split over, in different "
+        "Cluster slots (gateways spread submits, workers read all); more than 1 only with "
+        "redis_cluster",
     )
     redis_wait_replicas: int | None = Field(
         default=None,
@@ -264,12 +281,12 @@ class RedisSettings(BaseSettings):
     def _lower(cls, v: object) -> object:
         return v.lower() if isinstance(v, str) else v  # GENQ_LOG_LEVEL=INFO is common
 
-    @field_validator("redis_sentinels", mode="before")
+    @field_validator("redis_sentinels", "redis_cluster", mode="before")
     @classmethod
     def _sentinel_list(cls, v: Any) -> Any:
         return _key_list(v)
 
-    @field_validator("redis_sentinels")
+    @field_validator("redis_sentinels", "redis_cluster")
     @classmethod
     def _sentinels_are_addresses(cls, v: list[str]) -> list[str]:
         for address in v:
@@ -283,8 +300,18 @@ class RedisSettings(BaseSettings):
                 "GENQ_REDIS_WAIT_TIMEOUT_MS must be under GENQ_REDIS_SOCKET_TIMEOUT_S, or a "
                 "submit's WAIT would time out its connection"
             )
+        if self.redis_cluster:
+            return self._cluster_ok()
+        if self.queue_shards > 1:
+            raise ValueError(
+                "GENQ_QUEUE_SHARDS above 1 needs GENQ_REDIS_CLUSTER (on one Redis, shards "
+                "would only split one thread's work)"
+            )
+        if self.redis_cluster_tls:
+            raise ValueError("GENQ_REDIS_CLUSTER_TLS: only with GENQ_REDIS_CLUSTER")
         if not self.redis_sentinels:
-            given = [n for n in _SENTINEL_ONLY if getattr(self, n) is not None]
+            names_given = (*_SENTINEL_ONLY, *_SENTINEL_OR_CLUSTER)
+            given = [n for n in names_given if getattr(self, n) is not None]
             if given:
                 names = ", ".join(f"GENQ_{n.upper()}" for n in given)
                 raise ValueError(
@@ -304,10 +331,31 @@ class RedisSettings(BaseSettings):
             )
         return self
 
+    def _cluster_ok(self) -> RedisSettings:
+        if self.redis_url or self.redis_sentinels:
+            raise ValueError(
+                "GENQ_REDIS_CLUSTER with GENQ_REDIS_URL or GENQ_REDIS_SENTINELS: give one way "
+                "to Redis (a cluster's password: GENQ_REDIS_PASSWORD)"
+            )
+        given = [n for n in _SENTINEL_ONLY if getattr(self, n) is not None]
+        if given:
+            names = ", ".join(f"GENQ_{n.upper()}" for n in given)
+            raise ValueError(f"{names}: only with GENQ_REDIS_SENTINELS")
+        if self.redis_wait_replicas:
+            raise ValueError(
+                "GENQ_REDIS_WAIT_REPLICAS with GENQ_REDIS_CLUSTER: a submit spans several "
+                "primaries, and WAIT counts one connection's writes to one of them"
+            )
+        return self
+
+    def keys(self) -> Keys:
+        """The key builder of this deployment (its prefix; the slot plan on a cluster)."""
+        return keys_for(self.key_prefix, bool(self.redis_cluster), self.queue_shards)
+
     @property
     def redis_configured(self) -> bool:
-        """A shared Redis is named, by URL or through sentinels."""
-        return bool(self.redis_url or self.redis_sentinels)
+        """A shared Redis is named, by URL, through sentinels, or as a cluster."""
+        return bool(self.redis_url or self.redis_sentinels or self.redis_cluster)
 
     @property
     def wait_replicas(self) -> int:
@@ -900,6 +948,29 @@ class GatewaySettings(JobSettings):
                 "a key in both GENQ_API_KEYS_FILE and GENQ_ADMIN_KEYS_FILE has other options "
                 "in each"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_features(self) -> GatewaySettings:
+        """On a Redis Cluster, what genq does not run there yet is off: token-fair scheduling
+        (owners then share by jobs in flight), cache-aware placement, tokens-per-minute
+        limits. Asked for by name, each stops the start instead of being dropped quietly."""
+        if not self.redis_cluster:
+            return self
+        off: dict[str, object] = {"fair_scheduling": "jobs", "placement": False}
+        for name, value in off.items():
+            if getattr(self, name) != value:
+                if name in self.model_fields_set:
+                    raise ValueError(
+                        f"GENQ_{name.upper()}={getattr(self, name)}: not supported on a Redis "
+                        f"Cluster yet (leave it unset there, or set {value})"
+                    )
+                object.__setattr__(self, name, value)
+        files = (*self._file_keys.values(), *self._admin_file_keys.values())
+        if self.tokens_per_minute_per_key or any(o.tpm for o in files):
+            raise ValueError("tokens-per-minute limits are not supported on a Redis Cluster yet")
+        if self.webhooks:
+            raise ValueError("GENQ_WEBHOOKS: webhooks are not delivered on a Redis Cluster yet")
         return self
 
     @model_validator(mode="after")

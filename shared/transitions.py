@@ -7,8 +7,7 @@ deadlines index, the idempotency key and the admission counters; EMIT and SETTLE
 admission counters and the deadlines index when the job ends (shared/quotas.py), and the done
 stream of a batch's job (its record names it); TOUCH the queue it checks; SUBMIT, EMIT and
 SETTLE the recent-jobs stream (the dashboard's); EMIT and SETTLE add an ended job to the
-compaction index, COMPACT takes it off. Those are the seam for Cluster (per-slot submits,
-indexes per slot).
+compaction index, COMPACT takes it off. On a cluster those run as steps (below).
 
 Who may write a job (fencing): the gateway while it is `queued` and nobody runs it (SUBMIT,
 SETTLE of a cancel), the worker the record names at the record's `attempt` while it is
@@ -17,6 +16,21 @@ are `0-<seq>`, so a replayed write fails instead of duplicating.
 
 A Redis that restarted forgets its scripts: a call answered NOSCRIPT did not run, so the
 runner loads the scripts again and re-sends exactly those calls.
+
+On a Redis Cluster (`Keys.cluster`) a script may touch one slot only, so what spans slots
+runs as steps: a `Call` whose `then` makes the next step from this one's reply. The order is
+the one that leaves nothing a reader could mistake if a process stops between two steps:
+- SUBMIT: the idempotency claim, the admission count, the queue entry kept as pending in the
+  job's queue shard, the record and first event in the job's slot, then the queue entry
+  written (and the pending one removed, in one script). A crash before the record leaves a
+  claim and a count the admission repair gives back; a crash after it, a job the reconciler
+  queues (gateway/deadline_sweep.py); never a queue entry without its job, and the pending
+  entry's removal makes the job queued exactly once.
+- EMIT / SETTLE of an end: the end written in the job's slot first (from then on the job is
+  ended for every reader), then its shard's indexes and queue entry, the admission counters,
+  the batch's done stream and the webhook outbox. A crash between leaves what the sweeps
+  repair: the admission repair, the deadline sweep (an ended job leaves its index), the
+  reclaim (a START of an ended job acknowledges its entry).
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from redis.exceptions import NoScriptError
 
 from shared import scripts as lua
+from shared.errors import Unavailable
 from shared.keys import CONSUMER_GROUP, Keys, Priority
 from shared.records import JobRecord, QueueEntry
 from shared.scripts import DECLARED, Arg, ScriptArgs
@@ -59,12 +74,18 @@ class Script:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
+_PUBLISH = "local PUB = 'PUBLISH'"
+
+
 @cache
-def script(name: str) -> Script:
+def script(name: str, cluster: bool = False) -> Script:
     """`shared/lua/<name>.lua` with the prelude before it, then the prologue that unpacks its
-    declared KEYS and ARGV by name (`shared.scripts`)."""
+    declared KEYS and ARGV by name (`shared.scripts`). `cluster`: a job's events are
+    published with SPUBLISH (sharded pub/sub) instead of PUBLISH."""
     lua = resources.files("shared") / "lua"
     prelude = (lua / "prelude.lua").read_text(encoding="utf-8")
+    if cluster:
+        prelude = prelude.replace(_PUBLISH, "local PUB = 'SPUBLISH'")
     prologue = DECLARED[name].prologue()
     body = (lua / f"{name}.lua").read_text(encoding="utf-8")
     return Script(name, prelude + "\n" + prologue + body)
@@ -76,6 +97,12 @@ class Call(Generic[R]):
     keys: list[str]
     args: list[Arg]
     parse: Callable[[Any], R]
+    then: Callable[[Any], Call[R] | None] | None = None
+    """Cluster: the next step, made from this step's raw reply (None: this was the last,
+    and `parse` reads its reply)."""
+
+    def next(self, raw: Any) -> Call[R] | None:
+        return None if self.then is None else self.then(raw)
 
 
 def call(
@@ -84,11 +111,29 @@ def call(
     keys: Mapping[str, str],
     argv: Mapping[str, Arg] | None = None,
     rest: Sequence[Arg] = (),
+    *,
+    cluster: bool = False,
+    then: Callable[[Any], Call[R] | None] | None = None,
 ) -> Call[R]:
     """A call of the script `declared` names, its KEYS and ARGV given by their declared
     names (ValueError for a missing or unknown one)."""
     key_list, args = declared.pack(keys, argv, rest)
-    return Call(script(declared.name), key_list, args, parse)
+    return Call(script(declared.name, cluster), key_list, args, parse, then)
+
+
+def steps(calls: Sequence[Call[Any]], result: R) -> Call[R] | None:
+    """`calls` run one after another whatever each answers, then `result` (Cluster: the
+    parts of a step done in other slots)."""
+    if not calls:
+        return None
+    first, rest = calls[0], calls[1:]
+    return Call(
+        first.script,
+        first.keys,
+        first.args,
+        lambda _raw: result,
+        lambda _raw: steps(rest, result),
+    )
 
 
 # ---- replies ------------------------------------------------------------------------------
@@ -261,6 +306,11 @@ def _state_reply(r: list[Any]) -> JobState:
     return JobState(str(r[0]), int(r[1]), int(r[2]), r[3] or None)
 
 
+def _abandoned(r: Any) -> SubmitReply:
+    """SUBMIT_JOB's reply 0 (the chain goes on at 1): the reconciler gave this submit up."""
+    raise Unavailable("the job could not be queued in time; submit it again")
+
+
 def _submit_reply(tpm: int, r: list[Any]) -> SubmitReply:
     """`tpm`: the size of the tokens bucket the submit charged (if it did)."""
     if r[0] == "queued":
@@ -306,6 +356,18 @@ class Transitions:
         self.keys = keys
         self.recent_jobs = recent_jobs
         self.compact_grace_s = compact_grace_s
+        self.cluster = keys.cluster
+
+    def _call(
+        self,
+        declared: ScriptArgs,
+        parse: Callable[[Any], R],
+        keys: Mapping[str, str],
+        argv: Mapping[str, Arg] | None = None,
+        rest: Sequence[Arg] = (),
+        then: Callable[[Any], Call[R] | None] | None = None,
+    ) -> Call[R]:
+        return call(declared, parse, keys, argv, rest, cluster=self.cluster, then=then)
 
     def _compact_at(self) -> str:
         return repr(time.time() + self.compact_grace_s)
@@ -348,6 +410,16 @@ class Transitions:
         entry_fields = entry.to_hash()
         charge = admission.charge
         k = self.keys
+        if self.cluster:
+            return self._submit_steps(
+                record,
+                queued_event,
+                entry_fields,
+                idempotency_key,
+                idempotency_claim,
+                idempotency_ttl_s,
+                admission,
+            )
         keys = {
             **self._job(spec.id),
             "queue": k.queue(spec.model, spec.priority),
@@ -393,7 +465,185 @@ class Transitions:
         }
         rest = [*scopes, *_flat(entry_fields), *_flat(record.to_hash())]
         reply = functools.partial(_submit_reply, charge.tpm if charge else 0)
-        return call(lua.SUBMIT, reply, keys, args, rest)
+        return self._call(lua.SUBMIT, reply, keys, args, rest)
+
+    def _submit_steps(
+        self,
+        record: JobRecord,
+        queued_event: str,
+        entry_fields: dict[str, str],
+        idempotency_key: str | None,
+        claim: str,
+        claim_ttl_s: int,
+        admission: Admission,
+    ) -> Call[SubmitReply]:
+        """SUBMIT on a cluster, as steps (module docstring): a look at the idempotency key,
+        the admission, the pending entry, the idempotency claim (another request's claim,
+        made meanwhile, undoes the two before), the record, the queue entry. Placement lanes,
+        token-fair scheduling and tokens-per-minute charges are not run on a cluster (the
+        settings refuse them there)."""
+        spec, k = record.spec, self.keys
+        shard = k.shard_of(spec.id)
+        pending = {"pending": k.pending(shard), "pending_since": k.pending_since(shard)}
+
+        def queue_step(_raw: Any) -> Call[SubmitReply]:
+            keys = {**pending, "deadlines": k.deadlines(shard), "recent": k.recent_jobs(shard)}
+            args: dict[str, Arg] = {"job_id": spec.id, "recent_cap": self.recent_jobs}
+            return self._call(lua.SUBMIT_QUEUE, lambda _r: Queued(), keys, args)
+
+        def job_step(_raw: Any) -> Call[SubmitReply]:
+            args: dict[str, Arg] = {"queued_event": queued_event}
+            rest = _flat(record.to_hash())
+            return self._call(
+                lua.SUBMIT_JOB,
+                _abandoned,
+                self._job(spec.id),
+                args,
+                rest,
+                lambda raw: queue_step(raw) if int(raw) == 1 else None,
+            )
+
+        def claimed(raw: Any) -> Call[SubmitReply] | None:
+            if raw[0] != "exists":
+                return job_step(raw)
+            taken = _submit_reply(0, raw)  # another request's: undo this one's steps
+            undo = [
+                self._call(lua.PENDING_DROP, int, pending, {"job_id": spec.id}),
+                self._call(
+                    lua.ADMISSION_RELEASE,
+                    int,
+                    self._admission_keys(),
+                    {"job_key": k.job(spec.id)},
+                ),
+            ]
+            return steps(undo, taken)
+
+        def claim_step(_raw: Any) -> Call[SubmitReply]:
+            if idempotency_key is None:
+                return job_step(None)
+            args: dict[str, Arg] = {"claim": claim, "claim_ttl": claim_ttl_s}
+            return self._call(
+                lua.CLAIM_IDEMPOTENCY,
+                functools.partial(_submit_reply, 0),
+                {"idempotency": idempotency_key},
+                args,
+                (),
+                claimed,
+            )
+
+        def intent_step(overflow: bool) -> Call[SubmitReply]:
+            stream = (k.overflow if overflow else k.queue)(spec.model, spec.priority, shard)
+            deadline = "" if spec.deadline is None else repr(spec.deadline)
+            pairs = "\x1f".join(str(x) for x in _flat(entry_fields))
+            packed = "\x1e".join((stream, deadline, spec.model, spec.priority, pairs))
+            args: dict[str, Arg] = {"job_id": spec.id, "now": repr(time.time()), "entry": packed}
+            return self._call(lua.SUBMIT_INTENT, lambda _r: Queued(), pending, args, (), claim_step)
+
+        scopes: list[Arg] = []
+        for q in admission.quotas:
+            scopes += [q.jobs_field, q.tokens_field, q.max_jobs, q.max_tokens]
+        args: dict[str, Arg] = {
+            "job_key": k.job(spec.id),
+            "tokens": admission.tokens,
+            "check_at": repr(admission.check_at),
+            "n_scopes": len(admission.quotas),
+            "fair_field": admission.fair_field,
+            "fair_share": admission.fair_share,
+        }
+        admit = self._call(
+            lua.ADMIT,
+            functools.partial(_submit_reply, 0),
+            self._admission_keys(),
+            args,
+            scopes,
+            lambda raw: None if raw[0] == "limited" else intent_step(int(raw[1]) == 1),
+        )
+        if idempotency_key is None:
+            return admit
+        return self._call(
+            lua.PEEK_IDEMPOTENCY,
+            functools.partial(_submit_reply, 0),
+            {"idempotency": idempotency_key},
+            {"claim": claim},
+            (),
+            lambda raw: None if raw[0] == "exists" else admit,
+        )
+
+    def _admission_keys(self) -> dict[str, str]:
+        k = self.keys
+        return {
+            "counts": k.admission_counts(),
+            "jobs": k.admission_jobs(),
+            "checks": k.admission_checks(),
+        }
+
+    def abandon(self, job_id: str, ttl_s: int) -> Call[bool]:
+        """Cluster, the reconciler: a pending submit whose record never came is given up
+        (ABANDON_JOB, then its pending entry dropped and its admission count given back);
+        False: its record is there after all."""
+        k, shard = self.keys, self.keys.shard_of(job_id)
+        pending = {"pending": k.pending(shard), "pending_since": k.pending_since(shard)}
+        undo = [
+            self._call(lua.PENDING_DROP, int, pending, {"job_id": job_id}),
+            self._call(
+                lua.ADMISSION_RELEASE, int, self._admission_keys(), {"job_key": k.job(job_id)}
+            ),
+        ]
+        return self._call(
+            lua.ABANDON_JOB,
+            _truthy,
+            {"job": k.job(job_id)},
+            {"ttl": ttl_s},
+            (),
+            lambda raw: steps(undo, True) if int(raw) == 1 else None,
+        )
+
+    def reconcile(self, job_id: str) -> Call[bool]:
+        """Cluster: queue a job whose submit stopped after writing its record (SUBMIT_QUEUE:
+        nothing if it is queued already); whether this queued it."""
+        k, shard = self.keys, self.keys.shard_of(job_id)
+        keys = {
+            "pending": k.pending(shard),
+            "pending_since": k.pending_since(shard),
+            "deadlines": k.deadlines(shard),
+            "recent": k.recent_jobs(shard),
+        }
+        args: dict[str, Arg] = {"job_id": job_id, "recent_cap": self.recent_jobs}
+        return self._call(lua.SUBMIT_QUEUE, _truthy, keys, args)
+
+    def _end_steps(
+        self, job_id: str, raw_end: Sequence[Any], entry: tuple[str, str] | None
+    ) -> list[Call[Any]]:
+        """Cluster: what a job's end does beyond its own slot, from what its end step read
+        of the record: (status, done stream, outbox)."""
+        k, shard = self.keys, self.keys.shard_of(job_id)
+        status, done_stream, outbox = (str(x) for x in raw_end)
+        queue, entry_id = entry or (k.deadlines(shard), "")
+        ended: dict[str, Arg] = {
+            "job_id": job_id,
+            "compact": "0" if done_stream else "1",
+            "compact_at": self._compact_at(),
+            "recent_cap": self.recent_jobs,
+            "status": status,
+            "group": CONSUMER_GROUP,
+            "entry": entry_id,
+        }
+        index_keys = {
+            "deadlines": k.deadlines(shard),
+            "compact_due": k.compact_due(shard),
+            "recent": k.recent_jobs(shard),
+            "queue": queue,
+        }
+        out: list[Call[Any]] = [
+            self._call(lua.JOB_ENDED, int, index_keys, ended),
+            self._call(
+                lua.ADMISSION_RELEASE, int, self._admission_keys(), {"job_key": k.job(job_id)}
+            ),
+        ]
+        for stream in (done_stream, outbox):
+            if stream:
+                out.append(self._call(lua.TELL_STREAM, int, {"stream": stream}, {"job_id": job_id}))
+        return out
 
     def start(
         self, job_id: str, *, worker: str, now: float, max_attempts: int, max_interruptions: int
@@ -404,7 +654,7 @@ class Transitions:
             "max_attempts": max_attempts,
             "max_interruptions": max_interruptions,
         }
-        return call(lua.START, _start_reply, self._job(job_id), args)
+        return self._call(lua.START, _start_reply, self._job(job_id), args)
 
     def emit(
         self,
@@ -420,6 +670,10 @@ class Transitions:
     ) -> Call[EmitReply]:
         """The owner's events, and (when the job ends) its record `fields` and retention;
         with `entry` (queue, entry id), the end acknowledges and deletes that queue entry."""
+        if self.cluster:
+            return self._emit_steps(
+                job_id, worker, attempt, events, maxlen, fields, retention_s, entry
+            )
         queue, entry_id = entry or ("", "")
         args: dict[str, Arg] = {
             "worker": worker,
@@ -435,7 +689,35 @@ class Transitions:
         }
         rest = [*_events(events), *_flat(fields or {})]
         keys = {**self._ending(job_id), "queue": queue}
-        return call(lua.EMIT, _emit_reply, keys, args, rest)
+        return self._call(lua.EMIT, _emit_reply, keys, args, rest)
+
+    def _emit_steps(
+        self,
+        job_id: str,
+        worker: str,
+        attempt: int,
+        events: Sequence[EncodedEvent],
+        maxlen: int,
+        fields: dict[str, str] | None,
+        retention_s: int,
+        entry: tuple[str, str] | None,
+    ) -> Call[EmitReply]:
+        """EMIT on a cluster: the job's own slot first, then (at its end) `_end_steps`."""
+        args: dict[str, Arg] = {
+            "worker": worker,
+            "attempt": attempt,
+            "maxlen": maxlen,
+            "retention": retention_s,
+            "n": len(events),
+        }
+        rest = [*_events(events), *_flat(fields or {})]
+
+        def then(raw: Any) -> Call[EmitReply] | None:
+            if int(raw[0]) != 1 or retention_s <= 0:
+                return None
+            return steps(self._end_steps(job_id, raw[2:5], entry), _emit_reply(raw))
+
+        return self._call(lua.EMIT_JOB, _emit_reply, self._job(job_id), args, rest, then)
 
     def settle(
         self,
@@ -450,6 +732,24 @@ class Transitions:
         retention_s: int,
     ) -> Call[bool]:
         """End a job nobody runs, if its status, attempt and log end are still these."""
+        if self.cluster:
+            cas: dict[str, Arg] = {
+                "status": status,
+                "attempt": attempt,
+                "last_seq": last_seq,
+                "maxlen": maxlen,
+                "retention": retention_s,
+            }
+
+            def then(raw: Any) -> Call[bool] | None:
+                if int(raw[0]) != 1:
+                    return None
+                return steps(self._end_steps(job_id, raw[1:4], None), True)
+
+            rest = [*event, *_flat(fields)]
+            return self._call(
+                lua.SETTLE_JOB, lambda r: int(r[0]) == 1, self._job(job_id), cas, rest, then
+            )
         args: dict[str, Arg] = {
             "status": status,
             "attempt": attempt,
@@ -460,7 +760,7 @@ class Transitions:
             "recent_cap": self.recent_jobs,
             "compact_at": self._compact_at(),
         }
-        return call(lua.SETTLE, _truthy, self._ending(job_id), args, [*event, *_flat(fields)])
+        return self._call(lua.SETTLE, _truthy, self._ending(job_id), args, [*event, *_flat(fields)])
 
     def compact(
         self, job_id: str, *, last_seq: int, entries: int, fields: dict[str, str]
@@ -469,9 +769,21 @@ class Transitions:
         `fields` (the `log` field among them), if the log still ends at `last_seq` with
         `entries`."""
         k = self.keys
+        if self.cluster:
+            index = k.compact_due(k.shard_of(job_id))
+
+            def then(raw: Any) -> Call[str] | None:
+                if raw == "changed":
+                    return None
+                remove: dict[str, Arg] = {"job_id": job_id}
+                return self._call(lua.INDEX_REMOVE, lambda _r: str(raw), {"index": index}, remove)
+
+            job_keys = {"job": k.job(job_id), "events": k.events(job_id)}
+            cas: dict[str, Arg] = {"last_seq": last_seq, "entries": entries}
+            return self._call(lua.COMPACT_JOB, str, job_keys, cas, _flat(fields), then)
         keys = {"job": k.job(job_id), "events": k.events(job_id), "compact_due": k.compact_due()}
         args: dict[str, Arg] = {"job_id": job_id, "last_seq": last_seq, "entries": entries}
-        return call(lua.COMPACT, str, keys, args, _flat(fields))
+        return self._call(lua.COMPACT, str, keys, args, _flat(fields))
 
     def hand_back(
         self,
@@ -492,10 +804,10 @@ class Transitions:
             "interrupted": int(interrupted),
             "error": error,
         }
-        return call(lua.HAND_BACK, _truthy, self._job(job_id), args)
+        return self._call(lua.HAND_BACK, _truthy, self._job(job_id), args)
 
     def request_cancel(self, job_id: str, *, reason: str) -> Call[CancelReply]:
-        return call(lua.REQUEST_CANCEL, _cancel_reply, self._job(job_id), {"reason": reason})
+        return self._call(lua.REQUEST_CANCEL, _cancel_reply, self._job(job_id), {"reason": reason})
 
     def touch(
         self,
@@ -509,6 +821,20 @@ class Transitions:
     ) -> Call[bool]:
         """Keep a held entry's idle time low, if this worker still holds it (`attempt`: the
         job's, once started; None for a claim not started yet)."""
+        if self.cluster:
+            held: dict[str, Arg] = {"group": group, "worker": worker, "entry": entry_id}
+            touch = self._call(lua.TOUCH_QUEUE, _truthy, {"queue": queue}, held)
+            if attempt is None:
+                return touch
+            owner: dict[str, Arg] = {"worker": worker, "attempt": attempt}
+            return self._call(
+                lua.OWNS_JOB,
+                _truthy,
+                {"job": self.keys.job(job_id)},
+                owner,
+                (),
+                lambda raw: touch if int(raw) == 1 else None,
+            )
         keys = {"queue": queue, "job": self.keys.job(job_id)}
         args: dict[str, Arg] = {
             "group": group,
@@ -516,13 +842,13 @@ class Transitions:
             "entry": entry_id,
             "attempt": "" if attempt is None else attempt,
         }
-        return call(lua.TOUCH, _truthy, keys, args)
+        return self._call(lua.TOUCH, _truthy, keys, args)
 
     def state(self, job_id: str) -> Call[JobState]:
-        return call(lua.STATE, _state_reply, self._job(job_id))
+        return self._call(lua.STATE, _state_reply, self._job(job_id))
 
     def release_idempotency(self, key: str, *, claim: str) -> Call[bool]:
-        return call(lua.RELEASE_IDEMPOTENCY, _truthy, {"idempotency": key}, {"claim": claim})
+        return self._call(lua.RELEASE_IDEMPOTENCY, _truthy, {"idempotency": key}, {"claim": claim})
 
     def steal(
         self, lane: str, queue: str, *, group: str, older_ms: int, dead: bool, limit: int
@@ -536,7 +862,7 @@ class Transitions:
             "dead": "1" if dead else "0",
             "limit": limit,
         }
-        return call(lua.STEAL, lambda r: (int(r[0]), int(r[1])), keys, args)
+        return self._call(lua.STEAL, lambda r: (int(r[0]), int(r[1])), keys, args)
 
     def cache_news(self, lanes: Sequence[str], news: str, held: int) -> Call[int]:
         """Publish a worker's cache news (`CacheNews`, encoded) with the jobs waiting in its
@@ -545,7 +871,7 @@ class Transitions:
         interactive, batch = lanes
         keys = {"interactive": interactive, "batch": batch}
         args: dict[str, Arg] = {"channel": self.keys.cache_news(), "news": news, "held": held}
-        return call(lua.CACHE_NEWS, int, keys, args)
+        return self._call(lua.CACHE_NEWS, int, keys, args)
 
     def release(
         self,
@@ -571,11 +897,11 @@ class Transitions:
             "shared": k.queue(model, priority),
         }
         args: dict[str, Arg] = {"group": CONSUMER_GROUP, "want": want, "skip": skipped}
-        return call(lua.RELEASE, int, keys, args)
+        return self._call(lua.RELEASE, int, keys, args)
 
     def delete_idle_consumer(self, queue: str, *, group: str, consumer: str) -> Call[bool]:
         args: dict[str, Arg] = {"group": group, "consumer": consumer}
-        return call(lua.DELETE_IDLE_CONSUMER, _truthy, {"queue": queue}, args)
+        return self._call(lua.DELETE_IDLE_CONSUMER, _truthy, {"queue": queue}, args)
 
 
 class ScriptRunner:
@@ -585,13 +911,17 @@ class ScriptRunner:
         self.redis = redis
 
     async def run(self, call: Call[R]) -> R:
-        """One call; Redis errors raise."""
-        try:
-            raw = await self._evalsha(self.redis, call)
-        except NoScriptError:
-            await self.load([call.script])
-            raw = await self._evalsha(self.redis, call)
-        return call.parse(raw)
+        """One call (and the steps it leads to, on a cluster); Redis errors raise."""
+        while True:
+            try:
+                raw = await self._evalsha(self.redis, call)
+            except NoScriptError:
+                await self.load([call.script])
+                raw = await self._evalsha(self.redis, call)
+            following = call.next(raw)
+            if following is None:
+                return call.parse(raw)
+            call = following
 
     async def run_replicated(self, call: Call[R], replicas: int, timeout_ms: int) -> tuple[R, int]:
         """One call, then WAIT for `replicas` replicas to hold it (at most `timeout_ms`):
@@ -617,17 +947,28 @@ class ScriptRunner:
     async def run_all(self, calls: Sequence[Call[Any]]) -> list[Any]:
         """One pipeline; each call's parsed reply, or the error Redis answered it with, in
         place (one refused call does not fail the others). Connection errors raise."""
-        if not calls:
-            return []
+        out: list[Any] = [None] * len(calls)
+        todo = list(enumerate(calls))
+        while todo:  # one round on one Redis; on a cluster, one per step
+            following: list[tuple[int, Call[Any]]] = []
+            for (i, c), r in zip(todo, await self._round([c for _, c in todo]), strict=True):
+                step = None if isinstance(r, Exception) else c.next(r)
+                if step is not None:
+                    following.append((i, step))
+                else:
+                    out[i] = r if isinstance(r, Exception) else c.parse(r)
+            todo = following
+        return out
+
+    async def _round(self, calls: Sequence[Call[Any]]) -> list[Any]:
+        """One pipeline of `calls`, those answered NOSCRIPT sent again once loaded."""
         raw = await self._pipeline(calls)
         again = [i for i, r in enumerate(raw) if isinstance(r, NoScriptError)]
         if again:
             await self.load([calls[i].script for i in again])
             for i, r in zip(again, await self._pipeline([calls[i] for i in again]), strict=True):
                 raw[i] = r
-        return [
-            r if isinstance(r, Exception) else c.parse(r) for c, r in zip(calls, raw, strict=True)
-        ]
+        return raw
 
     async def load(self, scripts: Sequence[Script]) -> None:
         for s in {s.name: s for s in scripts}.values():

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from gateway.app import create_app
 from shared.keys import Keys
 from shared.settings import Settings
+from tests.cluster import ClusterUnavailable, LocalCluster, local_cluster
 from tests.prefixes import RUN_PREFIX, test_prefix
 from worker.link import EngineLink
 from worker.service import Worker
@@ -65,6 +66,18 @@ def _own_data_home(_data_homes: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`genq serve` keeps its private Redis's data under $XDG_DATA_HOME: each test's under a
     folder of its own (made only when used), never the developer's, never another test's."""
     monkeypatch.setenv("XDG_DATA_HOME", str(_data_homes / uuid.uuid4().hex))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """A private Redis Cluster (3 primaries, 3 replicas) for one test module; skipped, saying
+    why, where this box cannot start one."""
+    with contextlib.ExitStack() as stack:
+        try:
+            made = stack.enter_context(local_cluster())
+        except ClusterUnavailable as exc:
+            pytest.skip(str(exc))
+        yield made
 
 
 @pytest.fixture(params=["redis", "fakeredis"])

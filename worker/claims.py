@@ -19,7 +19,7 @@ from shared.keys import CONSUMER_GROUP, PRIORITIES, Priority
 from shared.loops import LOOP_RESTART_S, REDIS_FAILURES, keep_running
 from shared.pages import PAGE_TOKENS
 from shared.records import JOB_ID, JobRecord, QueueEntry, RecordError
-from shared.redisconn import is_transient
+from shared.redisconn import is_cluster, is_transient
 from shared.schemas import ErrorInfo, JobSpec
 from shared.transitions import Exhausted, Interrupted, Started, StartReply
 from worker import joblog
@@ -34,6 +34,9 @@ from worker.entries import (
 )
 from worker.jobstate import AHEAD_TOKENS, Claim, RunningJob
 from worker.state import WorkerState
+
+CLUSTER_BLOCK_MS = 100
+"""A worker's blocking read of one queue shard on a cluster (then the next shard's)."""
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +94,16 @@ class Claimer:
         st = self.st
         # The connection of the blocking reads that a slot coming free must end early (one
         # that sees the interactive lanes alone): CLIENT UNBLOCK needs its id.
-        self._blocker = st.redis.client()
+        if is_cluster(st.redis):  # no single connection to unblock: reads end at their time
+            self._blocker, self._can_unblock = st.redis, False
+        else:
+            self._blocker = st.redis.client()
         try:
             await self._loop()
         finally:
             with contextlib.suppress(RedisError, OSError):
-                await self._blocker.aclose()
+                if self._blocker is not st.redis:
+                    await self._blocker.aclose()
 
     async def _loop(self) -> None:
         st = self.st
@@ -153,6 +160,7 @@ class Claimer:
         work never takes the last `interactive_reserve` slots: an interactive job arriving
         into a full batch backlog starts at once instead of waiting for a batch job to end."""
         st = self.st
+        st.next_shard()
         batch_turn = self._claims_since_batch >= st.settings.batch_share
         order: tuple[Priority, ...] = ("batch", "interactive") if batch_turn else PRIORITIES
         batch_room = free + ahead - self._reserve()
@@ -176,7 +184,7 @@ class Claimer:
             pass
         elif not claims and batch_room > 0 and not st.waiting:
             streams = {k: ">" for k in st.streams()}
-            claims = await self._read(streams, 1, block=st.settings.claim_block_ms)
+            claims = await self._read(streams, 1, block=self._block_ms())
         elif not claims:
             lanes = st.streams() if batch_room > 0 else self._interactive_lanes()
             claims = await self._read_until_room(lanes)
@@ -229,10 +237,8 @@ class Claimer:
         streams = {k: ">" for k in lanes}
         client_id = await self._blocker_id()
         if client_id is None:  # CLIENT not allowed here (an ACL, a managed Redis): as before
-            return await self._read(streams, 1, block=st.settings.claim_block_ms)
-        read = asyncio.ensure_future(
-            self._read(streams, 1, block=st.settings.claim_block_ms, redis=blocker)
-        )
+            return await self._read(streams, 1, block=self._block_ms())
+        read = asyncio.ensure_future(self._read(streams, 1, block=self._block_ms(), redis=blocker))
         room = asyncio.ensure_future(st.room.wait())
         try:
             await asyncio.wait({read, room}, return_when=asyncio.FIRST_COMPLETED)
@@ -282,8 +288,19 @@ class Claimer:
             if r.end is None and r.retry_error is None and r.tokens_left() <= AHEAD_TOKENS
         )
 
+    def _block_ms(self) -> int:
+        """How long a blocking read waits. On a cluster it reads one shard and cannot be
+        unblocked when a slot comes free, so it waits briefly and the next read moves on to
+        the next shard."""
+        block = self.st.settings.claim_block_ms
+        return min(block, CLUSTER_BLOCK_MS) if self.st.keys.cluster else block
+
     def _is_batch(self, claim: Claim) -> bool:
         st = self.st
+        if st.keys.shards > 1:  # a claim read from another shard than the current one
+            k, model, shard = st.keys, st.model, st.keys.shard_of(claim.job_id)
+            batch = (k.queue(model, "batch", shard), k.overflow(model, "batch", shard))
+            return claim.queue in (*batch, k.placed(model, "batch", st.id, shard))
         return claim.queue in (st.queues["batch"], st.overflow["batch"], st.placed["batch"])
 
     def _reserve(self) -> int:

@@ -20,7 +20,7 @@ _DEAD_LETTERS_KEPT = 100_000
 
 
 async def ensure_groups(st: WorkerState) -> None:
-    for key in st.streams():
+    for key in st.all_streams():
         with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists
             await st.redis.xgroup_create(key, CONSUMER_GROUP, id="0", mkstream=True)
 

@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared.keys import CONSUMER_GROUP, PRIORITIES, Keys
+from shared.keys import CONSUMER_GROUP, PRIORITIES
 from shared.loops import LOOP_RESTART_S
 from shared.redis_health import failure_level
 from shared.redisconn import connect
@@ -112,7 +112,7 @@ class Worker:
         worker_id = (
             settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         )
-        keys = Keys(settings.key_prefix)
+        keys = settings.keys()
         client = redis or connect(settings)
         self.st = WorkerState(
             settings=settings,
@@ -311,7 +311,7 @@ class Worker:
         pipe.delete(st.keys.worker(st.id))
         pipe.zrem(st.keys.workers(), st.id)
         await pipe.execute()
-        for key in st.streams():
+        for key in st.all_streams():
             await st.scripts.run(
                 st.transitions.delete_idle_consumer(key, group=CONSUMER_GROUP, consumer=st.id)
             )

@@ -94,6 +94,8 @@ class WorkerState:
     """Job steps so far (worker/joblog.py), for the summary line."""
     validators: Validators = field(default_factory=Validators)
     """JSON schema validators, for the outputs of jobs under one (worker/output_check.py)."""
+    shard: int = 0
+    """The queue shard `queues`, `overflow` and `placed` are of now (`next_shard`)."""
 
     @property
     def runner(self) -> EngineLink:
@@ -161,8 +163,32 @@ class WorkerState:
         self.stop(run, Stop("cancelled", reason))
 
     def streams(self) -> list[str]:
-        """Every stream this worker claims from (its lanes, queues and overflows)."""
+        """Every stream this worker claims from in its current shard (its lanes, queues and
+        overflows): one slot on a cluster, so one XREADGROUP reads them together."""
         return [*self.placed.values(), *self.queues.values(), *self.overflow.values()]
+
+    def all_streams(self) -> list[str]:
+        """`streams` of every queue shard (one shard on one Redis: `streams`)."""
+        out: list[str] = []
+        for shard in range(self.keys.shards):
+            for p in self.queues:
+                out += [
+                    self.keys.placed(self.model, p, self.id, shard),
+                    self.keys.queue(self.model, p, shard),
+                    self.keys.overflow(self.model, p, shard),
+                ]
+        return out
+
+    def next_shard(self) -> None:
+        """Read the next queue shard from now on (round robin: no shard starves)."""
+        if self.keys.shards == 1:
+            return
+        self.shard = (self.shard + 1) % self.keys.shards
+        k, shard = self.keys, self.shard
+        for p in list(self.queues):
+            self.queues[p] = k.queue(self.model, p, shard)
+            self.overflow[p] = k.overflow(self.model, p, shard)
+            self.placed[p] = k.placed(self.model, p, self.id, shard)
 
     def shared_queue(self, stream: str) -> str:
         """Where an entry taken from `stream` goes back to: a worker lane's (this worker's or

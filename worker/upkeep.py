@@ -230,7 +230,7 @@ class Upkeep:
         async def step() -> None:
             if st.stopping.is_set() or not st.lease.reclaim_allowed():
                 return
-            for queue in st.streams():
+            for queue in st.all_streams():
                 await self._reclaim(queue)
                 await self._forget_dead(queue)
             for lane in await self._other_lanes():

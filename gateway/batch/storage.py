@@ -11,6 +11,7 @@ from typing import Protocol
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
+from shared.redisconn import is_cluster
 
 UPLOAD_TTL_S = 3600
 """Chunks of an upload whose gateway died before it committed expire after this long."""
@@ -59,6 +60,11 @@ class RedisChunkWriter:
     async def commit(self, ttl_s: int) -> None:
         if self._chunks == 0:
             await self._redis.delete(self._data)
+            return
+        if is_cluster(self._redis):  # redis-py will not pipeline RENAME on a cluster; the
+            # renamed list keeps the staging TTL until the EXPIRE, a moment later
+            await self._redis.rename(self._staging, self._data)
+            await self._redis.expire(self._data, ttl_s)
             return
         pipe = self._redis.pipeline(transaction=True)  # one slot: {file id}
         pipe.rename(self._staging, self._data)

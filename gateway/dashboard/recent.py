@@ -78,6 +78,11 @@ class JobRow:
                 self.prompt_tokens = ev.prompt_tokens
 
 
+def _entry_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def _entry_time(entry_id: str) -> float:
     return int(entry_id.partition("-")[0]) / 1000
 
@@ -85,12 +90,13 @@ def _entry_time(entry_id: str) -> float:
 class RecentJobs:
     def __init__(self, redis: aioredis.Redis, keys: Keys, shown: int, read_max: int) -> None:
         self._redis = redis
-        self._key = keys.recent_jobs()
+        self._streams = [keys.recent_jobs(shard) for shard in range(keys.shards)]
+        """One on one Redis; on a cluster, each queue shard's (merged by entry time)."""
         self._keys = keys
         self._shown = shown
         self._read_max = max(read_max, shown)
         """Most stream entries read per round (the stream's cap: more are trimmed anyway)."""
-        self._last: str | None = None
+        self._last: dict[str, str] = {}
         self._rows: OrderedDict[str, JobRow] = OrderedDict()
         """Newest submission first."""
 
@@ -112,12 +118,18 @@ class RecentJobs:
             row.count(entries)
 
     async def _read_stream(self) -> None:
-        low = "-" if self._last is None else f"({self._last}"
-        entries = await self._redis.xrevrange(self._key, "+", low, count=self._read_max)
+        entries: list[tuple[str, dict[str, str]]] = []
+        for key in self._streams:
+            last = self._last.get(key)
+            low = "-" if last is None else f"({last}"
+            page = await self._redis.xrevrange(key, "+", low, count=self._read_max)
+            if page:
+                self._last[key] = page[0][0]
+                entries += page
         if not entries:
             return
-        self._last = entries[0][0]
-        for entry_id, fields in reversed(entries):
+        entries.sort(key=lambda e: _entry_order(e[0]))
+        for entry_id, fields in entries:
             try:
                 entry = RecentJob.from_hash(fields)
             except RecordError:

@@ -3,7 +3,7 @@
 -- lease, or a cancel racing the finalizer, changes nothing.
 -- KEYS and ARGV: BATCH_UPDATE in shared/scripts.py (A.token: the lease's, '' = none needed;
 -- A.statuses: space-separated; A.notify '1': a final status set tells K.outbox, the webhook
--- outbox, which lives in another slot: the Cluster seam, as a batch's done stream).
+-- outbox, which lives in another slot: on a Cluster, TELL_BATCH tells it in a step after).
 -- -> {1, status before}: set | {0, status}: not set ('missing': no batch; 'lease': the lease
 --    is another's)
 local status = redis.call('HGET', K.batch, 'status')

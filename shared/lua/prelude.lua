@@ -2,6 +2,10 @@
 -- script's KEYS and ARGV: shared/scripts.py). A job's keys: its record (hash), its event log
 -- (stream, entry ids 0-<seq>), its live channel.
 
+-- How a job's events are published: PUBLISH on one Redis; on a Cluster SPUBLISH, so they go
+-- only to the node holding the job's slot (`shared.transitions.script` swaps this line).
+local PUB = 'PUBLISH'
+
 -- The ownership check, the only one: a running job is its worker's while the record names
 -- that worker at that attempt. A worker that lost its lease (paused, cut off) fails it and
 -- can write nothing more.
@@ -33,7 +37,7 @@ local function append(events, channel, maxlen, from, to)
   for i = from, to, 2 do
     if tonumber(ARGV[i]) > last then
       redis.call('XADD', events, 'MAXLEN', '~', maxlen, '0-' .. ARGV[i], 'd', ARGV[i + 1])
-      redis.call('PUBLISH', channel, ARGV[i + 1])
+      redis.call(PUB, channel, ARGV[i + 1])
     end
   end
   return nil
@@ -46,8 +50,8 @@ end
 
 -- A job that ended keeps its record and log for `retention` seconds (0: it goes on), leaves
 -- the deadlines index and joins the compaction index (`compact_due`) at `compact_at`, when its
--- log is replaced by a compact form (compact.lua). Both indexes are in another slot: part of
--- the Cluster seam.
+-- log is replaced by a compact form (compact.lua). Both indexes are in another slot: on a
+-- Cluster JOB_ENDED does this part, as a step after the end (shared/transitions.py).
 local function retain(job, events, retention, job_id, compact_at, deadlines, compact_due)
   if tonumber(retention) > 0 then
     redis.call('EXPIRE', job, retention)
@@ -149,8 +153,8 @@ end
 
 -- A job that ended tells the stream its record names in `done_stream` (a batch's), in the
 -- step that ends it, so a tracker of the batch cannot miss it. That stream lives in its
--- batch's slot, not the job's: with SUBMIT, the seam for Cluster (which lets a script touch
--- only keys it is handed).
+-- batch's slot, not the job's: on a Cluster (which lets a script touch only keys of one
+-- slot) TELL_STREAM does this, as a step after the end.
 -- The webhook outbox its record names in `notify` hears of it the same way (a delivery is
 -- then made from it by a gateway: gateway/webhooks.py): never an end without its event.
 local function tell_done(job, job_id)
@@ -162,7 +166,8 @@ end
 
 -- Note the job in the recent-jobs stream `recent` (the dashboard's list), capped at about
 -- `cap` entries (0: not written); ARGV[from..] are its (field, value) pairs. One key for
--- every job, in no job's slot: with the deadlines index, the seam for Cluster.
+-- every job, in no job's slot (on a Cluster, one per queue shard, written by the shard's
+-- steps).
 local function note_recent(recent, cap, ...)
   if recent and recent ~= '' and tonumber(cap) > 0 then
     redis.call('XADD', recent, 'MAXLEN', '~', cap, '*', ...)

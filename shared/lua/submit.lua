@@ -49,7 +49,7 @@ if K.idempotency ~= '' then redis.call('SET', K.idempotency, A.claim, 'EX', A.cl
 local entry_to = entry_from - 1 + 2 * tonumber(A.n_entry)
 redis.call('HSET', K.job, unpack(ARGV, entry_to + 1, #ARGV))
 redis.call('XADD', K.events, '0-1', 'd', A.queued_event)
-redis.call('PUBLISH', K.channel, A.queued_event)
+redis.call(PUB, K.channel, A.queued_event)
 local queue = K.queue
 local share = tonumber(A.fair_share)
 if share > 0 and tonumber(redis.call('HGET', K.admission_counts, A.fair_field) or '0') >= share then

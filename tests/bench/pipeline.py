@@ -136,7 +136,7 @@ def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | No
             for i, pid in enumerate(children(gw.proc.pid)):
                 procs[f"gateway{i}"] = pid
         before = {k: cpu_seconds(p) for k, p in procs.items()}
-        counters = step_counters(redis_url, prefix)
+        counters = step_counters(redis_url, prefix) if redis_url else None  # none: a cluster
         reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
         own = resource.getrusage(resource.RUSAGE_SELF)
         receiver = getattr(args, "receiver", None)
@@ -181,8 +181,9 @@ def run(args: argparse.Namespace, redis_url: str, tmp: Path, redis_pid: int | No
             figures["cpu_s"]["receiver"] = round(used, 2)
         figures["cpu_s_total"] = round(sum(figures["cpu_s"].values()), 2)
         figures["bench_wall_s"] = round(wall, 2)
-        figures.update(worker_timings(redis_url, prefix))
-        figures.update(step_figures(counters, settled_counters(redis_url, prefix)))
+        if redis_url:  # these read one Redis's keys (tests/bench/cluster.py: a cluster)
+            figures.update(worker_timings(redis_url, prefix))
+            figures.update(step_figures(counters, settled_counters(redis_url, prefix)))
         figures["step_ms"] = args.step_ms
         return figures
     finally:

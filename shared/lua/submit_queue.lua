@@ -1,0 +1,20 @@
+-- SUBMIT_QUEUE (Cluster: in the job's queue shard's slot, after its record is written): the
+-- pending entry (SUBMIT_INTENT) goes into its queue stream, with the job's deadline and its
+-- note in the recent jobs, and leaves K.pending in the same step: whoever runs it first (the
+-- submit, or the reconciler for a submit that stopped) queues the job; any later run finds
+-- nothing and writes nothing. So a job is queued exactly once.
+-- KEYS and ARGV: SUBMIT_QUEUE in shared/scripts.py.
+-- -> 1 queued now | 0 queued before (or never recorded)
+local v = redis.call('HGET', K.pending, A.job_id)
+if not v then return 0 end
+redis.call('HDEL', K.pending, A.job_id)
+redis.call('ZREM', K.pending_since, A.job_id)
+local parts = {}
+for part in (v .. '\30'):gmatch('(.-)\30') do parts[#parts + 1] = part end
+local entry = {}
+for part in (parts[5] .. '\31'):gmatch('(.-)\31') do entry[#entry + 1] = part end
+redis.call('XADD', parts[1], '*', unpack(entry))
+if parts[2] ~= '' then redis.call('ZADD', K.deadlines, parts[2], A.job_id) end
+note_recent(K.recent, A.recent_cap, 'job', A.job_id, 'status', 'queued', 'model', parts[3],
+  'priority', parts[4])
+return 1
