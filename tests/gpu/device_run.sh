@@ -22,7 +22,7 @@
 # a worker on exllamav2), `schema` (exllamav2, the fp16 8B) and `schema3` (exllamav3, the EXL3
 # 8B): the same jobs unconstrained and under one JSON schema in turns at SCHEMA_LEVELS
 # (1,64,256), ROUNDS rounds (2).
-# Every feature at full speed (issue 44): `table2` (exllamav2, the fp16 8B) and `table3`
+# Every feature at full speed: `table2` (exllamav2, the fp16 8B) and `table3`
 # (exllamav3, the EXL3 8B) measure the issue's table, one call each (~6 min): one stream
 # (table3: and 64, 128, warmed) against the bare loop in turns, then the same jobs plain,
 # with min_tokens = max_tokens and under the schema at 64 and 256 streams in turns, with the
@@ -100,7 +100,7 @@ for step in $steps; do
     table3|burst3|mintok3)  # the EXL3 8B (random trellis bits: seconds) unless there is one
       [ -e /tmp/m8b-exl3/config.json ] || python3 -m genq synth-model /tmp/m8b-exl3 --shape 8b \
         --quantize exl3 --random-trellis --bits 4 > "$OUT/synth8b-exl3.log" 2>&1 ;;&
-    table2|table3)  # issue 44's table on one engine: the bare loop against a warmed worker in
+    table2|table3)  # the full-speed table on one engine: the bare loop against a warmed worker in
       # turns (one stream; table3: 64 and 128 too), then plain / min_tokens / schema in turns
       # EXL2_PROCS=auto: exllamav2 as `genq serve --model` runs it (two worker processes)
       # the bare loop and the worker are both loaded: their caches sized for the levels alone

@@ -119,7 +119,7 @@ async def test_batch_slots_refill_while_the_reserve_waits_for_interactive_work(
     """With the batch slots full, the claimer waits on the interactive lanes alone (the reserve
     is theirs). Batch slots coming free meanwhile end that wait at once: they used to sit idle
     until the blocking read timed out (GENQ_CLAIM_BLOCK_MS, each round), so a backlog of tiny
-    batch jobs drained at one batch per block (issue 33: tiny jobs five times slower)."""
+    batch jobs drained at one batch per block (tiny jobs ran five times slower)."""
     slots, jobs = 8, 48
     blocking = Settings(
         **{
