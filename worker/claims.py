@@ -32,7 +32,7 @@ from worker.entries import (
     requeue,
     requeue_waiting,
 )
-from worker.jobstate import AHEAD_TOKENS, Claim, RunningJob
+from worker.jobstate import Claim, RunningJob
 from worker.state import WorkerState
 
 CLUSTER_BLOCK_MS = 100
@@ -277,15 +277,17 @@ class Claimer:
 
     def _ahead(self) -> int:
         """Batch claims worth taking before their slots are free: one per job in the engine
-        within `AHEAD_TOKENS` of its max_tokens (it ends within that many steps, or sooner).
+        within `WorkerState.ahead_tokens` of its max_tokens (it ends within that many steps,
+        or sooner; worker/lead.py).
         None without an interactive reserve: there a slot coming free is the next
         interactive job's, if one comes, not a batch job's taken ahead."""
         if not self._reserve():
             return 0
+        near = self.st.ahead_tokens()
         return sum(
             1
             for r in self.st.running.values()
-            if r.end is None and r.retry_error is None and r.tokens_left() <= AHEAD_TOKENS
+            if r.end is None and r.retry_error is None and r.tokens_left() <= near
         )
 
     def _block_ms(self) -> int:
@@ -368,6 +370,7 @@ class Claimer:
         block: int | None,
         redis: aioredis.Redis | None = None,
     ) -> list[Claim]:
+        began = time.monotonic()
         reply = await (redis or self.st.redis).xreadgroup(
             CONSUMER_GROUP,
             self.st.id,
@@ -375,6 +378,8 @@ class Claimer:
             count=count,
             block=block,
         )
+        if block is None:  # a blocking read's time is the queue's, not the way in
+            self.st.lead.read(time.monotonic() - began)
         claims: list[Claim] = []
         for queue, entries in reply or []:
             for entry_id, fields in entries:
@@ -396,7 +401,7 @@ class Claimer:
         """START every waiting claim the engine has room for, in one pipeline, in order; batch
         claims (taken ahead of their slots) leave the interactive reserve free.
 
-        Batch claims may start ahead of their slots, one per job within `AHEAD_TOKENS` of its
+        Batch claims may start ahead of their slots, one per job within `ahead_tokens` of its
         end: they wait at the engine's doorstep (worker/core.py) and join it at the step that
         frees a slot, instead of a Redis round trip and a socket hop after it. Only beside an
         interactive reserve (which batch jobs never join, so an interactive job finds a slot
@@ -445,12 +450,14 @@ class Claimer:
             log.warning("lease lapsed; dropping unstarted claims", extra={"claims": len(ready)})
             st.room.set()
             return
+        began = time.monotonic()
         try:
             replies, sent = await self._start(ready)
         except BaseException:
             st.waiting[:0] = ready  # START again later (a START that landed costs an attempt)
             raise
         await self._settle(ready, replies, sent)
+        st.lead.started(time.monotonic() - began)
 
     async def _start(self, ready: list[Claim]) -> tuple[list[StartReply | Exception], Sent]:
         """START each claim (one pipeline) and read what retried ones already sent."""

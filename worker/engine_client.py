@@ -323,8 +323,7 @@ class EngineProcess(EngineLink):
         t.steps += m.steps
         t.engine_s += m.step_s
         if self._last_step is not None and not m.waited:
-            t.intervals += m.steps
-            t.interval_s += now - self._last_step
+            t.interval(m.steps, now - self._last_step)
         self._last_step = now
         self.failures = self.failures + 1 if m.failures else 0
 

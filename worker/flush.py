@@ -21,7 +21,7 @@ from shared.transitions import Call, EmitReply, EncodedEvent, Fenced, LostTail
 from worker import joblog
 from worker.engine import StepOutput, Stop
 from worker.entries import hand_back
-from worker.jobstate import AHEAD_TOKENS, Claim, RunningJob
+from worker.jobstate import Claim, RunningJob
 from worker.news import NewsDesk
 from worker.state import WorkerState
 
@@ -112,6 +112,7 @@ class Flusher:
         st = self.st
         self._checked_ends()
         freed = False
+        ahead = st.ahead_tokens()
         for out in outputs:
             run = st.running.get(out.job_id)
             if run is None or run.attempt != out.attempt:
@@ -128,7 +129,7 @@ class Flusher:
                 left = run.tokens_left()
                 run.add_tokens(out.text, out.token_ids, out.logprobs)
                 # near its end now: a job may be started ahead for its slot (worker/claims.py)
-                freed |= left > AHEAD_TOKENS >= run.tokens_left()
+                freed |= left > ahead >= run.tokens_left()
             if out.prompt_tokens:
                 run.prompt_tokens = out.prompt_tokens
                 run.cached_tokens = out.cached_tokens

@@ -16,10 +16,6 @@ from shared.schemas import ErrorInfo, FinishReason, JobResult, JobSpec, Timings,
 from shared.transitions import EncodedEvent
 from worker.engine import Stop
 
-AHEAD_TOKENS = 2
-"""A job this near its max_tokens frees its slot within as many steps: a batch job may be
-started for it beforehand (worker/claims.py), to wait at the engine's doorstep."""
-
 
 @dataclass(slots=True)
 class Claim:

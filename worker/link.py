@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.schemas import ModelCard
+from worker import lead
 from worker.admission import Admission
 from worker.engine import EngineJob, StepOutput, Stop
 from worker.text import Detokenizer, TextStream
@@ -37,6 +38,15 @@ class StepTimes:
     engine_s: float = 0.0
     intervals: int = 0
     interval_s: float = 0.0
+    recent_s: float = 0.0
+    """The step interval, recent steps weighing most (worker/lead.py)."""
+
+    def interval(self, steps: int, seconds: float) -> None:
+        """`steps` steps took `seconds`, from one step's outputs to the next's."""
+        self.intervals += steps
+        self.interval_s += seconds
+        if steps > 0 and seconds > 0:
+            self.recent_s = lead.mix(self.recent_s, seconds / steps)
 
     def snapshot(self) -> StepTimes:
         return dataclasses.replace(self)

@@ -133,6 +133,5 @@ class EngineRunner(EngineLink):
         t.steps += 1
         t.engine_s += self._core.last_step_s
         if last_step is not None:
-            t.intervals += 1
-            t.interval_s += now - last_step
+            t.interval(1, now - last_step)
         return now

@@ -16,6 +16,7 @@ from shared.transitions import ScriptRunner, Transitions
 from worker.cachemodel import CacheModel
 from worker.engine import Stop
 from worker.jobstate import Claim, FinishedJob, RunningJob
+from worker.lead import Lead
 from worker.lease import LeaseClock
 from worker.link import EngineLink
 from worker.metrics import WorkerMetrics
@@ -69,6 +70,9 @@ class WorkerState:
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     pace: Pace = field(default_factory=Pace)
     """How fast its engine prefills and frees slots (worker/pace.py), published for placement."""
+    lead: Lead = field(default_factory=Lead)
+    """How long a claim takes to reach the engine (worker/lead.py): how far ahead batch claims
+    start."""
     running: dict[str, RunningJob] = field(default_factory=dict)
     waiting: list[Claim] = field(default_factory=list)
     """Claimed, not STARTed yet (the engine had no room, or START has not run)."""
@@ -207,6 +211,10 @@ class WorkerState:
             for r in self.running.values()
             if r.end is None and r.retry_error is None and not r.checking
         )
+
+    def ahead_tokens(self) -> int:
+        """How near its end (tokens left) a running batch job's slot is claimed ahead."""
+        return self.lead.tokens(self.engine.times.recent_s)
 
     def free_slots(self) -> int:
         if self.engine.down is not None:  # nothing can start until it is back

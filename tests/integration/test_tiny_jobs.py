@@ -5,15 +5,19 @@ engine's next step (a job started ahead waits at the engine's doorstep), not a s
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 
 from shared.keys import CONSUMER_GROUP
 from shared.settings import Settings
 from tests.conftest import REDIS_URL, Stack, running_stack
+from worker.claims import Claimer
 from worker.engine_client import EngineProcess
+from worker.jobstate import Claim
 
 FLUSH_TOKENS = 16
 FLUSH_JOBS = 16
@@ -136,4 +140,42 @@ async def test_a_slot_a_batch_job_leaves_is_taken_at_the_next_step(settings: Set
             steps = times.steps - before
     finally:
         await redis.aclose()
+    assert steps <= WAVES * TINY_TOKENS + SLACK_STEPS, steps
+
+
+START_STEPS = 3
+"""The injected START's time in steps: longer than the two tokens a fixed lead allowed."""
+
+
+async def test_claims_start_as_far_ahead_as_their_way_in_takes(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A START that takes START_STEPS steps (a busy or distant Redis; 240 STARTs on the 2-core
+    box took 45-90 ms, three or four 20 ms steps): the worker measures the claims' way in and
+    starts them that many steps ahead, so each wave still waits at the engine's doorstep and the
+    engine never idles between waves. With the lead fixed at two tokens, each wave came a step
+    or two after its slots were free."""
+    settings = settings.model_copy(
+        update={"sim_step_ms": STEP_MS, "max_batch": SLOTS, "sim_prefill_ms_per_1k": 0.0}
+    )
+    start = Claimer._start
+
+    async def slow_start(self: Claimer, ready: list[Claim]) -> Any:
+        await asyncio.sleep(START_STEPS * STEP_MS / 1000)
+        return await start(self, ready)
+
+    monkeypatch.setattr(Claimer, "_start", slow_start)
+    redis = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    link = await EngineProcess.spawn(settings)
+    try:
+        async with running_stack(settings, redis, link=link) as stack:
+            times = stack.worker.st.engine.times
+            before = times.steps
+            jobs = await _submit_batch(stack, WAVES * BATCH_SLOTS, TINY_TOKENS)
+            await _all_done(stack, jobs)
+            steps = times.steps - before
+            lead = stack.worker.st.ahead_tokens()
+    finally:
+        await redis.aclose()
+    assert lead > START_STEPS, lead
     assert steps <= WAVES * TINY_TOKENS + SLACK_STEPS, steps
