@@ -83,11 +83,11 @@ class Flusher:
                 else:
                     due -= self._batch_jobs(due) - st.urgent
                 if due:
-                    await self._flush(due)
+                    await self._timed_flush(due)
             else:
                 urgent = st.urgent & st.dirty
                 if urgent:
-                    await self._flush(urgent)
+                    await self._timed_flush(urgent)
             if st.dirty and not armed:
                 armed = True
                 loop.call_later(max(0.0, last_full + interval - time.monotonic()), due_now)
@@ -198,6 +198,12 @@ class Flusher:
         elif stop.kind == "cancelled":
             run.cancelled(stop.reason or "cancelled")
         # dropped: the job has left this worker already; `_collect` never gets here for it
+
+    async def _timed_flush(self, job_ids: set[str]) -> None:
+        """`_flush`, timed: the engine's outputs wait for it to be read (worker/lead.py)."""
+        began = time.monotonic()
+        await self._flush(job_ids)
+        self.st.lead.flushed(time.monotonic() - began)
 
     async def _flush(self, job_ids: set[str]) -> None:
         """One pipeline: these jobs' pending events, with their record fields if they ended."""

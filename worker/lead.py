@@ -7,8 +7,9 @@ that frees the slot ends, or the slot idles until it arrives. For jobs of a few 
 is most of their life: a 4-token job holds its slot four steps, and 240 STARTs in one pipeline
 took 45-90 ms on the 2-core box, three to four 20 ms steps. A fixed lead of two tokens left
 the engine idle 60 % of the time between cohorts of such jobs. So the lead is the claim's way
-in steps, measured here (recent ones weighing most), plus one step for the message that tells
-the worker of the step: between `MIN_TOKENS` and `MAX_TOKENS`.
+in steps, measured here (recent ones weighing most), plus the flush that the step's outputs may
+wait for before the worker reads them, plus one step for the message that tells the worker of
+the step: between `MIN_TOKENS` and `MAX_TOKENS`.
 
 Starting ahead costs nothing but the claims' earlier start: they wait at the doorstep
 (worker/core.py), at most one per job within the lead of its end, so never more than the batch
@@ -34,6 +35,9 @@ class Lead:
     """How long a claim read takes."""
     start_s: float = 0.0
     """How long STARTing and beginning a group of claims takes."""
+    flush_s: float = 0.0
+    """How long a flush takes: a step's outputs that come meanwhile are read after it, so the
+    worker learns that a job nears its end up to a flush late."""
 
     def read(self, seconds: float) -> None:
         self.read_s = mix(self.read_s, seconds)
@@ -41,12 +45,15 @@ class Lead:
     def started(self, seconds: float) -> None:
         self.start_s = mix(self.start_s, seconds)
 
+    def flushed(self, seconds: float) -> None:
+        self.flush_s = mix(self.flush_s, seconds)
+
     def tokens(self, step_s: float) -> int:
         """How many tokens before its end a running batch job's slot is claimed for, where
         the engine steps every `step_s` seconds (`StepTimes.recent_s`)."""
         if step_s <= 0:
             return MIN_TOKENS
-        way = math.ceil((self.read_s + self.start_s) / step_s) + 1
+        way = math.ceil((self.read_s + self.start_s + self.flush_s) / step_s) + 1
         return max(MIN_TOKENS, min(MAX_TOKENS, way))
 
 

@@ -30,3 +30,11 @@ def test_recent_starts_weigh_most() -> None:
     for _ in range(30):
         lead.started(0.010)
     assert lead.tokens(0.020) == 2  # one slow START long ago no longer counts
+
+
+def test_a_flush_under_way_delays_what_the_worker_learns() -> None:
+    lead = Lead()
+    lead.started(0.030)
+    without = lead.tokens(0.020)
+    lead.flushed(0.060)  # outputs read up to 60 ms late: three steps more
+    assert lead.tokens(0.020) == without + 3
