@@ -119,13 +119,17 @@ class _Worker:
             self.log[news.since] = news
             self.catch_up()
 
-    def catch_up(self) -> None:
+    def catch_up(self, bridge: bool = False) -> None:
         """Apply the logged changes that follow on from `version`, in order; one that came
-        before the change it follows waits for it."""
+        before the change it follows waits for it. With `bridge`, past a change never heard
+        too (right after a summary read: what came since it is the newest word there is)."""
         while self.version >= 0:
             news = self.log.get(self.version) or next(
                 (n for n in self.log.values() if n.since < self.version < n.version), None
             )
+            if news is None and bridge:
+                later = [n for n in self.log.values() if n.since > self.version]
+                news = min(later, key=lambda n: n.since, default=None)
             if news is None:
                 return
             self.pages.difference_update(unpack_summary(news.dropped))
@@ -134,12 +138,13 @@ class _Worker:
 
     def read(self, summary: str | None, version: int) -> None:
         """Its summary, written with its beat of cache `version`: what it held then, brought
-        up to date by the news heard since."""
+        up to date by the news heard since (all of it: a summary is as old as the last beat,
+        and a change missed in between must not hide every one after it)."""
         self.pages = set(unpack_summary(summary))
         self.version = version
         for since in [v for v, n in self.log.items() if n.version <= version]:
             del self.log[since]
-        self.catch_up()
+        self.catch_up(bridge=True)
 
     def take_load(self, source: Heartbeat | CacheNews) -> None:
         self.active, self.waiting, self.free = source.active, source.waiting, source.free
@@ -213,7 +218,10 @@ class Placement:
 
     async def listen(self, router: PubSubRouter) -> None:
         """Apply every cache news as it comes. A wake without news (the connection came back,
-        or this listener fell behind) may hide some: every worker's summary is read again."""
+        its SUBSCRIBE was confirmed, or this listener fell behind) may hide some: every
+        worker's summary is read again at the next refresh, and brought up to date by the news
+        heard meanwhile and before (kept: the summary is as old as the worker's last beat).
+        Until then each worker keeps the pages it was known to hold."""
         sub = self._news = await router.subscribe(self.keys.cache_news())
         try:
             while True:
@@ -221,7 +229,7 @@ class Placement:
                 items = sub.take()
                 if not items and not self._caught_up:
                     for w in self.workers.values():
-                        w.version, w.log = -1, {}
+                        w.version = -1
                 self._caught_up = False
                 for text in items:
                     self.hear(text)

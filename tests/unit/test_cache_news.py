@@ -71,6 +71,18 @@ def test_a_summary_read_is_brought_up_to_date_by_the_news_heard_since() -> None:
     assert w.pages == {*a, *b} and w.version == 4
 
 
+def test_a_summary_read_after_missed_news_applies_what_came_after_the_gap() -> None:
+    """News 1 -> 2 was never heard (a reconnect): the summary (version 1, the last beat's)
+    and news 2 -> 3, heard before the read, still make what the worker holds now, without
+    waiting for the next beat to name a version past the gap."""
+    w = _Worker(beat("w"))
+    a, c = page_hashes(ids(1)), page_hashes(ids(1, start=9000))
+    w.hear(news(2, 3, c, seq=3))
+    w.version = -1  # a wake without news: read the summary again
+    w.read(pack_summary(a), 1)
+    assert w.pages == {*a, *c} and w.version == 3
+
+
 def placement(**settings: Any) -> Placement:
     s = Settings(placement_wait_s=2.0, placement_sweep_s=0.1, **settings)
     return Placement(s, None, Keys(), lambda: None)  # type: ignore[arg-type]
