@@ -7,6 +7,7 @@ worker-side timing breakdown (queue wait, time to first token) read back from th
     python -m tests.bench.pipeline --compare-apis chat,responses ...   # one route, then another
     python -m tests.bench.pipeline --compare-webhooks ...   # without webhooks, then with
         [--receiver uvicorn]   # the receiver (tests/bench/webhooks.py): raw by default
+        [--rounds 5]   # in turns, N of each: every pair's ratio and their median
 
 Starts a private redis-server (or uses --redis-url) and its own processes; stops them at the end.
 """
@@ -16,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -226,6 +228,13 @@ def main() -> None:
         default="raw",
         help="with --compare-webhooks: the local receiver (tests/bench/webhooks.py)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --compare-webhooks: run the two in turns this many times each, and print "
+        "each pair's ratios and their medians (a shared box drifts between runs)",
+    )
     args = ap.parse_args()
     args.json_schema = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -234,21 +243,22 @@ def main() -> None:
 
             args.receiver = Receiver()
             hook, stop = start_receiver(args.receiver, args.receiver_kind)
-            result = {"none": run_once(args, Path(tmp))}
-            args.env = webhook_env(hook, ["job.succeeded"])
-            result["webhooks"] = run_once(args, Path(tmp))
-            result["webhooks"]["events_received"] = len(args.receiver.arrived)
+            pairs: list[dict[str, Any]] = []
+            for _ in range(args.rounds):
+                args.env = {}
+                pair: dict[str, Any] = {"none": run_once(args, Path(tmp))}
+                arrived = len(args.receiver.arrived)
+                args.env = webhook_env(hook, ["job.succeeded"])
+                pair["webhooks"] = run_once(args, Path(tmp))
+                pair["webhooks"]["events_received"] = len(args.receiver.arrived) - arrived
+                pair.update(webhook_ratios(pair["none"], pair["webhooks"], args.requests))
+                pairs.append(pair)
             stop()
-            none, hooks = result["none"], result["webhooks"]
-            result["tokens_per_s_ratio"] = round(hooks["tokens_per_s"] / none["tokens_per_s"], 3)
-            # the same figure by CPU, steadier on a shared box: all CPU seconds (the
-            # receiver's too) per token, with against without
-            result["cpu_per_token_ratio"] = round(
-                hooks["cpu_s_total"] / hooks["tokens"] / (none["cpu_s_total"] / none["tokens"]), 3
-            )
-            result["gateway_cpu_ms_per_event"] = round(
-                (hooks["cpu_s"]["gateway"] - none["cpu_s"]["gateway"]) * 1000 / args.requests, 3
-            )
+            result: dict[str, Any] = pairs[0] if args.rounds == 1 else {"rounds": pairs}
+            if args.rounds > 1:
+                for k in ("tokens_per_s_ratio", "cpu_per_token_ratio", "gateway_cpu_ms_per_event"):
+                    result[f"{k}_each"] = [p[k] for p in pairs]
+                    result[f"{k}_median"] = statistics.median(p[k] for p in pairs)
         elif args.compare_apis:
             first, second = args.compare_apis.split(",")
             result = {}
@@ -270,6 +280,20 @@ def main() -> None:
         else:
             result = run_once(args, Path(tmp))
     print(json.dumps(result, indent=1))
+
+
+def webhook_ratios(none: dict[str, Any], hooks: dict[str, Any], requests: int) -> dict[str, float]:
+    """With webhooks against without: tokens/s; the same by CPU, steadier on a shared box (all
+    CPU seconds, the receiver's too, per token); the gateway's CPU per event sent."""
+    return {
+        "tokens_per_s_ratio": round(hooks["tokens_per_s"] / none["tokens_per_s"], 3),
+        "cpu_per_token_ratio": round(
+            hooks["cpu_s_total"] / hooks["tokens"] / (none["cpu_s_total"] / none["tokens"]), 3
+        ),
+        "gateway_cpu_ms_per_event": round(
+            (hooks["cpu_s"]["gateway"] - none["cpu_s"]["gateway"]) * 1000 / requests, 3
+        ),
+    }
 
 
 LONG_SCHEMA = {
