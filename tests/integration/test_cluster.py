@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import redis
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -104,8 +105,24 @@ async def _ended(stack: Stack, job_id: str) -> dict[str, Any]:
             await asyncio.sleep(0.05)
 
 
-async def test_jobs_run_to_the_end_and_stream_on_a_cluster(cstack: Stack) -> None:
+def getkeys_calls(cluster: LocalCluster) -> int:
+    """COMMAND GETKEYS calls so far, on every primary (INFO commandstats)."""
+    total = 0
+    for node in cluster.primaries():
+        c = redis.Redis(port=node.port, decode_responses=True)
+        try:
+            stats = c.info("commandstats")
+        finally:
+            c.close()
+        total += int(stats.get("cmdstat_command|getkeys", {}).get("calls", 0))
+    return total
+
+
+async def test_jobs_run_to_the_end_and_stream_on_a_cluster(
+    cstack: Stack, cluster: LocalCluster
+) -> None:
     keys = cstack.worker.st.keys
+    getkeys = getkeys_calls(cluster)
     jobs: list[dict] = []
     # ids are random: submit until every shard has jobs (9 alone miss one shard 8 % of the
     # time; 40 miss one about once in three million)
@@ -125,6 +142,8 @@ async def test_jobs_run_to_the_end_and_stream_on_a_cluster(cstack: Stack) -> Non
         assert await cstack.redis.hlen(keys.pending(shard)) == 0
         for p in PRIORITIES:
             assert await cstack.redis.xlen(keys.queue("sim", p, shard)) == 0
+    # the claim reads' keys were found here, not asked of the server each time
+    assert getkeys_calls(cluster) == getkeys
 
 
 async def test_a_live_stream_gets_every_token_and_resumes_from_last_event_id(
