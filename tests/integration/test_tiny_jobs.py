@@ -121,14 +121,9 @@ async def _streamed_text(stack: Stack, job_id: str) -> str:
     return "".join(text)
 
 
-async def test_a_slot_a_batch_job_leaves_is_taken_at_the_next_step(settings: Settings) -> None:
-    """Waves of batch jobs of TINY_TOKENS tokens through BATCH_SLOTS slots of an engine
-    process: each wave takes TINY_TOKENS steps when the next wave waits at the engine's
-    doorstep; a wave started once its slots are free (the claim, its START, the add after the
-    step) takes one step more."""
-    settings = settings.model_copy(
-        update={"sim_step_ms": STEP_MS, "max_batch": SLOTS, "sim_prefill_ms_per_1k": 0.0}
-    )
+async def _run_waves(settings: Settings) -> tuple[int, int]:
+    """WAVES waves of batch jobs of TINY_TOKENS tokens through an engine process: the engine
+    steps they took, and the worker's lead (tokens ahead) at the end."""
     redis = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
     link = await EngineProcess.spawn(settings)
     try:
@@ -137,9 +132,20 @@ async def test_a_slot_a_batch_job_leaves_is_taken_at_the_next_step(settings: Set
             before = times.steps
             jobs = await _submit_batch(stack, WAVES * BATCH_SLOTS, TINY_TOKENS)
             await _all_done(stack, jobs)
-            steps = times.steps - before
+            return times.steps - before, stack.worker.st.ahead_tokens()
     finally:
         await redis.aclose()
+
+
+async def test_a_slot_a_batch_job_leaves_is_taken_at_the_next_step(settings: Settings) -> None:
+    """Waves of batch jobs of TINY_TOKENS tokens through BATCH_SLOTS slots of an engine
+    process: each wave takes TINY_TOKENS steps when the next wave waits at the engine's
+    doorstep; a wave started once its slots are free (the claim, its START, the add after the
+    step) takes one step more."""
+    settings = settings.model_copy(
+        update={"sim_step_ms": STEP_MS, "max_batch": SLOTS, "sim_prefill_ms_per_1k": 0.0}
+    )
+    steps, _ = await _run_waves(settings)
     assert steps <= WAVES * TINY_TOKENS + SLACK_STEPS, steps
 
 
@@ -165,17 +171,6 @@ async def test_claims_start_as_far_ahead_as_their_way_in_takes(
         return await start(self, ready)
 
     monkeypatch.setattr(Claimer, "_start", slow_start)
-    redis = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
-    link = await EngineProcess.spawn(settings)
-    try:
-        async with running_stack(settings, redis, link=link) as stack:
-            times = stack.worker.st.engine.times
-            before = times.steps
-            jobs = await _submit_batch(stack, WAVES * BATCH_SLOTS, TINY_TOKENS)
-            await _all_done(stack, jobs)
-            steps = times.steps - before
-            lead = stack.worker.st.ahead_tokens()
-    finally:
-        await redis.aclose()
+    steps, lead = await _run_waves(settings)
     assert lead > START_STEPS, lead
     assert steps <= WAVES * TINY_TOKENS + SLACK_STEPS, steps
