@@ -131,7 +131,8 @@ def _launcher_flags(p: argparse.ArgumentParser, default_procs: str) -> None:
         "--procs-per-gpu",
         default=default_procs,
         help="worker processes per GPU, "
-        "or 'auto' (as many as memory and CPU allow, at most 2; 4 without GPU sampling; "
+        "or 'auto' (as many as memory and CPU allow, at most "
+        f"{WorkerSettings.model_fields['auto_procs_max'].default}; 4 without GPU sampling; "
         "GENQ_AUTO_PROCS_MAX sets the first); "
         "--max-batch and "
         f"--cache-tokens are per GPU, shared among them (default: {default_procs})",

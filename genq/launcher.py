@@ -78,9 +78,10 @@ STOPPED_REPORT_TTL_S = 3 * STOPPED_REPORT_S
 # worse at every level. With exllamav2's CPU sampler a process wants ~4 cores and 4 did best.
 # Re-measured with the engine process (docs/performance.md, "Processes per GPU"): two
 # processes are 1.09 x one at 256 streams on an H200, 0.87-0.92 x at 64-128, and 0.85 x one
-# on the multi-turn chat shape with placement before its cache state was precise; the full
-# GPU is what the service is sized by, so the default stays 2 until the sweep
-# (`tests.bench.placement --model DIR --procs 1,2,3,4`) says otherwise: GENQ_AUTO_PROCS_MAX.
+# on the multi-turn chat shape with placement before its cache state was precise. The sweep on
+# the present placement (`tests.bench.placement --model DIR --procs 1,2,3,4`, an H100,
+# 2026-12-07): 2 processes 0.72 x one on the multi-turn shape, 0.99-1.11 x at 256 streams, 3
+# at 0.58 x on both, 4 do not fit an 8B fp16: one process per GPU (GENQ_AUTO_PROCS_MAX).
 AUTO_MAX_PROCS: int = WorkerSettings.model_fields["auto_procs_max"].default
 CORES_PER_PROC = 2
 AUTO_MAX_PROCS_CPU_SAMPLING = 4

@@ -1319,11 +1319,12 @@ class WorkerSettings(JobSettings, EngineSettings):
         "node where known); auto: when the launcher runs several exllamav2 processes",
     )
     auto_procs_max: int = Field(
-        default=2,
+        default=1,
         ge=1,
         description="--procs-per-gpu auto: the most worker processes per GPU with GPU sampling "
         "(fewer where memory or cores allow fewer; 4 with GPU sampling off); the processes "
-        "sweep on docs/performance.md is what sets it",
+        "sweep on docs/performance.md is what sets it (2 processes: 0.72x one on multi-turn "
+        "chat, 0.99-1.11x at 256 streams)",
     )
     restart_limit: int = Field(
         default=5,

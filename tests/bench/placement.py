@@ -267,7 +267,10 @@ def run_serve(args: argparse.Namespace, procs: int, placement: bool) -> dict[str
                     raise TimeoutError(f"genq serve not ready: {proc.output()[-800:]}")
                 time.sleep(1.0)
             args.model_name = httpx.get(f"{proc.url}/v1/models").json()["data"][0]["id"]
-            result = asyncio.run(workload(proc.url, args))
+            try:
+                result = asyncio.run(workload(proc.url, args))
+            except httpx.HTTPError as exc:  # what the service said, for the record
+                raise RuntimeError(f"{exc}: {proc.output()[-3000:]}") from exc
             return {"procs": procs, "placement": placement, **result}
         finally:
             proc.stop(60)
@@ -304,9 +307,13 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=0.0, help="agent: seconds before turn 2")
     ap.add_argument("--model", type=Path, help="a model folder: genq serve on the GPU")
     ap.add_argument("--procs", default="1,2", help="--model: processes per GPU to run")
+    ap.add_argument(
+        "--placement-runs", default="off,on", help="--model: placement off, on or both (N > 1)"
+    )
     ap.add_argument("--ready-s", type=float, default=READY_S, help="--model: load time allowed")
     args = ap.parse_args()
     args.model_name = "sim"
+    args.placement = tuple(x == "on" for x in args.placement_runs.split(","))
     result: dict[str, Any] = {}
     if args.agent:
         for n in (int(x) for x in args.agent_workers.split(",")):
@@ -315,14 +322,14 @@ def main() -> None:
     elif args.model:
         for n in (int(x) for x in args.procs.split(",")):
             runs: dict[bool, dict[str, Any]] = {}
-            for on in (True,) if n == 1 else (False, True):
+            for on in (True,) if n == 1 else args.placement:
                 try:
                     runs[on] = run_serve(args, n, on)
                 except (RuntimeError, TimeoutError) as exc:  # the next configuration still runs
-                    runs[on] = {"procs": n, "placement": on, "error": str(exc)[-400:]}
+                    runs[on] = {"procs": n, "placement": on, "error": str(exc)[-3000:]}
                 result[f"{n}_procs_placement_{'on' if on else 'off'}"] = runs[on]
                 print(json.dumps(runs[on]), flush=True)
-            if n > 1 and not any("error" in r for r in runs.values()):
+            if len(runs) == 2 and not any("error" in r for r in runs.values()):
                 result[f"{n}_procs_ratios_on_over_off"] = ratios(runs[True], runs[False])
     else:
         off, placed = run(args, False), run(args, True)

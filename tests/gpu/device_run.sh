@@ -102,7 +102,7 @@ for step in $steps; do
         --quantize exl3 --random-trellis --bits 4 > "$OUT/synth8b-exl3.log" 2>&1 ;;&
     table2|table3)  # the full-speed table on one engine: the bare loop against a warmed worker in
       # turns (one stream; table3: 64 and 128 too), then plain / min_tokens / schema in turns
-      # EXL2_PROCS=auto: exllamav2 as `genq serve --model` runs it (two worker processes)
+      # EXL2_PROCS=auto: exllamav2 as `genq serve --model` runs it (one worker process a GPU)
       # the bare loop and the worker are both loaded: their caches sized for the levels alone
       # (two caches of 256 jobs and two fp16 8Bs do not fit an 80 GB H100)
       if [ $step = table2 ]; then eng=""; model=/tmp/m8b; lv=${TABLE_LEVELS:-1}; cap=200; mb=8
@@ -316,7 +316,7 @@ for line in sys.stdin:
         --requests-per-stream 2 $env --json-out "$OUT/$step.json" --logs /tmp/genq-logs/$step \
         > "$OUT/$step.log" 2>&1
       grep -h '"ratio' "$OUT/$step.log" ;;
-    serveauto)  # issue 15: `genq serve --model` defaults (--procs-per-gpu auto: 2 processes per
+    serveauto)  # issue 15: `genq serve --model` defaults (--procs-per-gpu auto: 1 process per
       # GPU today, AUTO_MAX_PROCS in genq/launcher.py; change --workers with it) at 1..256
       timeout $(left) python3 -m genq.benchgpu --model /tmp/m8b --sweep 1,8,64,128,256 --max-batch 256 \
         --requests-per-stream 1 --worker-arg=--procs-per-gpu=auto --workers 2 --gateways 2 \
@@ -361,6 +361,7 @@ print(json.load(u.urlopen("http://127.0.0.1:8000/v1/models"))["data"][0]["id"])'
       procs=${PROCS:-1,2,3,4}; [ $step != placement ] && procs=$(echo ${step#placement} | sed 's/./&,/g; s/,$//')
       timeout $(left) python3 -m tests.bench.placement --model /tmp/m8b --procs $procs \
         --concurrency 64 --shared-system --new-tokens 64 --ready-s 240 \
+        --placement-runs ${PLACEMENT_RUNS:-off,on} \
         > "$OUT/$step.log" 2>&1
       grep -h '^{"procs' "$OUT/$step.log" | cut -c1-700 ;;
     procs[1-4]|procs[1-4]cpu)  # N worker processes on the one GPU, total concurrency 64..256

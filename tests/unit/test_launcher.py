@@ -376,15 +376,16 @@ def test_auto_procs_fits_weights_cache_and_cores(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(gpu_share, "free_memory_bytes", lambda gpu: 140 * 1024**3)
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
     s = Settings(engine="exllamav2", model_dir=str(model), max_batch=256, cache_tokens=196_608)
-    assert launcher.auto_procs(s, ["0"]) == 2  # 8B fp16 on an H200, GPU sampling: capped at 2
-    assert launcher.auto_procs(s.model_copy(update={"auto_procs_max": 1}), ["0"]) == 1
+    assert launcher.auto_procs(s, ["0"]) == 1  # 8B fp16 on an H200, GPU sampling: capped at 1
+    assert launcher.auto_procs(s.model_copy(update={"auto_procs_max": 2}), ["0"]) == 2
     assert launcher.auto_procs(s.model_copy(update={"auto_procs_max": 3}), ["0"]) == 3
     cpu_sampled = s.model_copy(update={"gpu_sampling": False})
     assert launcher.auto_procs(cpu_sampled, ["0"]) == 4  # exllamav2's CPU sampler: 4
     assert launcher.auto_procs(cpu_sampled, ["0", "1"]) == 2  # 4 cores each, 16 for 2 GPUs
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 6)
-    assert launcher.auto_procs(s, ["0"]) == 2
-    assert launcher.auto_procs(s, ["0", "1"]) == 1  # 2 cores each: 6 CPUs carry 1 per GPU
+    two = s.model_copy(update={"auto_procs_max": 2})
+    assert launcher.auto_procs(two, ["0"]) == 2
+    assert launcher.auto_procs(two, ["0", "1"]) == 1  # 2 cores each: 6 CPUs carry 1 per GPU
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
     big = _model(tmp_path, 130)  # a 70B-class model fits once
     assert launcher.auto_procs(s.model_copy(update={"model_dir": str(big)}), ["0"]) == 1
