@@ -390,8 +390,9 @@ class Placement:
             return bound_ms  # worker that stopped taking jobs keeps it, and the bound is for that
         # It may wait until recomputing the prefix elsewhere would have started it sooner (at
         # least one sweep: the sweep acts no sooner anyway).
+        # No other worker's start known (full, none of its jobs ended yet): the bound.
         budget_s = max(elsewhere - own_s, s.placement_sweep_s)
-        return min(bound_ms, int(budget_s * 1000))
+        return bound_ms if math.isinf(budget_s) else min(bound_ms, int(budget_s * 1000))
 
 
 def _rendezvous(key: str, workers: Sequence[_Worker]) -> _Worker:

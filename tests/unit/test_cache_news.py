@@ -4,6 +4,7 @@ wait against the prefill a cached prefix saves."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from gateway.placement import Placement, _Worker
@@ -154,3 +155,18 @@ def test_on_an_engine_that_prefills_one_job_after_another_the_backlog_counts() -
     # it may wait until the idle worker, recomputing all 0.2 s, would have started it
     assert d.outcome == "prefix" and d.wait_ms is not None and 100 <= d.wait_ms <= 210
     assert holder.placed_tokens == 0  # all of it cached there: nothing more to prefill
+
+
+def test_a_holder_beside_workers_whose_wait_is_unknown_places_without_an_error() -> None:
+    """Early in a run the other workers are full and no job of theirs has ended yet: their
+    wait is unknown (infinite). The holder, measured, prefilling one job after another, may
+    keep the job for the bound; this used to raise OverflowError (int of infinity), a 500
+    from POST /v1/jobs (3 processes on a GPU, placement on)."""
+    p = placement()
+    prompt = ids(8)
+    holder, other = fleet(p, prompt, prefill_serial=True, prefill_backlog=500)
+    other.beat = beat("other", prefill_tps=10_000.0, active=4, free=0)
+    other.take_load(other.beat)
+    assert math.isinf(other.wait_s(10_000.0))
+    d = p.decide(spec(prompt))
+    assert d.outcome == "prefix" and d.lane is not None and d.wait_ms == 2000
