@@ -231,6 +231,7 @@ class JobService:
         if idempotency_key is not None:
             idem = self.keys.idempotency(caller.owner, check_idempotency_key(idempotency_key), part)
         charge = job_cost(spec) if charge is None else charge
+        await self.placement.met()
         submission = self.submission(
             body, spec, idem, caller=caller, fingerprint=fingerprint, charge=charge
         )
@@ -365,6 +366,8 @@ class JobService:
         record = await self._record(job_id, caller)
         if _overdue(record):
             record = await self._expire(record)
+        if record.status == "succeeded" and record.worker is not None:
+            self.placement.ended(job_id, record.worker)  # a poll's follow-up finds it
         view = record.view()
         if text_so_far and record.result is None and record.attempt > 0:
             if record.log is not None:  # its log was compacted: the text is there

@@ -46,6 +46,7 @@ lane is one more stream of the model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -73,6 +74,11 @@ STEAL_BATCH = 500
 OUTCOMES = ("prefix", "key", "shared", "stolen")
 NEWS_KEPT = 256
 """Most cache news of one worker kept for catching up (a summary read covers older ones)."""
+MEET_WAIT_S = 0.05
+"""The most a submit waits for a meeting of new workers under way (`Placement.met`)."""
+PROMPTS_KEPT = 4096
+"""Prompts' page chains kept for `Placement.ended`: a job still running past this many later
+ones is left to its worker's cache news."""
 
 
 @dataclass
@@ -201,11 +207,16 @@ class Placement:
     _refreshed_at: float = 0.0
     _early: dict[str, list[CacheNews]] = field(default_factory=dict)
     """News of workers not met yet (by worker id), for the refresh that meets them."""
+    _ended_early: dict[str, set[int]] = field(default_factory=dict)
+    """Prompt pages of jobs that ended on workers not met yet (`ended`), for that refresh."""
     _meeting: asyncio.Future[None] | None = None
     _news: Subscription | None = None
     """The cache-news subscription, once `listen` made it."""
     _caught_up: bool = False
     """`catch_up` took news since the listener's last round."""
+    _prompts: dict[str, list[int]] = field(default_factory=dict)
+    """The page chains of prompts this process placed or queued, by job id, until the job's
+    end is seen here (`ended`); the oldest go past `PROMPTS_KEPT`."""
 
     async def run(self) -> None:
         await keep_running(
@@ -264,8 +275,20 @@ class Placement:
             early = self._early.setdefault(news.worker, [])
             if len(early) < NEWS_KEPT:
                 early.append(news)
-            if self._meeting is None or self._meeting.done():
-                self._meeting = asyncio.ensure_future(self._meet())
+            self._start_meeting()
+
+    def _start_meeting(self) -> None:
+        if self._meeting is None or self._meeting.done():
+            self._meeting = asyncio.ensure_future(self._meet())
+
+    async def met(self) -> None:
+        """Wait for a meeting of new workers under way (at most `MEET_WAIT_S`): a follow-up
+        sent the moment its turn ended on a worker this process had not met yet is placed
+        knowing it."""
+        meeting = self._meeting
+        if meeting is not None and not meeting.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(meeting), MEET_WAIT_S)
 
     async def _meet(self) -> None:
         try:
@@ -301,6 +324,10 @@ class Placement:
                 pipe.get(self.keys.cache_summary(w.beat.worker_id))
             for w, text in zip(stale, await pipe.execute(), strict=True):
                 w.read(text, w.beat.cache_version)
+        ended, self._ended_early = self._ended_early, {}
+        for worker_id, pages in ended.items():  # after the reads: newer than the summaries
+            if (w := self.workers.get(worker_id)) is not None:
+                w.pages.update(pages)
 
     def decide(self, spec: JobSpec, conversation: str | None = None) -> Decision:
         """Where `spec` goes: a worker's lane (how long it may wait there, and the news that
@@ -308,6 +335,10 @@ class Placement:
         self.catch_up()
         decision, worker, chain = self._choose(spec, conversation)
         self.counted(decision.outcome)
+        if chain and self.settings.placement:
+            self._prompts[spec.id] = chain
+            if len(self._prompts) > PROMPTS_KEPT:
+                del self._prompts[next(iter(self._prompts))]
         if worker is None:
             return decision
         worker.placed += 1
@@ -320,6 +351,21 @@ class Placement:
             worker=worker.beat.worker_id, gateway=self.id, placed=1, added=pack_summary(chain)
         )
         return Decision(decision.outcome, lane, decision.wait_ms, news.encode())
+
+    def ended(self, job_id: str, worker: str) -> None:
+        """This process saw job `job_id` end on `worker` (its stream's `done`, or its record):
+        the worker holds the job's prompt now. Its own cache news says so too, but that may
+        still sit unread in this process's pub/sub socket when the follow-up, sent the moment
+        the answer came, is placed (a job that went to the shared queue is placed nowhere)."""
+        chain = self._prompts.pop(job_id, None)
+        if not chain:
+            return
+        w = self.workers.get(worker)
+        if w is not None:
+            w.pages.update(chain)
+        elif worker in self._ended_early or len(self._ended_early) < NEWS_KEPT:
+            self._ended_early.setdefault(worker, set()).update(chain)  # met at the refresh
+            self._start_meeting()
 
     def lane(self, spec: JobSpec, conversation: str | None = None) -> str | None:
         """The worker lane for `spec` (`Keys.placed`), or None for the shared queue."""
@@ -335,7 +381,7 @@ class Placement:
     ) -> tuple[Decision, _Worker | None, list[int]]:
         s = self.settings
         candidates = [w for w in self.workers.values() if w.beat.model == spec.model]
-        chain = page_hashes(spec.input_ids) if candidates else []
+        chain = page_hashes(spec.input_ids) if candidates or s.placement else []
         held = {id(w): shared_pages(chain, w.pages) * PAGE_TOKENS for w in candidates}
         most = max(held.values(), default=0)
         self._cached = {spec.id: most}
@@ -345,8 +391,14 @@ class Placement:
         tps = sum(known) / len(known) if known else 0.0
         waits = {id(w): w.wait_s(w.prefill_tps or tps) for w in candidates}
         if most >= s.placement_min_pages * PAGE_TOKENS and most > min(held.values()):
-            holder = max(candidates, key=lambda w: (held[id(w)], -waits[id(w)]))
-            if holder.load() < s.placement_max_load:
+            holders = [
+                w
+                for w in candidates
+                if held[id(w)] >= s.placement_min_pages * PAGE_TOKENS
+                and w.load() < s.placement_max_load
+            ]
+            if holders:
+                holder = self._soonest(spec, holders, held, waits, tps)
                 wait_ms = self._worth_waiting(spec, holder, candidates, held, waits)
                 if wait_ms is not None:
                     return Decision("prefix", wait_ms=wait_ms), holder, chain
@@ -356,6 +408,28 @@ class Placement:
             if w.load() < s.placement_max_load and w.has_room() and waits[id(w)] <= least:
                 return Decision("key", wait_ms=0), w, chain
         return Decision("shared"), None, chain
+
+    @staticmethod
+    def _soonest(
+        spec: JobSpec,
+        holders: list[_Worker],
+        held: dict[int, int],
+        waits: dict[int, float],
+        tps: float,
+    ) -> _Worker:
+        """Of the workers holding part of the prompt, the one where it starts soonest: its
+        wait, then the prefill of what it does not hold (the most held first where no
+        prefill rate is known). Two holding the same prefix are told apart by their pace, so
+        the job goes to the quicker one instead of to the shared queue."""
+        prompt = len(spec.input_ids)
+
+        def start_s(w: _Worker) -> float:
+            rate = w.prefill_tps or tps
+            return waits[id(w)] + (prompt - held[id(w)]) / rate if rate > 0 else math.inf
+
+        if tps <= 0:
+            return max(holders, key=lambda w: (held[id(w)], -waits[id(w)]))
+        return min(holders, key=lambda w: (start_s(w), -held[id(w)]))
 
     def _bound_ms(self) -> int:
         return int(self.settings.placement_wait_s * 1000)

@@ -37,7 +37,14 @@ from gateway.pubsub import Subscription
 from gateway.stopping import END_WRITE_S, Stopping
 from shared import events
 from shared.compact import CompactLog, Envelope
-from shared.events import EVENT_FIELD, FINAL_EVENT_TYPES, SERVER_STOPPING, ErrorEvent, EventError
+from shared.events import (
+    EVENT_FIELD,
+    FINAL_EVENT_TYPES,
+    SERVER_STOPPING,
+    ErrorEvent,
+    EventError,
+    StartedEvent,
+)
 from shared.keys import Keys, event_id, seq_of
 from shared.records import RecordError, unpack
 from shared.schemas import JobResult
@@ -63,6 +70,7 @@ class EventFollower:
         sub: Subscription,
         job_id: str,
         after_seq: int = 0,
+        ended: Callable[[str, str], None] | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -85,6 +93,10 @@ class EventFollower:
         retry."""
         self._failures = 0
         """Log reads failed in a row."""
+        self.ended = ended
+        """Told (job id, worker) when the job's `done` comes: placement's `ended`."""
+        self.worker: str | None = None
+        """The worker of the last `started` seen (None before one: a resume may not see it)."""
 
     async def read_log(self) -> list[tuple[int, str, str]]:
         """One page of the events after `last` from the job's log: at most
@@ -139,6 +151,7 @@ class EventFollower:
         for seq, etype, attempt, data in items:  # one after another by construction
             out.append((seq, etype, data))  # a token event stands for those up to its seq
             self.last, self.attempt = seq, attempt
+            self._saw(etype, data)
             if etype in FINAL_EVENT_TYPES:
                 self.finished = True
                 break
@@ -163,10 +176,22 @@ class EventFollower:
                 break
             out.append((seq, etype, data))
             self.last, self.attempt = seq, attempt
+            self._saw(etype, data)
             if etype in FINAL_EVENT_TYPES:
                 self.finished = True
                 break
         return out
+
+    def _saw(self, etype: str, data: str) -> None:
+        """Note who runs the job (`started`); at its `done`, tell `ended`."""
+        if etype == "started":
+            try:
+                ev = events.decode(data)
+            except EventError:
+                ev = None
+            self.worker = ev.worker if isinstance(ev, StartedEvent) else None
+        elif etype == "done" and self.ended is not None and self.worker is not None:
+            self.ended(self.job_id, self.worker)
 
     def _diverge(self, attempt: int) -> tuple[int, str, str]:
         log.warning("stream diverged from the job's log", extra={"job_id": self.job_id})

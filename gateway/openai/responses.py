@@ -712,7 +712,9 @@ class ResponsesServing(OpenAIServing):
         state = self.state
         o.status = "queued"
         sub = await state.router.subscribe(state.keys.channel(job_id))
-        follower = EventFollower(state.redis, state.keys, state.settings, sub, job_id)
+        follower = EventFollower(
+            state.redis, state.keys, state.settings, sub, job_id, ended=state.jobs.placement.ended
+        )
         run = RequestState(
             response_id, int(stored.created_at), view.model, [ChoiceState(0, job_id, 0)], [0]
         )

@@ -572,7 +572,9 @@ class OpenAIServing:
         if index == 0:
             run.id = f"{run.id.partition('-')[0]}-{job.id}"
             run.created = int(job.created_at)
-        return EventFollower(state.redis, state.keys, state.settings, sub, job.id)
+        return EventFollower(
+            state.redis, state.keys, state.settings, sub, job.id, ended=state.jobs.placement.ended
+        )
 
     async def _collect(self, run: RequestState, followers: list[EventFollower]) -> None:
         """Follow every job to its end; raise the first failure as an error."""

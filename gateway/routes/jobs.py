@@ -96,7 +96,9 @@ async def create_job(
     if submitted.replayed:  # the stream of the earlier job, from its start
         await sub.close()
         sub = await state.router.subscribe(state.keys.channel(job_id))
-    follower = EventFollower(state.redis, state.keys, state.settings, sub, job_id)
+    follower = EventFollower(
+        state.redis, state.keys, state.settings, sub, job_id, ended=state.jobs.placement.ended
+    )
     mortal = body.cancel_on_disconnect
     stream = stream_job(state, follower, caller, cancel_on_disconnect=mortal)
     return _response(state, stream, follower, resumes=not mortal)

@@ -164,9 +164,28 @@ def test_a_holder_beside_workers_whose_wait_is_unknown_places_without_an_error()
     from POST /v1/jobs (3 processes on a GPU, placement on)."""
     p = placement()
     prompt = ids(8)
-    holder, other = fleet(p, prompt, prefill_serial=True, prefill_backlog=500)
+    _holder, other = fleet(p, prompt, prefill_serial=True, prefill_backlog=500)
     other.beat = beat("other", prefill_tps=10_000.0, active=4, free=0)
     other.take_load(other.beat)
     assert math.isinf(other.wait_s(10_000.0))
     d = p.decide(spec(prompt))
     assert d.outcome == "prefix" and d.lane is not None and d.wait_ms == 2000
+
+
+def test_of_two_workers_holding_the_same_prefix_the_quicker_one_gets_the_job() -> None:
+    """An agent's turns ran on two workers in turn: both hold the prompt's prefix, one
+    prefills a little faster. The job goes to that one (it used to go to the shared queue:
+    the first holder found was not where the job starts soonest, so it was not placed at all,
+    and the shared queue sent it, one time in two here, to a worker holding nothing)."""
+    p = placement()
+    prompt = ids(8)
+    chain = pack_summary(page_hashes(prompt[: 7 * PAGE_TOKENS]))
+    slow = _Worker(beat("slow", prefill_tps=150_000.0, job_s=0.1))
+    fast = _Worker(beat("fast", prefill_tps=155_000.0, job_s=0.1))
+    idle = _Worker(beat("idle"))
+    for w in (slow, fast):
+        w.read(chain, 1)
+    idle.read(None, 0)
+    p.workers = {"slow": slow, "fast": fast, "idle": idle}
+    d = p.decide(spec(prompt))
+    assert d.outcome == "prefix" and d.lane is not None and d.lane.endswith(":fast")
