@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import heapq
 import logging
 import time
 from collections import Counter
@@ -39,6 +40,9 @@ CLUSTER_BLOCK_MS = 100
 """A worker's blocking read of one queue shard on a cluster (then the next shard's)."""
 
 log = logging.getLogger(__name__)
+
+DOORSTEP_WAVES = 2
+"""Batch claims started ahead of their slots: at most this many batch slots' worth."""
 
 UNBLOCK_RETRY_S = 0.002
 """How soon to send CLIENT UNBLOCK again when the blocking read had not reached Redis yet."""
@@ -283,12 +287,33 @@ class Claimer:
         interactive job's, if one comes, not a batch job's taken ahead."""
         if not self._reserve():
             return 0
-        near = self.st.ahead_tokens()
-        return sum(
-            1
-            for r in self.st.running.values()
-            if r.end is None and r.retry_error is None and r.tokens_left() <= near
-        )
+        st = self.st
+        near = st.ahead_tokens() + st.lead.start_steps(st.engine.times.recent_s)
+        # Slots that free within `near` steps (the lead, and the next group's START): each
+        # job in the engine frees one when its tokens are made; a claim started ahead waits
+        # at the doorstep (all its tokens left) and takes the first slot to free, freeing it
+        # again if it ends within `near` too.
+        # (Counting the doorstep's jobs as in the engine let each start ahead allow one more:
+        # with tiny jobs, thousands started ahead.) The engine holds the oldest started jobs,
+        # up to its batch slots, and any that made a token.
+        batch_slots = st.engine.max_batch - self._reserve()
+        frees: list[int] = []
+        doorstep: list[int] = []
+        for r in st.running.values():
+            if r.end is not None or r.retry_error is not None:
+                continue
+            if r.first_token_wall is not None or len(frees) < batch_slots:
+                frees.append(r.tokens_left())
+            else:
+                doorstep.append(r.tokens_left())
+        heapq.heapify(frees)
+        ending = 0
+        for left in doorstep:
+            if not frees or frees[0] > near:
+                break
+            ending += 1
+            heapq.heapreplace(frees, frees[0] + left)
+        return min(DOORSTEP_WAVES * batch_slots, ending + sum(1 for t in frees if t <= near))
 
     def _block_ms(self) -> int:
         """How long a blocking read waits. On a cluster it reads one shard and cannot be

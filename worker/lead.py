@@ -12,8 +12,9 @@ wait for before the worker reads them, plus one step for the message that tells 
 the step: between `MIN_TOKENS` and `MAX_TOKENS`.
 
 Starting ahead costs nothing but the claims' earlier start: they wait at the doorstep
-(worker/core.py), at most one per job within the lead of its end, so never more than the batch
-slots' worth; only batch claims, beside an interactive reserve, start ahead.
+(worker/core.py), at most one per slot that frees within the lead and the next group's START
+(a job at the doorstep counts once it would join and end within it too), never more than two
+batch slots' worth; only batch claims, beside an interactive reserve, start ahead.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ class Lead:
             return MIN_TOKENS
         way = math.ceil((self.read_s + self.start_s + self.flush_s) / step_s) + 1
         return max(MIN_TOKENS, min(MAX_TOKENS, way))
+
+    def start_steps(self, step_s: float) -> int:
+        """Steps one group of STARTs takes: the next group can start no sooner (a claimer
+        STARTs one group at a time), so claims started now cover the slots that free until
+        then too."""
+        return math.ceil(self.start_s / step_s) if step_s > 0 else 0
 
 
 def mix(old: float, new: float) -> float:

@@ -174,3 +174,38 @@ async def test_claims_start_as_far_ahead_as_their_way_in_takes(
     steps, lead = await _run_waves(settings)
     assert lead > START_STEPS, lead
     assert steps <= WAVES * TINY_TOKENS + SLACK_STEPS, steps
+
+
+RUNAWAY_JOBS = 60
+
+
+async def test_claims_started_ahead_stay_within_two_batch_slots_worth(settings: Settings) -> None:
+    """Jobs of 2 tokens, shorter than the lead: a claim started ahead waits at the doorstep
+    with all its tokens left. It used to count as a job about to end, so each start ahead let
+    one more start: on the drain bench the worker held ~3,900 started jobs for 256 slots
+    (engine and worker CPU spent scanning them). Now the jobs started and not ended stay
+    within the engine's slots and two batch slots' worth at its doorstep."""
+    settings = settings.model_copy(
+        update={"sim_step_ms": 20.0, "max_batch": SLOTS, "sim_prefill_ms_per_1k": 0.0}
+    )
+    redis = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    link = await EngineProcess.spawn(settings)
+    try:
+        async with running_stack(settings, redis, link=link) as stack:
+            st = stack.worker.st
+            held: list[int] = []
+
+            async def watch() -> None:
+                while True:
+                    held.append(st.in_engine())
+                    await asyncio.sleep(0.002)
+
+            watcher = asyncio.create_task(watch())
+            try:
+                jobs = await _submit_batch(stack, RUNAWAY_JOBS, 2)
+                await _all_done(stack, jobs)
+            finally:
+                watcher.cancel()
+            assert max(held) <= SLOTS + 2 * BATCH_SLOTS, max(held)
+    finally:
+        await redis.aclose()
