@@ -358,10 +358,11 @@ print(json.load(u.urlopen("http://127.0.0.1:8000/v1/models"))["data"][0]["id"])'
     placement|placement[1-4]*)  # the multi-turn chat table: `genq serve --model` with 1-4
       # processes (PROCS, or the digits after the step's name), placement off and on for N > 1;
       # 200 conversations x 5 turns, 64 at once, a shared ~1,000-token system prompt
+      # (PLACEMENT_RUNS=on: placement on alone; PLACEMENT_ARGS=--unrelated: every job a new prompt)
       procs=${PROCS:-1,2,3,4}; [ $step != placement ] && procs=$(echo ${step#placement} | sed 's/./&,/g; s/,$//')
       timeout $(left) python3 -m tests.bench.placement --model /tmp/m8b --procs $procs \
         --concurrency 64 --shared-system --new-tokens 64 --ready-s 240 \
-        --placement-runs ${PLACEMENT_RUNS:-off,on} \
+        --placement-runs ${PLACEMENT_RUNS:-off,on} $PLACEMENT_ARGS \
         > "$OUT/$step.log" 2>&1
       grep -h '^{"procs' "$OUT/$step.log" | cut -c1-700 ;;
     procs[1-4]|procs[1-4]cpu)  # N worker processes on the one GPU, total concurrency 64..256
