@@ -46,7 +46,6 @@ lane is one more stream of the model.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import math
@@ -286,9 +285,8 @@ class Placement:
         sent the moment its turn ended on a worker this process had not met yet is placed
         knowing it."""
         meeting = self._meeting
-        if meeting is not None and not meeting.done():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(meeting), MEET_WAIT_S)
+        if meeting is not None and not meeting.done():  # its failure is the refresh loop's
+            await asyncio.wait({meeting}, timeout=MEET_WAIT_S)
 
     async def _meet(self) -> None:
         try:
