@@ -73,6 +73,9 @@ def test_ctrl_c_while_waiting_leaves_the_batch_running(
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         cwd=tmp_path,
+        # as a terminal's foreground process has it: a test run in a background job inherits
+        # SIGINT ignored, and Python then raises no KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stderr is not None
     first = proc.stderr.readline()  # "batch <id>: 300 requests": created, now waiting
