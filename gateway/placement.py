@@ -390,10 +390,7 @@ class Placement:
         waits = {id(w): w.wait_s(w.prefill_tps or tps) for w in candidates}
         if most >= s.placement_min_pages * PAGE_TOKENS and most > min(held.values()):
             holders = [
-                w
-                for w in candidates
-                if held[id(w)] >= s.placement_min_pages * PAGE_TOKENS
-                and w.load() < s.placement_max_load
+                w for w in candidates if held[id(w)] == most and w.load() < s.placement_max_load
             ]
             if holders:
                 holder = self._soonest(spec, holders, held, waits, tps)
@@ -415,10 +412,11 @@ class Placement:
         waits: dict[int, float],
         tps: float,
     ) -> _Worker:
-        """Of the workers holding part of the prompt, the one where it starts soonest: its
-        wait, then the prefill of what it does not hold (the most held first where no
-        prefill rate is known). Two holding the same prefix are told apart by their pace, so
-        the job goes to the quicker one instead of to the shared queue."""
+        """Of the workers holding the most of the prompt, the one where it starts soonest:
+        its wait, then the prefill of what it does not hold. Two holding the same prefix (an
+        agent's turns ran on both) are told apart by their pace, so the job goes to the
+        quicker one instead of to the shared queue. (A worker holding less, a shared system
+        prompt say, is no reason to place: the shared queue finds a free worker sooner.)"""
         prompt = len(spec.input_ids)
 
         def start_s(w: _Worker) -> float:
