@@ -417,15 +417,10 @@ class Placement:
         agent's turns ran on both) are told apart by their pace, so the job goes to the
         quicker one instead of to the shared queue. (A worker holding less, a shared system
         prompt say, is no reason to place: the shared queue finds a free worker sooner.)"""
-        prompt = len(spec.input_ids)
-
-        def start_s(w: _Worker) -> float:
-            rate = w.prefill_tps or tps
-            return waits[id(w)] + (prompt - held[id(w)]) / rate if rate > 0 else math.inf
-
-        if tps <= 0:
-            return max(holders, key=lambda w: (held[id(w)], -waits[id(w)]))
-        return min(holders, key=lambda w: (start_s(w), -held[id(w)]))
+        if tps <= 0:  # no prefill rate known: the shortest wait
+            return min(holders, key=lambda w: waits[id(w)])
+        uncached = len(spec.input_ids) - held[id(holders[0])]  # the same for every holder
+        return min(holders, key=lambda w: waits[id(w)] + uncached / (w.prefill_tps or tps))
 
     def _bound_ms(self) -> int:
         return int(self.settings.placement_wait_s * 1000)

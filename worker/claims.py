@@ -285,7 +285,8 @@ class Claimer:
         or sooner; worker/lead.py).
         None without an interactive reserve: there a slot coming free is the next
         interactive job's, if one comes, not a batch job's taken ahead."""
-        if not self._reserve():
+        reserve = self._reserve()
+        if not reserve:
             return 0
         st = self.st
         near = st.ahead_tokens() + st.lead.start_steps(st.engine.times.recent_s)
@@ -296,7 +297,7 @@ class Claimer:
         # (Counting the doorstep's jobs as in the engine let each start ahead allow one more:
         # with tiny jobs, thousands started ahead.) The engine holds the oldest started jobs,
         # up to its batch slots, and any that made a token.
-        batch_slots = st.engine.max_batch - self._reserve()
+        batch_slots = st.engine.max_batch - reserve
         frees: list[int] = []
         doorstep: list[int] = []
         for r in st.running.values():

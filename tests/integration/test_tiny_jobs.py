@@ -6,7 +6,9 @@ engine's next step (a job started ahead waits at the engine's doorstep), not a s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -121,20 +123,27 @@ async def _streamed_text(stack: Stack, job_id: str) -> str:
     return "".join(text)
 
 
-async def _run_waves(settings: Settings) -> tuple[int, int]:
-    """WAVES waves of batch jobs of TINY_TOKENS tokens through an engine process: the engine
-    steps they took, and the worker's lead (tokens ahead) at the end."""
+@contextlib.asynccontextmanager
+async def _engine_stack(settings: Settings) -> AsyncIterator[Stack]:
+    """A running stack whose worker drives an engine process (the doorstep is there)."""
     redis = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
     link = await EngineProcess.spawn(settings)
     try:
         async with running_stack(settings, redis, link=link) as stack:
-            times = stack.worker.st.engine.times
-            before = times.steps
-            jobs = await _submit_batch(stack, WAVES * BATCH_SLOTS, TINY_TOKENS)
-            await _all_done(stack, jobs)
-            return times.steps - before, stack.worker.st.ahead_tokens()
+            yield stack
     finally:
         await redis.aclose()
+
+
+async def _run_waves(settings: Settings) -> tuple[int, int]:
+    """WAVES waves of batch jobs of TINY_TOKENS tokens through an engine process: the engine
+    steps they took, and the worker's lead (tokens ahead) at the end."""
+    async with _engine_stack(settings) as stack:
+        times = stack.worker.st.engine.times
+        before = times.steps
+        jobs = await _submit_batch(stack, WAVES * BATCH_SLOTS, TINY_TOKENS)
+        await _all_done(stack, jobs)
+        return times.steps - before, stack.worker.st.ahead_tokens()
 
 
 async def test_a_slot_a_batch_job_leaves_is_taken_at_the_next_step(settings: Settings) -> None:
@@ -188,24 +197,19 @@ async def test_claims_started_ahead_stay_within_two_batch_slots_worth(settings: 
     settings = settings.model_copy(
         update={"sim_step_ms": 20.0, "max_batch": SLOTS, "sim_prefill_ms_per_1k": 0.0}
     )
-    redis = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
-    link = await EngineProcess.spawn(settings)
-    try:
-        async with running_stack(settings, redis, link=link) as stack:
-            st = stack.worker.st
-            held: list[int] = []
+    async with _engine_stack(settings) as stack:
+        st = stack.worker.st
+        held: list[int] = []
 
-            async def watch() -> None:
-                while True:
-                    held.append(st.in_engine())
-                    await asyncio.sleep(0.002)
+        async def watch() -> None:
+            while True:
+                held.append(st.in_engine())
+                await asyncio.sleep(0.002)
 
-            watcher = asyncio.create_task(watch())
-            try:
-                jobs = await _submit_batch(stack, RUNAWAY_JOBS, 2)
-                await _all_done(stack, jobs)
-            finally:
-                watcher.cancel()
-            assert max(held) <= SLOTS + 2 * BATCH_SLOTS, max(held)
-    finally:
-        await redis.aclose()
+        watcher = asyncio.create_task(watch())
+        try:
+            jobs = await _submit_batch(stack, RUNAWAY_JOBS, 2)
+            await _all_done(stack, jobs)
+        finally:
+            watcher.cancel()
+        assert max(held) <= SLOTS + 2 * BATCH_SLOTS, max(held)
