@@ -25,7 +25,7 @@ from gateway.identity import Identity
 from shared.errors import BadRequest, TooManyRequests, Unavailable
 from shared.keys import Keys, Priority, scope_fields
 from shared.loops import keep_running
-from shared.quotas import Admission, Quota, QuotaCalls, TokenCharge
+from shared.quotas import Admission, Quota, QuotaCalls, TokenCharge, share
 from shared.schemas import JobSpec
 from shared.settings import GatewaySettings
 from shared.transitions import Limited, ScriptRunner, Throttled
@@ -116,10 +116,19 @@ class AdmissionControl:
         not charged as prefill by token-fair scheduling."""
         tokens = job_cost(spec)
         scopes = self._scopes(caller, spec.priority, spec.model)
+        stripes = len(self.keys.stripes)
         for sc in scopes:
             if sc.tokens.value and tokens > sc.tokens.value:
                 raise BadRequest(
                     f"this job needs {tokens} tokens (prompt + max_tokens), over the "
+                    f"{sc.tokens.setting} limit of {sc.tokens.value} for {spec.priority} jobs",
+                    param="max_tokens",
+                )
+            most = share(sc.tokens.value, 0, stripes)
+            if sc.tokens.value and tokens > most:
+                raise BadRequest(
+                    f"this job needs {tokens} tokens (prompt + max_tokens), over the {most} "
+                    f"that one of the {stripes} queue shards (GENQ_QUEUE_SHARDS) admits of the "
                     f"{sc.tokens.setting} limit of {sc.tokens.value} for {spec.priority} jobs",
                     param="max_tokens",
                 )
@@ -226,10 +235,16 @@ class AdmissionControl:
                     f"{sc.jobs.setting} limit of {sc.jobs.value} {priority} jobs",
                     param="n",
                 )
+        if jobs == 1 and len(self.keys.stripes) > 1:
+            return  # ADMIT refuses one job as early, without reading every stripe first
         fields = [sc.fields[0] for sc in limited]
-        counts = await self.redis.hmget(self.keys.admission_counts(), fields)
-        for sc, count in zip(limited, counts, strict=True):
-            n = int(count or 0)
+        held = [0] * len(fields)
+        pipe = self.redis.pipeline(transaction=False)
+        for stripe in self.keys.stripes:  # on a cluster, what the stripes hold together
+            pipe.hmget(self.keys.admission_counts(stripe), fields)
+        for counts in await pipe.execute():
+            held = [h + int(c or 0) for h, c in zip(held, counts, strict=True)]
+        for sc, n in zip(limited, held, strict=True):
             if n + jobs > sc.jobs.value:
                 raise self._full(sc, priority, model, "jobs", n, jobs)
 
@@ -340,10 +355,21 @@ class AdmissionControl:
         """Check the admitted jobs due a check; those ended unseen (or gone) stop counting.
         How many were released."""
         released = 0
+        for stripe in self.keys.stripes:
+            released += await self._repair_stripe(stripe)
+        if released:
+            log.warning("admission counters repaired", extra={"released": released})
+        return released
+
+    async def _repair_stripe(self, stripe: int) -> int:
+        released = 0
         for _ in range(REPAIR_ROUNDS):
             now = time.time()
             call = self.calls.due(
-                now=now, next_check=now + self.settings.quota_recheck_s, limit=REPAIR_BATCH
+                now=now,
+                next_check=now + self.settings.quota_recheck_s,
+                limit=REPAIR_BATCH,
+                stripe=stripe,
             )
             due = await self.scripts.run(call)
             if not due:
@@ -356,12 +382,11 @@ class AdmissionControl:
             # releasing after cannot release a live job.
             ended = [k for k, st in zip(due, statuses, strict=True) if st not in _LIVE]
             if ended:
-                replies = await self.scripts.run_all([self.calls.release(k) for k in ended])
+                calls = [self.calls.release(k, stripe) for k in ended]
+                replies = await self.scripts.run_all(calls)
                 released += sum(r is True for r in replies)
             if len(due) < REPAIR_BATCH:
                 break
-        if released:
-            log.warning("admission counters repaired", extra={"released": released})
         return released
 
     async def repair_loop(self) -> None:

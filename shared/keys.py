@@ -1,8 +1,8 @@
 """Every Redis key genq uses is built here, and only here.
 
 Keys of one job carry the job id as a Cluster hash tag (`{id}`) so they share a slot; so do
-the keys of one file (`{file-…}`) and of one batch (`{batch_…}`); the admission keys
-(counters of admitted jobs, see shared/quotas.py) share the tag `{admission}`.
+the keys of one file (`{file-…}`) and of one batch (`{batch_…}`); on one Redis the admission
+keys (counters of admitted jobs, see shared/quotas.py) share the tag `{admission}`.
 
 The slot plan on a Redis Cluster (`Keys(cluster=True)`; on a single Redis every key below is
 built exactly as before, untagged):
@@ -16,8 +16,9 @@ built exactly as before, untagged):
   of that shard, and the shard's own indexes of its jobs: deadlines, compaction due,
   recent jobs, placed lanes, and `pending` (submits recorded but maybe not queued yet, which
   the reconciler finishes). A job belongs to shard `shard_of(id)` (a hash of its id), so any
-  process finds a job's indexes from its id alone.
-- `{admission}`: the admission counters, as on one Redis.
+  process finds a job's indexes from its id alone. Each shard's slot also holds one stripe
+  of the admission counters (its share of every limit: shared/quotas.py), so admission
+  spreads over the primaries as the queues do.
 - a file's slot, a batch's slot: as on one Redis.
 - everything else (workers, model cards, gateways, locks and leases, idempotency keys and
   token buckets per owner, the webhook outbox, dead letters, listings) is one key in a slot
@@ -247,18 +248,30 @@ class Keys:
         suffix = f" #{part}" if part else ""
         return f"{self.prefix}idem:{owner}:{key}{suffix}"
 
-    def admission_counts(self) -> str:
+    def _admission(self, stripe: int) -> str:
+        """The prefix of an admission stripe's keys: `{admission}` on one Redis (one stripe),
+        else the stripe's queue shard's tag (shared/quotas.py)."""
+        if not self.cluster:
+            return f"{self.prefix}{{admission}}:"
+        return f"{self._q(stripe)}admission:"
+
+    @property
+    def stripes(self) -> range:
+        """The admission stripes: one per queue shard on a cluster, one on a single Redis."""
+        return range(self.shards)
+
+    def admission_counts(self, stripe: int = 0) -> str:
         """Hash: jobs and tokens admitted and not ended, per counter field (`scope_fields`)."""
-        return f"{self.prefix}{{admission}}:counts"
+        return f"{self._admission(stripe)}counts"
 
-    def admission_jobs(self) -> str:
+    def admission_jobs(self, stripe: int = 0) -> str:
         """Hash: job record key → what its admission added (tokens, then counter fields)."""
-        return f"{self.prefix}{{admission}}:jobs"
+        return f"{self._admission(stripe)}jobs"
 
-    def admission_checks(self) -> str:
+    def admission_checks(self, stripe: int = 0) -> str:
         """Sorted set: job record key of each admitted job, scored by when to check next
         that it has not ended unseen (the counters' repair)."""
-        return f"{self.prefix}{{admission}}:checks"
+        return f"{self._admission(stripe)}checks"
 
     def rate_limit(self, owner: str) -> str:
         """Hash with TTL: an owner's request token bucket."""

@@ -19,10 +19,18 @@ re-sent submit costs nothing. A bucket rather than a sliding window: O(1) state 
 (a window keeps an entry per request, or, counted per minute, lets twice the limit through
 across a minute's edge), and its level tells a client exactly when the next request fits.
 
-On a Cluster: the admission keys share the hash tag `{admission}`, not the job's; SUBMIT
-counts a job in a step of its own (ADMIT) before the job's record, and a job's end uncounts
-it in a step after (ADMISSION_RELEASE: idempotent, and the repair catches a step lost in
-between). Tokens-per-minute buckets are not run on a cluster yet (the settings refuse them).
+On a Cluster the counters are striped: each queue shard's slot holds a stripe (`Keys.stripes`),
+and each stripe admits up to its share of every limit (`share`: the limit over the stripes,
+the remainder to the first ones), so the shares add up to the limit and the fleet never
+holds more. SUBMIT counts a job in a step of its own (ADMIT) before the job's record: in its
+own shard's stripe, or, refused there, in the next stripe that has room; a submit is refused
+only when every stripe refuses it. A job's end uncounts it in a step after
+(ADMISSION_RELEASE, in its own stripe first, then the others: idempotent, and the repair,
+stripe by stripe, catches a step lost in between). What striping costs: a job needs room in
+one stripe, so one job over a stripe's share of a tokens limit (1/GENQ_QUEUE_SHARDS of it)
+is refused as one no limit could ever admit; and the owner's fair share is checked against
+the stripe's share of it. Tokens-per-minute buckets are not run on a cluster yet (the
+settings refuse them).
 """
 
 from __future__ import annotations
@@ -35,6 +43,18 @@ from shared import scripts as lua
 from shared.keys import Keys
 from shared.transitions import Bucket, Call, call
 
+NO_SHARE = -1
+"""A stripe's share of a limit smaller than the stripes: nothing (0 would read as no limit)."""
+
+
+def share(limit: int, stripe: int, stripes: int) -> int:
+    """Stripe `stripe`'s share of `limit` (0: none) among `stripes`: the shares add up to
+    the limit, the remainder going to the first stripes (so stripe 0 holds the most of
+    every limit, and a job that fits no stripe fits none); NO_SHARE where it is nothing."""
+    if not limit or stripes == 1:
+        return limit
+    return limit // stripes + (1 if stripe < limit % stripes else 0) or NO_SHARE
+
 
 @dataclass(frozen=True, slots=True)
 class Quota:
@@ -44,6 +64,21 @@ class Quota:
     tokens_field: str
     max_jobs: int = 0
     max_tokens: int = 0
+
+    def at(self, stripe: int, stripes: int) -> Quota:
+        """This scope as admission stripe `stripe` of `stripes` checks it: its share of each
+        limit."""
+        return Quota(
+            self.jobs_field,
+            self.tokens_field,
+            share(self.max_jobs, stripe, stripes),
+            share(self.max_tokens, stripe, stripes),
+        )
+
+    def room(self, tokens: int) -> bool:
+        """Whether this scope, holding nothing, would admit a job of `tokens` (a limit of 0
+        is none; NO_SHARE admits nothing)."""
+        return self.max_jobs != NO_SHARE and (not self.max_tokens or tokens <= self.max_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +98,21 @@ class Admission:
     fair_owner: str = ""
     fair_window: int = 1
     charge: TokenCharge | None = None
+
+    def fair_share_of(self, stripes: int) -> int:
+        """The owner's fair share as one stripe checks it (its jobs there against the
+        stripe's part of the share: each stripe holds about 1/`stripes` of them)."""
+        if not self.fair_share:
+            return 0
+        return -(-self.fair_share // stripes)
+
+    def stripe_quotas(self, stripe: int, stripes: int) -> tuple[Quota, ...] | None:
+        """The scopes as stripe `stripe` of `stripes` checks them; None when this job could
+        never fit that stripe's shares (not worth a call)."""
+        quotas = tuple(q.at(stripe, stripes) for q in self.quotas)
+        if stripes > 1 and not all(q.room(self.tokens) for q in quotas):
+            return None
+        return quotas
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +152,11 @@ class QuotaCalls:
 
     def counter_keys(self) -> list[str]:
         k = self.keys
-        return [k.admission_counts(), k.admission_jobs(), k.admission_checks()]
+        return [
+            key
+            for i in k.stripes
+            for key in (k.admission_counts(i), k.admission_jobs(i), k.admission_checks(i))
+        ]
 
     def rate_limit(self, owner: str, *, rate: float, burst: int, tpm: int) -> Call[RateReply]:
         """One request of `owner` against `rate` a second (0: none) in bursts of `burst`, and
@@ -115,19 +169,26 @@ class QuotaCalls:
             {"rate": repr(rate), "burst": burst, "tpm": tpm},
         )
 
-    def due(self, *, now: float, next_check: float, limit: int) -> Call[list[str]]:
+    def due(self, *, now: float, next_check: float, limit: int, stripe: int = 0) -> Call[list[str]]:
         return call(
             lua.ADMISSION_DUE,
             lambda r: [str(x) for x in r],
-            {"checks": self.keys.admission_checks()},
+            {"checks": self.keys.admission_checks(stripe)},
             {"now": repr(now), "next_at": repr(next_check), "limit": limit},
+            cluster=self.keys.cluster,
         )
 
-    def release(self, job_key: str) -> Call[bool]:
+    def release(self, job_key: str, stripe: int = 0) -> Call[bool]:
         k = self.keys
         keys = {
-            "counts": k.admission_counts(),
-            "jobs": k.admission_jobs(),
-            "checks": k.admission_checks(),
+            "counts": k.admission_counts(stripe),
+            "jobs": k.admission_jobs(stripe),
+            "checks": k.admission_checks(stripe),
         }
-        return call(lua.ADMISSION_RELEASE, lambda r: bool(int(r)), keys, {"job_key": job_key})
+        return call(
+            lua.ADMISSION_RELEASE,
+            lambda r: bool(int(r)),
+            keys,
+            {"job_key": job_key},
+            cluster=self.keys.cluster,
+        )

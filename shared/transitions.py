@@ -127,13 +127,12 @@ def steps(calls: Sequence[Call[Any]], result: R) -> Call[R] | None:
     if not calls:
         return None
     first, rest = calls[0], calls[1:]
-    return Call(
-        first.script,
-        first.keys,
-        first.args,
-        lambda _raw: result,
-        lambda _raw: steps(rest, result),
-    )
+
+    def then(raw: Any) -> Call[R] | None:
+        more = first.next(raw)  # a step of its own steps first (a release's next stripe)
+        return steps([more, *rest] if more is not None else rest, result)
+
+    return Call(first.script, first.keys, first.args, lambda _raw: result, then)
 
 
 # ---- replies ------------------------------------------------------------------------------
@@ -509,12 +508,7 @@ class Transitions:
             taken = _submit_reply(0, raw)  # another request's: undo this one's steps
             undo = [
                 self._call(lua.PENDING_DROP, int, pending, {"job_id": spec.id}),
-                self._call(
-                    lua.ADMISSION_RELEASE,
-                    int,
-                    self._admission_keys(),
-                    {"job_key": k.job(spec.id)},
-                ),
+                self._release(spec.id),
             ]
             return steps(undo, taken)
 
@@ -539,25 +533,7 @@ class Transitions:
             args: dict[str, Arg] = {"job_id": spec.id, "now": repr(time.time()), "entry": packed}
             return self._call(lua.SUBMIT_INTENT, lambda _r: Queued(), pending, args, (), claim_step)
 
-        scopes: list[Arg] = []
-        for q in admission.quotas:
-            scopes += [q.jobs_field, q.tokens_field, q.max_jobs, q.max_tokens]
-        args: dict[str, Arg] = {
-            "job_key": k.job(spec.id),
-            "tokens": admission.tokens,
-            "check_at": repr(admission.check_at),
-            "n_scopes": len(admission.quotas),
-            "fair_field": admission.fair_field,
-            "fair_share": admission.fair_share,
-        }
-        admit = self._call(
-            lua.ADMIT,
-            functools.partial(_submit_reply, 0),
-            self._admission_keys(),
-            args,
-            scopes,
-            lambda raw: None if raw[0] == "limited" else intent_step(int(raw[1]) == 1),
-        )
+        admit = self._admit(spec.id, admission, intent_step)
         if idempotency_key is None:
             return admit
         return self._call(
@@ -569,12 +545,80 @@ class Transitions:
             lambda raw: None if raw[0] == "exists" else admit,
         )
 
-    def _admission_keys(self) -> dict[str, str]:
+    def _admit(
+        self,
+        job_id: str,
+        admission: Admission,
+        then: Callable[[bool], Call[SubmitReply]],
+    ) -> Call[SubmitReply]:
+        """Cluster: ADMIT in the job's own stripe, and, refused there, in the next stripe
+        that could hold it, and so on (shared/quotas.py); `then(overflow)` once one admits.
+        Refused by every stripe: the refusal names the scope the own stripe found full,
+        with what the stripes that refused for it hold together."""
+        k = self.keys
+        n = len(k.stripes)
+        own = k.shard_of(job_id)
+        order = [(own + j) % n for j in range(n)]
+        tries = [(i, q) for i in order if (q := admission.stripe_quotas(i, n)) is not None]
+        # none could ever hold it (the gateway refuses such a job first): stripe 0's shares,
+        # the largest, refuse it
+        tries = tries or [(0, tuple(q.at(0, n) for q in admission.quotas))]
+        refused: dict[int, list[Any]] = {}
+
+        def refusal(_raw: Any) -> SubmitReply:
+            first = next(iter(refused.values()))
+            same = [r for r in refused.values() if r[1:3] == first[1:3]]
+            return Limited(int(first[1]) - 1, str(first[2]), sum(int(r[3]) for r in same))
+
+        def at(t: int) -> Call[SubmitReply]:
+            stripe, quotas = tries[t]
+            scopes: list[Arg] = []
+            for q in quotas:
+                scopes += [q.jobs_field, q.tokens_field, q.max_jobs, q.max_tokens]
+            args: dict[str, Arg] = {
+                "job_key": k.job(job_id),
+                "tokens": admission.tokens,
+                "check_at": repr(admission.check_at),
+                "n_scopes": len(quotas),
+                "fair_field": admission.fair_field,
+                "fair_share": admission.fair_share_of(n),
+            }
+
+            def after(raw: Any) -> Call[SubmitReply] | None:
+                if raw[0] != "limited":
+                    return then(int(raw[1]) == 1)
+                refused[stripe] = list(raw)
+                return at(t + 1) if t + 1 < len(tries) else None
+
+            return self._call(lua.ADMIT, refusal, self._admission_keys(stripe), args, scopes, after)
+
+        return at(0)
+
+    def _release(self, job_id: str) -> Call[int]:
+        """Cluster: ADMISSION_RELEASE of a job in its own stripe, then, not counted there,
+        in the others (where a refusal sent its admission)."""
+        k = self.keys
+        n = len(k.stripes)
+        own = k.shard_of(job_id)
+        order = [(own + j) % n for j in range(n)]
+
+        def at(t: int) -> Call[int]:
+            def after(raw: Any) -> Call[int] | None:
+                return at(t + 1) if int(raw) == 0 and t + 1 < n else None
+
+            keys = self._admission_keys(order[t])
+            return self._call(
+                lua.ADMISSION_RELEASE, int, keys, {"job_key": k.job(job_id)}, (), after
+            )
+
+        return at(0)
+
+    def _admission_keys(self, stripe: int = 0) -> dict[str, str]:
         k = self.keys
         return {
-            "counts": k.admission_counts(),
-            "jobs": k.admission_jobs(),
-            "checks": k.admission_checks(),
+            "counts": k.admission_counts(stripe),
+            "jobs": k.admission_jobs(stripe),
+            "checks": k.admission_checks(stripe),
         }
 
     def abandon(self, job_id: str, ttl_s: int) -> Call[bool]:
@@ -585,9 +629,7 @@ class Transitions:
         pending = {"pending": k.pending(shard), "pending_since": k.pending_since(shard)}
         undo = [
             self._call(lua.PENDING_DROP, int, pending, {"job_id": job_id}),
-            self._call(
-                lua.ADMISSION_RELEASE, int, self._admission_keys(), {"job_key": k.job(job_id)}
-            ),
+            self._release(job_id),
         ]
         return self._call(
             lua.ABANDON_JOB,
@@ -636,9 +678,7 @@ class Transitions:
         }
         out: list[Call[Any]] = [
             self._call(lua.JOB_ENDED, int, index_keys, ended),
-            self._call(
-                lua.ADMISSION_RELEASE, int, self._admission_keys(), {"job_key": k.job(job_id)}
-            ),
+            self._release(job_id),
         ]
         for stream in (done_stream, outbox):
             if stream:

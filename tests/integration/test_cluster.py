@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,11 +17,12 @@ import redis
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from gateway import job_service
 from gateway.app import _cluster_template
 from gateway.deadline_sweep import ABANDON_S, RECONCILE_GRACE_S, DeadlineSweep
 from gateway.pubsub_cluster import ClusterPubSub
 from shared.errors import Unavailable
-from shared.keys import PRIORITIES, scope_fields
+from shared.keys import PRIORITIES, Keys, scope_fields
 from shared.records import QueueEntry
 from shared.redisconn import connect
 from shared.settings import Settings
@@ -103,6 +105,15 @@ async def _ended(stack: Stack, job_id: str) -> dict[str, Any]:
             if r.status_code == 200 and r.json()["status"] not in ("queued", "running"):
                 return dict(r.json())
             await asyncio.sleep(0.05)
+
+
+async def admitted(client: Any, keys: Keys) -> dict[str, int]:
+    """The admission counters, every stripe's added up."""
+    total: dict[str, int] = {}
+    for stripe in keys.stripes:
+        for field, n in (await client.hgetall(keys.admission_counts(stripe))).items():
+            total[field] = total.get(field, 0) + int(n)
+    return total
 
 
 def getkeys_calls(cluster: LocalCluster) -> int:
@@ -278,7 +289,7 @@ async def test_a_submit_stopped_before_its_record_is_given_up_and_its_key_freed(
             retried = await stack.client.post("/v1/jobs", json=body, headers=key)
             assert retried.status_code == 202, retried.text
             assert (await stack.wait_status(retried.json()["id"], "succeeded"))["attempt"] == 1
-            assert await client.hgetall(keys.admission_counts()) == {}
+            assert await admitted(client, keys) == {}
     finally:
         await client.aclose()
 
@@ -303,7 +314,7 @@ async def test_one_idempotency_key_sent_at_once_to_two_gateways_makes_one_job(
             assert [r.status_code for r in answers].count(202) == 1
             keys = settings.keys()
             jobs_field, _ = scope_fields("interactive", "sim")
-            assert (await client.hgetall(keys.admission_counts()))[jobs_field] == "1"
+            assert (await admitted(client, keys))[jobs_field] == 1
             pending = [await client.hlen(keys.pending(s)) for s in range(SHARDS)]
             assert pending == [0] * SHARDS
     finally:
@@ -429,14 +440,48 @@ async def test_quotas_hold_across_gateways_and_release_at_the_end_on_a_cluster(
                     assert (
                         await clients[0].delete(f"/v1/jobs/{r.json()['id']}")
                     ).status_code == 200
-            assert await client.hgetall(keys.admission_counts()) == {}
+            assert await admitted(client, keys) == {}
             again = {"Idempotency-Key": "same"}
             first = await clients[0].post("/v1/jobs", json=QUOTA_JOB, headers=again)
             second = await clients[1].post("/v1/jobs", json=QUOTA_JOB, headers=again)
             assert (first.status_code, second.status_code) == (202, 200)  # 200: the replay
             assert first.json()["id"] == second.json()["id"]
             jobs_field, _ = scope_fields("interactive", "sim")
-            assert (await client.hgetall(keys.admission_counts()))[jobs_field] == "1"
+            assert (await admitted(client, keys))[jobs_field] == 1
+    finally:
+        await client.aclose()
+
+
+async def test_a_limit_is_held_exactly_when_every_job_lands_in_one_stripe(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The admission counters are striped over the queue shards' slots (not one slot taking
+    every job's admission): each stripe admits its share of a limit (4 over 3: 2, 1, 1), a
+    job its own stripe refuses is counted in the next with room, so the fleet admits the
+    limit exactly, and a job's end releases it in the stripe that counted it."""
+    limit = 4
+    settings = cluster_settings(cluster, max_queued_jobs={"interactive": limit})
+    keys = settings.keys()
+    own_zero = (u for u in iter(uuid.uuid4, None) if keys.shard_of(u.hex) == 0)
+    monkeypatch.setattr(job_service.uuid, "uuid4", lambda: next(own_zero))
+    client = connect(settings)
+    jobs_field, _ = scope_fields("interactive", "sim")
+    try:
+        async with gateways(settings, client, 1) as [api]:
+            made = [await api.post("/v1/jobs", json=QUOTA_JOB) for _ in range(limit + 1)]
+            assert [r.status_code for r in made] == [202] * limit + [429]
+            assert "4 interactive jobs queued or running" in made[-1].json()["error"]["message"]
+            per_stripe = [
+                await client.hget(keys.admission_counts(i), jobs_field) for i in keys.stripes
+            ]
+            assert per_stripe == ["2", "1", "1"]
+            slots = {key_slot(keys.admission_counts(i).encode()) for i in keys.stripes}
+            assert len(slots) == SHARDS
+            spilled = made[limit - 1].json()["id"]  # counted in stripe 2
+            assert (await api.delete(f"/v1/jobs/{spilled}")).status_code == 200
+            assert await client.hget(keys.admission_counts(2), jobs_field) is None
+            assert (await api.post("/v1/jobs", json=QUOTA_JOB)).status_code == 202
+            assert (await admitted(client, keys))[jobs_field] == limit
     finally:
         await client.aclose()
 
