@@ -54,7 +54,18 @@ def command_figures(
     busiest = max(per_node, key=lambda port: per_node[port])
     on_busiest = {cmd: n - before[busiest].get(cmd, 0) for cmd, n in after[busiest].items()}
     busiest_top = sorted(on_busiest.items(), key=lambda kv: -kv[1])[:8]
+    deltas = {
+        port: {cmd: n - before[port].get(cmd, 0) for cmd, n in after[port].items()}
+        for port in after
+    }
+    commands = {cmd for d in deltas.values() for cmd in d}
+    mean_of = {cmd: sum(d.get(cmd, 0) for d in deltas.values()) / len(deltas) for cmd in commands}
+    above_mean = []  # per primary: the commands it runs most above the primaries' mean
+    for d in deltas.values():
+        over = sorted(commands, key=lambda cmd: mean_of[cmd] - d.get(cmd, 0))[:4]
+        above_mean.append({c: round((d.get(c, 0) - mean_of[c]) / max(1, jobs), 2) for c in over})
     return {
+        "per_primary_above_mean_per_job": above_mean,
         "commands": total,
         "commands_per_token": round(total / max(1, tokens), 3),
         "commands_per_job": round(total / max(1, jobs), 1),
@@ -121,6 +132,7 @@ def main() -> None:
         "per_primary",
         "per_primary_vs_mean",
         "busiest_primary_per_job",
+        "per_primary_above_mean_per_job",
     )
     result = {
         "one_redis": {k: single.get(k) for k in keep},
