@@ -20,9 +20,11 @@ built exactly as before, untagged):
   of the admission counters (its share of every limit: shared/quotas.py), so admission
   spreads over the primaries as the queues do.
 - a file's slot, a batch's slot: as on one Redis.
-- everything else (workers, model cards, gateways, locks and leases, idempotency keys and
-  token buckets per owner, the webhook outbox, dead letters, listings) is one key in a slot
-  of its own, only ever touched alone.
+- an owner's slot `{o:<owner>}`: its request and tokens-per-minute buckets (RATE_LIMIT reads
+  both; CHARGE and REFUND are SUBMIT's tokens step).
+- everything else (workers, model cards, gateways, locks and leases, idempotency keys, the
+  webhook outbox, dead letters, listings) is one key in a slot of its own, only ever touched
+  alone.
 
 A script that would span slots on a cluster runs as steps instead, one slot each, ordered so
 that a crash between two leaves nothing a reader could mistake (shared/transitions.py).
@@ -275,10 +277,14 @@ class Keys:
 
     def rate_limit(self, owner: str) -> str:
         """Hash with TTL: an owner's request token bucket."""
+        if self.cluster:  # with its tokens bucket, in the owner's slot (RATE_LIMIT reads both)
+            return f"{self.prefix}{{o:{owner}}}:rate"
         return f"{self.prefix}rate:{owner}"
 
     def tokens_rate(self, owner: str) -> str:
         """Hash with TTL: an owner's tokens-per-minute bucket (prompt + max_tokens of its jobs)."""
+        if self.cluster:
+            return f"{self.prefix}{{o:{owner}}}:tpm"
         return f"{self.prefix}tpm:{owner}"
 
     def write_probe(self) -> str:

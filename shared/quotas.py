@@ -29,8 +29,9 @@ only when every stripe refuses it. A job's end uncounts it in a step after
 stripe by stripe, catches a step lost in between). What striping costs: a job needs room in
 one stripe, so one job over a stripe's share of a tokens limit (1/GENQ_QUEUE_SHARDS of it)
 is refused as one no limit could ever admit; and the owner's fair share is checked against
-the stripe's share of it. Tokens-per-minute buckets are not run on a cluster yet (the
-settings refuse them).
+the stripe's share of it. A job's tokens-per-minute charge is a step before its admission
+(CHARGE, in the owner's slot with its request bucket), given back (REFUND) when a later step
+refuses the job.
 """
 
 from __future__ import annotations

@@ -235,6 +235,8 @@ ADMIT = ScriptArgs(
     argv=("job_key", "tokens", "check_at", "n_scopes", "fair_field", "fair_share"),
     rest="n_scopes scopes (jobs field, tokens field, max jobs, max tokens)",
 )
+CHARGE = ScriptArgs("charge", keys=("bucket",), argv=("job_id", "charge", "tpm"))
+REFUND = ScriptArgs("refund", keys=("bucket",), argv=("job_id", "charge", "tpm"))
 SUBMIT_INTENT = ScriptArgs(
     "submit_intent", keys=("pending", "pending_since"), argv=("job_id", "now", "entry")
 )
@@ -301,6 +303,8 @@ DECLARED: dict[str, ScriptArgs] = {
         PEEK_IDEMPOTENCY,
         CLAIM_IDEMPOTENCY,
         ADMIT,
+        CHARGE,
+        REFUND,
         SUBMIT_INTENT,
         SUBMIT_JOB,
         SUBMIT_QUEUE,

@@ -953,8 +953,8 @@ class GatewaySettings(JobSettings):
     @model_validator(mode="after")
     def _cluster_features(self) -> GatewaySettings:
         """On a Redis Cluster, what genq does not run there yet is off: token-fair scheduling
-        (owners then share by jobs in flight), cache-aware placement, tokens-per-minute
-        limits. Asked for by name, each stops the start instead of being dropped quietly."""
+        (owners then share by jobs in flight), cache-aware placement. Asked for by name, each
+        stops the start instead of being dropped quietly."""
         if not self.redis_cluster:
             return self
         off: dict[str, object] = {"fair_scheduling": "jobs", "placement": False}
@@ -966,9 +966,6 @@ class GatewaySettings(JobSettings):
                         f"Cluster yet (leave it unset there, or set {value})"
                     )
                 object.__setattr__(self, name, value)
-        files = (*self._file_keys.values(), *self._admin_file_keys.values())
-        if self.tokens_per_minute_per_key or any(o.tpm for o in files):
-            raise ValueError("tokens-per-minute limits are not supported on a Redis Cluster yet")
         if self.webhooks:
             raise ValueError("GENQ_WEBHOOKS: webhooks are not delivered on a Redis Cluster yet")
         return self

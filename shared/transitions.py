@@ -477,18 +477,27 @@ class Transitions:
         admission: Admission,
     ) -> Call[SubmitReply]:
         """SUBMIT on a cluster, as steps (module docstring): a look at the idempotency key,
-        the admission, the pending entry, the idempotency claim (another request's claim,
-        made meanwhile, undoes the two before), the record, the queue entry. Placement lanes,
-        token-fair scheduling and tokens-per-minute charges are not run on a cluster (the
-        settings refuse them there)."""
+        the tokens-per-minute charge, the admission (refused: the charge given back), the
+        pending entry, the idempotency claim (another request's claim, made meanwhile, undoes
+        the steps before), the record, the queue entry. Placement lanes and token-fair
+        scheduling are not run on a cluster (the settings refuse them there). A stop between
+        the charge and a refusal's refund costs the owner that job's tokens until its bucket
+        refills (a minute at most)."""
         spec, k = record.spec, self.keys
         shard = k.shard_of(spec.id)
         pending = {"pending": k.pending(shard), "pending_since": k.pending_since(shard)}
+        charge = admission.charge
+        left: list[Bucket] = []
+        refund: list[Call[Any]] = []
+        if charge:
+            tpm: dict[str, Arg] = {"job_id": spec.id, "charge": charge.tokens, "tpm": charge.tpm}
+            refund.append(self._call(lua.REFUND, int, {"bucket": charge.bucket}, tpm))
 
         def queue_step(_raw: Any) -> Call[SubmitReply]:
             keys = {**pending, "deadlines": k.deadlines(shard), "recent": k.recent_jobs(shard)}
             args: dict[str, Arg] = {"job_id": spec.id, "recent_cap": self.recent_jobs}
-            return self._call(lua.SUBMIT_QUEUE, lambda _r: Queued(), keys, args)
+            queued = Queued(left[-1] if left else None)
+            return self._call(lua.SUBMIT_QUEUE, lambda _r: queued, keys, args)
 
         def job_step(_raw: Any) -> Call[SubmitReply]:
             args: dict[str, Arg] = {"queued_event": queued_event}
@@ -509,6 +518,7 @@ class Transitions:
             undo = [
                 self._call(lua.PENDING_DROP, int, pending, {"job_id": spec.id}),
                 self._release(spec.id),
+                *refund,
             ]
             return steps(undo, taken)
 
@@ -533,16 +543,34 @@ class Transitions:
             args: dict[str, Arg] = {"job_id": spec.id, "now": repr(time.time()), "entry": packed}
             return self._call(lua.SUBMIT_INTENT, lambda _r: Queued(), pending, args, (), claim_step)
 
-        admit = self._admit(spec.id, admission, intent_step)
+        first = self._admit(spec.id, admission, intent_step, refund)
+        if charge:
+            admit = first
+
+            def charged(raw: Any) -> Call[SubmitReply] | None:
+                if raw[0] != "charged":
+                    return None
+                left.append(Bucket(charge.tpm, int(raw[1]), int(raw[2])))
+                return admit
+
+            args: dict[str, Arg] = {"job_id": spec.id, "charge": charge.tokens, "tpm": charge.tpm}
+            first = self._call(
+                lua.CHARGE,
+                functools.partial(_submit_reply, charge.tpm),
+                {"bucket": charge.bucket},
+                args,
+                (),
+                charged,
+            )
         if idempotency_key is None:
-            return admit
+            return first
         return self._call(
             lua.PEEK_IDEMPOTENCY,
             functools.partial(_submit_reply, 0),
             {"idempotency": idempotency_key},
             {"claim": claim},
             (),
-            lambda raw: None if raw[0] == "exists" else admit,
+            lambda raw: None if raw[0] == "exists" else first,
         )
 
     def _admit(
@@ -550,11 +578,12 @@ class Transitions:
         job_id: str,
         admission: Admission,
         then: Callable[[bool], Call[SubmitReply]],
+        undo: Sequence[Call[Any]] = (),
     ) -> Call[SubmitReply]:
         """Cluster: ADMIT in the job's own stripe, and, refused there, in the next stripe
         that could hold it, and so on (shared/quotas.py); `then(overflow)` once one admits.
-        Refused by every stripe: the refusal names the scope the own stripe found full,
-        with what the stripes that refused for it hold together."""
+        Refused by every stripe: `undo` runs, and the refusal names the scope the own stripe
+        found full, with what the stripes that refused for it hold together."""
         k = self.keys
         n = len(k.stripes)
         own = k.shard_of(job_id)
@@ -588,7 +617,9 @@ class Transitions:
                 if raw[0] != "limited":
                     return then(int(raw[1]) == 1)
                 refused[stripe] = list(raw)
-                return at(t + 1) if t + 1 < len(tries) else None
+                if t + 1 < len(tries):
+                    return at(t + 1)
+                return steps(undo, refusal(None))
 
             return self._call(lua.ADMIT, refusal, self._admission_keys(stripe), args, scopes, after)
 

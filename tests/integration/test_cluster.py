@@ -10,6 +10,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ from shared.settings import Settings
 from shared.transitions import Call, Queued, ScriptRunner
 from tests.cluster import LocalCluster
 from tests.conftest import REDIS_URL, Stack, gateway_only, gateways, parse_sse, running_stack
+from tests.integration.test_rate_limits import keys_file_flow, tokens_per_minute_flow
 from tests.prefixes import test_prefix
 
 SHARDS = 3
@@ -482,6 +484,53 @@ async def test_a_limit_is_held_exactly_when_every_job_lands_in_one_stripe(
             assert await client.hget(keys.admission_counts(2), jobs_field) is None
             assert (await api.post("/v1/jobs", json=QUOTA_JOB)).status_code == 202
             assert (await admitted(client, keys))[jobs_field] == limit
+    finally:
+        await client.aclose()
+
+
+async def test_tokens_per_minute_and_request_rates_hold_on_a_cluster(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The single-Redis flows of tests/integration/test_rate_limits.py, on the cluster: the
+    owner's buckets share its slot, and the charge is a step of the submit."""
+    settings = cluster_settings(cluster)
+    client = connect(settings)
+    try:
+        limited = cluster_settings(
+            cluster, api_keys=["key-a", "key-b"], tokens_per_minute_per_key=100
+        )
+        await tokens_per_minute_flow(limited, client)
+        await keys_file_flow(settings, client, tmp_path)
+    finally:
+        await client.aclose()
+
+
+async def test_a_job_a_limit_refuses_after_its_charge_gets_its_tokens_back(
+    cluster: LocalCluster,
+) -> None:
+    """On a cluster the tokens are taken in a step before the admission: a job the jobs
+    limit then refuses (every stripe full) has its charge given back, as one Redis, which
+    checks both in one step, never takes it."""
+    settings = cluster_settings(
+        cluster,
+        api_keys=["key-a"],
+        tokens_per_minute_per_key=100,
+        max_queued_jobs={"interactive": 1},
+    )
+    client = connect(settings)
+    headers = {"Authorization": "Bearer key-a"}
+    job = {"model": "sim", "prompt": "x", "max_tokens": 40}  # 41 tokens
+    try:
+        async with gateways(settings, client, 1) as [api]:
+            first = await api.post("/v1/jobs", json=job, headers=headers)
+            assert first.headers["x-ratelimit-remaining-tokens"] in ("59", "60")
+            full = await api.post("/v1/jobs", json=job, headers=headers)
+            assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+            gone = await api.delete(f"/v1/jobs/{first.json()['id']}", headers=headers)
+            assert gone.status_code == 200
+            again = await api.post("/v1/jobs", json=job, headers=headers)
+            assert again.status_code == 202, again.text  # 59 + what refilled, less 41
+            assert int(again.headers["x-ratelimit-remaining-tokens"]) in range(18, 22)
     finally:
         await client.aclose()
 

@@ -59,7 +59,13 @@ def _throttled(r: httpx.Response) -> str:
 async def test_tokens_per_minute_are_charged_at_admission_and_shared_by_gateways(
     settings: Settings, redis: aioredis.Redis
 ) -> None:
-    limited = _with(settings, api_keys=[A, B], tokens_per_minute_per_key=100)
+    await tokens_per_minute_flow(
+        _with(settings, api_keys=[A, B], tokens_per_minute_per_key=100), redis
+    )
+
+
+async def tokens_per_minute_flow(limited: Settings, redis: aioredis.Redis) -> None:
+    """Run on one Redis here, and on a cluster (tests/integration/test_cluster.py)."""
     async with gateways(limited, redis, 2) as (one, two):
         r = await one.post("/v1/jobs", json=JOB, headers=_h(A))
         assert r.status_code == 202
@@ -93,6 +99,11 @@ async def test_tokens_per_minute_are_charged_at_admission_and_shared_by_gateways
 async def test_a_keys_file_sets_a_keys_own_limits_and_weight(
     settings: Settings, redis: aioredis.Redis, tmp_path: Path
 ) -> None:
+    await keys_file_flow(settings, redis, tmp_path)
+
+
+async def keys_file_flow(settings: Settings, redis: aioredis.Redis, tmp_path: Path) -> None:
+    """Run on one Redis here, and on a cluster (tests/integration/test_cluster.py)."""
     path = tmp_path / "keys"
     path.write_text(f"{A} tpm=50 rpm=120 weight=3  # a tenant\n{B}\n{C} tpm=0\n")
     limited = _with(settings, api_keys_file=path, tokens_per_minute_per_key=1000)
