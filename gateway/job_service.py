@@ -292,8 +292,6 @@ class JobService:
         (none for a batch's jobs: as OpenAI's, outside the live limits); nothing is written
         until it runs. Callers that queue many jobs pipeline these."""
         fingerprint = fingerprint or _fingerprint(body)
-        if body.webhook is not None and self.keys.cluster:
-            raise BadRequest("webhooks are not delivered on a Redis Cluster yet", param="webhook")
         kind = "response" if body.metadata.get("api") == "openai.response" else "job"
         notify = done_stream is None and notify_for(self.settings, kind, body.webhook)
         record = JobRecord(

@@ -12,7 +12,7 @@ from shared import scripts as lua
 from shared.batches import ResultKind
 from shared.keys import Keys
 from shared.scripts import Arg
-from shared.transitions import Call, call, lease
+from shared.transitions import Call, call, lease, steps
 
 
 @dataclass(frozen=True)
@@ -126,11 +126,24 @@ class BatchTransitions:
             updated = _update_reply(raw)
             if not (notify and updated.done):
                 return None
-            tell: dict[str, Arg] = {"batch_id": batch_id, "status": fields["status"]}
-            step = call(lua.TELL_BATCH, int, {"outbox": k.webhook_outbox()}, tell)
-            return Call(step.script, step.keys, step.args, lambda _r: updated)
+            return steps(self._tell(batch_id, fields["status"]), updated)
 
         return call(lua.BATCH_UPDATE, _update_reply, keys, args, pairs, then=then)
+
+    def _tell(self, batch_id: str, status: str) -> list[Call[Any]]:
+        """Cluster: the webhook outbox told a batch's final status, then the batch marked
+        told (a stop between the status and the mark has the driver tell again: `retell`)."""
+        tell: dict[str, Arg] = {"batch_id": batch_id, "status": status}
+        return [
+            call(lua.TELL_BATCH, int, {"outbox": self.keys.webhook_outbox()}, tell),
+            call(lua.TOLD, int, {"job": self.keys.batch(batch_id)}),
+        ]
+
+    def retell(self, batch_id: str, status: str) -> Call[bool]:
+        """Cluster: tell the outbox of an ended batch whose record is not marked told."""
+        told = steps(self._tell(batch_id, status), True)
+        assert told is not None
+        return told
 
     def hold(self, batch_id: str, *, token: str, ttl_ms: int) -> Call[bool]:
         """Take the batch's lease, or renew it if `token` holds it."""

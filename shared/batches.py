@@ -243,6 +243,9 @@ class BatchRecord(HashModel):
     cancelled_at: float | None = None
     ending: Literal["completed", "expired", "cancelled"] | None = None
     """Set when the batch starts to end: the status its finalizer gives it."""
+    told: bool | None = None
+    """Cluster: the webhook outbox heard of its final status (a step after it; the driver,
+    cleaning up an ended batch, tells again where this is not set)."""
     output_file_id: str | None = None
     error_file_id: str | None = None
     errors: list[BatchError] | None = None

@@ -22,9 +22,10 @@ built exactly as before, untagged):
 - a file's slot, a batch's slot: as on one Redis.
 - an owner's slot `{o:<owner>}`: its request and tokens-per-minute buckets (RATE_LIMIT reads
   both; CHARGE and REFUND are SUBMIT's tokens step).
-- everything else (workers, model cards, gateways, locks and leases, idempotency keys, the
-  webhook outbox, dead letters, listings) is one key in a slot of its own, only ever touched
-  alone.
+- `{webhooks}`: the webhook outbox, delivery records, due set, dead letters, disabled
+  endpoints and the sender's lease (gateway/webhooks.py acks and records in one MULTI).
+- everything else (workers, model cards, gateways, locks and leases, idempotency keys,
+  listings) is one key in a slot of its own, only ever touched alone.
 
 A script that would span slots on a cluster runs as steps instead, one slot each, ordered so
 that a crash between two leaves nothing a reader could mistake (shared/transitions.py).
@@ -154,30 +155,36 @@ class Keys:
         """Hash: the job record."""
         return f"{self.prefix}job:{{{job_id}}}"
 
+    @property
+    def _webhooks(self) -> str:
+        """The prefix of the webhook keys: one slot on a cluster (`{webhooks}`), as the
+        sender's MULTI (acks, delivery records, the due set) needs."""
+        return f"{self.prefix}{{webhooks}}:" if self.cluster else f"{self.prefix}webhooks:"
+
     def webhook_outbox(self) -> str:
         """Stream + consumer group: jobs and batches that ended with an event to send, written
         in the step that ends them (JobRecord.notify, BATCH_UPDATE); gateway/webhooks.py."""
-        return f"{self.prefix}webhooks:outbox"
+        return f"{self._webhooks}outbox"
 
     def webhook_delivery(self, delivery_id: str) -> str:
         """Hash: one event to one endpoint (its body, URL, attempts; never the secret)."""
-        return f"{self.prefix}webhooks:delivery:{delivery_id}"
+        return f"{self._webhooks}delivery:{delivery_id}"
 
     def webhook_due(self) -> str:
         """Sorted set: deliveries by when their next attempt is due."""
-        return f"{self.prefix}webhooks:due"
+        return f"{self._webhooks}due"
 
     def webhook_dead(self) -> str:
         """Stream (capped): deliveries given up on, with why."""
-        return f"{self.prefix}webhooks:dead"
+        return f"{self._webhooks}dead"
 
     def webhook_disabled(self) -> str:
         """Set: endpoint URLs that answered 410 Gone (nothing more is sent there)."""
-        return f"{self.prefix}webhooks:disabled"
+        return f"{self._webhooks}disabled"
 
     def webhook_lease(self) -> str:
         """String with TTL: the gateway process sending webhooks now."""
-        return f"{self.prefix}webhooks:lease"
+        return f"{self._webhooks}lease"
 
     def response(self, job_id: str) -> str:
         """String (JSON): what a Responses API response keeps beside its job (its owner,

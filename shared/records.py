@@ -266,6 +266,9 @@ class JobRecord(HashModel):
     done_stream: str | None = None
     """A stream told the job's id in the step that ends it (EMIT of a final event, SETTLE):
     a batch's, so that its tracker learns which lines finished without polling them."""
+    told: bool | None = None
+    """Cluster: the outbox of `notify` heard of the end (a step after it; a START that finds
+    the job ended without it tells again)."""
     log: str | None = None
     """The compact form of its event log (`shared.compact`, packed), once the log was
     compacted (GENQ_EVENT_COMPACT_GRACE_S after the job ended); the log is gone then."""

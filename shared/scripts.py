@@ -264,6 +264,7 @@ JOB_ENDED = ScriptArgs(
     argv=("job_id", "compact", "compact_at", "recent_cap", "status", "group", "entry"),
 )
 TELL_STREAM = ScriptArgs("tell_stream", keys=("stream",), argv=("job_id",))
+TOLD = ScriptArgs("told", keys=("job",))
 TELL_BATCH = ScriptArgs("tell_batch", keys=("outbox",), argv=("batch_id", "status"))
 COMPACT_JOB = ScriptArgs(
     "compact_job",
@@ -312,6 +313,7 @@ DECLARED: dict[str, ScriptArgs] = {
         SETTLE_JOB,
         JOB_ENDED,
         TELL_STREAM,
+        TOLD,
         TELL_BATCH,
         COMPACT_JOB,
         INDEX_REMOVE,

@@ -966,8 +966,6 @@ class GatewaySettings(JobSettings):
                         f"Cluster yet (leave it unset there, or set {value})"
                     )
                 object.__setattr__(self, name, value)
-        if self.webhooks:
-            raise ValueError("GENQ_WEBHOOKS: webhooks are not delivered on a Redis Cluster yet")
         return self
 
     @model_validator(mode="after")

@@ -688,7 +688,11 @@ class Transitions:
         self, job_id: str, raw_end: Sequence[Any], entry: tuple[str, str] | None
     ) -> list[Call[Any]]:
         """Cluster: what a job's end does beyond its own slot, from what its end step read
-        of the record: (status, done stream, outbox)."""
+        of the record: (status, done stream, outbox). The streams are told first, and the
+        record marked told (TOLD) where an outbox heard: until the queue entry is
+        acknowledged (JOB_ENDED) a stop in between leaves the entry to be reclaimed, and the
+        START that finds the job ended tells again what was not marked (`start`); then the
+        indexes and the entry's ack, then the admission count."""
         k, shard = self.keys, self.keys.shard_of(job_id)
         status, done_stream, outbox = (str(x) for x in raw_end)
         queue, entry_id = entry or (k.deadlines(shard), "")
@@ -707,13 +711,15 @@ class Transitions:
             "recent": k.recent_jobs(shard),
             "queue": queue,
         }
+        told: dict[str, Arg] = {"job_id": job_id}
         out: list[Call[Any]] = [
-            self._call(lua.JOB_ENDED, int, index_keys, ended),
-            self._release(job_id),
+            self._call(lua.TELL_STREAM, int, {"stream": stream}, told)
+            for stream in (done_stream, outbox)
+            if stream
         ]
-        for stream in (done_stream, outbox):
-            if stream:
-                out.append(self._call(lua.TELL_STREAM, int, {"stream": stream}, {"job_id": job_id}))
+        if outbox:
+            out.append(self._call(lua.TOLD, int, {"job": k.job(job_id)}))
+        out += [self._call(lua.JOB_ENDED, int, index_keys, ended), self._release(job_id)]
         return out
 
     def start(
@@ -725,7 +731,17 @@ class Transitions:
             "max_attempts": max_attempts,
             "max_interruptions": max_interruptions,
         }
-        return self._call(lua.START, _start_reply, self._job(job_id), args)
+        then = None
+        if self.cluster:
+
+            def then(raw: Any) -> Call[StartReply] | None:
+                # ended with an outbox that never heard (its ender stopped between the
+                # steps): the end's steps again, from the first
+                if len(raw) == 4 and raw[2] and raw[3] != "1":
+                    return steps(self._end_steps(job_id, raw[:3], None), _start_reply(raw))
+                return None
+
+        return self._call(lua.START, _start_reply, self._job(job_id), args, (), then)
 
     def emit(
         self,

@@ -136,6 +136,10 @@ class BatchDriver:
     async def _step(self, record: BatchRecord, lease: Lease) -> bool:
         """One step of a batch; whether another can follow at once."""
         if record.status in ENDED_BATCH_STATUSES:
+            if self.keys.cluster and batch_notify(self.settings) and not record.told:
+                # its final status was set, and whoever set it stopped before the outbox
+                # heard (a step after it on a cluster): tell it now
+                await self.scripts.run(self.tx.retell(record.id, record.status))
             await self.finalizer.clean(record.id)
             self._progress.pop(record.id, None)
             return False

@@ -6,10 +6,13 @@
 --    the job (settle) with an error event it builds
 --  | {'interrupted', attempt, last_seq, status, interruptions}: stops interrupted it more
 --    than A.max_interruptions times; nothing written, the caller ends it as for 'exhausted'
---  | {status}: ended already, or 'missing'
+--  | {status, done_stream, notify, told}: ended already | {'missing'}
 local st = redis.call('HGET', K.job, 'status')
 if not st then return {'missing'} end
-if st ~= 'queued' and st ~= 'running' then return {st} end
+if st ~= 'queued' and st ~= 'running' then
+  local t = redis.call('HMGET', K.job, 'done_stream', 'notify', 'told')
+  return {st, t[1] or '', t[2] or '', t[3] or ''}
+end
 -- Every read that can fail (a damaged key) comes before the first write: a script that
 -- errors keeps what it wrote.
 local seq = last_seq(K.events)

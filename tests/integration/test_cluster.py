@@ -31,6 +31,7 @@ from shared.transitions import Call, Queued, ScriptRunner
 from tests.cluster import LocalCluster
 from tests.conftest import REDIS_URL, Stack, gateway_only, gateways, parse_sse, running_stack
 from tests.integration.test_rate_limits import keys_file_flow, tokens_per_minute_flow
+from tests.integration.test_webhooks import SECRET, hooked, job, receiver, until, unwrap
 from tests.prefixes import test_prefix
 
 SHARDS = 3
@@ -144,10 +145,10 @@ async def test_jobs_run_to_the_end_and_stream_on_a_cluster(
     ):
         jobs.append(await cstack.submit(prompt=f"job {len(jobs)}", max_tokens=8))
     assert {keys.shard_of(j["id"]) for j in jobs} == set(range(SHARDS))  # every shard used
-    for job in jobs:
-        done = await cstack.wait_status(job["id"], "succeeded")
+    for submitted in jobs:
+        done = await cstack.wait_status(submitted["id"], "succeeded")
         assert done["usage"]["completion_tokens"] == 8
-        events = await _stream(cstack, job["id"])
+        events = await _stream(cstack, submitted["id"])
         assert [e[0] for e in events] == list(range(1, len(events) + 1))
         assert events[0][1] == "queued" and events[-1][1] == "done"
     # every queue entry acknowledged and deleted; nothing pending in any shard
@@ -533,6 +534,79 @@ async def test_a_job_a_limit_refuses_after_its_charge_gets_its_tokens_back(
             assert int(again.headers["x-ratelimit-remaining-tokens"]) in range(18, 22)
     finally:
         await client.aclose()
+
+
+async def _batch_of(stack: Stack, n: int) -> str:
+    lines = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "sim", "prompt": f"q{i}", "max_tokens": 2},
+        }
+        for i in range(n)
+    ]
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    files = {"file": ("in.jsonl", content, "application/jsonl")}
+    r = await stack.client.post("/v1/files", files=files, data={"purpose": "batch"})
+    body = {"input_file_id": r.json()["id"], "endpoint": "/v1/completions"}
+    r = await stack.client.post("/v1/batches", json={**body, "completion_window": "24h"})
+    assert r.status_code == 200, r.text
+    return str(r.json()["id"])
+
+
+async def test_webhooks_are_delivered_on_a_cluster_whatever_step_an_end_stopped_at(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Signed as on one Redis, retried through a receiver's 503s (the sender's MULTI on the
+    `{webhooks}` slot). A job's end whose outbox step was lost (the worker's write stops
+    after the end) is told by the START that reclaims its entry; a batch's final status
+    whose outbox step was lost, by the driver cleaning the batch up."""
+    evalsha, pipeline = ScriptRunner._evalsha, ScriptRunner._pipeline
+    lost: list[str] = []
+
+    def lose(call: Call[Any]) -> bool:
+        name = call.script.name
+        if name in ("tell_stream", "tell_batch") and name not in lost:
+            lost.append(name)
+            return True
+        return False
+
+    async def lose_the_first_tell(redis: Any, call: Call[Any]) -> Any:
+        if lose(call):
+            raise RedisConnectionError("injected: the end stops before the outbox heard")
+        return await evalsha(redis, call)
+
+    async def lose_it_in_a_pipeline(runner: ScriptRunner, calls: list[Call[Any]]) -> list[Any]:
+        dropped = [lose(c) for c in calls]
+        kept = [c for c, d in zip(calls, dropped, strict=True) if not d]
+        sent = iter(await pipeline(runner, kept))
+        return [RedisConnectionError("injected") if d else next(sent) for d in dropped]
+
+    with receiver() as rx:
+        rx.answers = [503, 503]
+        endpoints = [{"url": rx.url, "secret": SECRET, "events": ["batch.completed"]}]
+        settings = hooked(cluster_settings(cluster), webhooks=endpoints)
+        client = connect(settings)
+        try:
+            async with running_stack(settings, client) as stack:
+                monkeypatch.setattr(ScriptRunner, "_evalsha", staticmethod(lose_the_first_tell))
+                monkeypatch.setattr(ScriptRunner, "_pipeline", lose_it_in_a_pipeline)
+                jobs = [await job(stack, max_tokens=2, webhook={"url": rx.url}) for _ in range(3)]
+                batch = await _batch_of(stack, 3)
+                await until(lambda: len({e["data"]["id"] for e in rx.events()}) == 4, 30)
+                assert lost == ["tell_stream", "tell_batch"]
+                await asyncio.sleep(0.3)  # nothing more comes
+        finally:
+            await client.aclose()
+    delivered = [unwrap(seen, SECRET) for seen in rx.seen]  # each signed right
+    kinds = {e.data.id: e.type for e in delivered}
+    assert kinds == {**{j: "job.succeeded" for j in jobs}, batch: "batch.completed"}
+    by_id: dict[str, set[str]] = {}
+    for headers, body in rx.seen:
+        by_id.setdefault(json.loads(body)["data"]["id"], set()).add(headers["webhook-id"])
+    assert all(len(ids) == 1 for ids in by_id.values())  # retries under the event's one id
+    assert len(rx.delivered) == 4
 
 
 async def test_a_queued_job_past_its_deadline_expires_on_a_cluster(cluster: LocalCluster) -> None:
