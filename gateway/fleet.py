@@ -105,10 +105,9 @@ async def _queues(redis: aioredis.Redis, keys: Keys, models: list[str]) -> Queue
         before = stats.get((model, priority), (0, 0, 0))
         stats[(model, priority)] = (before[0] + length, before[1] + lag, before[2] + pending)
     # token-fair scheduling's waiting jobs are queued too, not yet let into the stream
-    fair = [(m, p) for m in models for p in PRIORITIES]
-    for (model, priority), n in zip(
-        fair, await _pipelined(redis, [keys.fair_queue(m, p) for m, p in fair]), strict=True
-    ):
+    fair = [(m, p) for m in models for p in PRIORITIES for _ in range(keys.shards)]
+    sets = [keys.fair_queue(m, p, i % keys.shards) for i, (m, p) in enumerate(fair)]
+    for (model, priority), n in zip(fair, await _pipelined(redis, sets), strict=True):
         length, lag, pending = stats.get((model, priority), (0, 0, 0))
         stats[(model, priority)] = (length + n, lag + n, pending)
     return stats

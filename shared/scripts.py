@@ -244,7 +244,7 @@ SUBMIT_JOB = ScriptArgs("submit_job", keys=JOB, argv=("queued_event",), rest="re
 SUBMIT_QUEUE = ScriptArgs(
     "submit_queue",
     keys=("pending", "pending_since", "deadlines", "recent"),
-    argv=("job_id", "recent_cap"),
+    argv=("job_id", "recent_cap", "group"),
 )
 EMIT_JOB = ScriptArgs(
     "emit_job",

@@ -952,12 +952,11 @@ class GatewaySettings(JobSettings):
 
     @model_validator(mode="after")
     def _cluster_features(self) -> GatewaySettings:
-        """On a Redis Cluster, what genq does not run there yet is off: token-fair scheduling
-        (owners then share by jobs in flight), cache-aware placement. Asked for by name, each
-        stops the start instead of being dropped quietly."""
+        """On a Redis Cluster, what genq does not run there yet is off: cache-aware
+        placement. Asked for by name, it stops the start instead of being dropped quietly."""
         if not self.redis_cluster:
             return self
-        off: dict[str, object] = {"fair_scheduling": "jobs", "placement": False}
+        off: dict[str, object] = {"placement": False}
         for name, value in off.items():
             if getattr(self, name) != value:
                 if name in self.model_fields_set:

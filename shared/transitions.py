@@ -495,7 +495,11 @@ class Transitions:
 
         def queue_step(_raw: Any) -> Call[SubmitReply]:
             keys = {**pending, "deadlines": k.deadlines(shard), "recent": k.recent_jobs(shard)}
-            args: dict[str, Arg] = {"job_id": spec.id, "recent_cap": self.recent_jobs}
+            args: dict[str, Arg] = {
+                "job_id": spec.id,
+                "recent_cap": self.recent_jobs,
+                "group": CONSUMER_GROUP,
+            }
             queued = Queued(left[-1] if left else None)
             return self._call(lua.SUBMIT_QUEUE, lambda _r: queued, keys, args)
 
@@ -539,7 +543,16 @@ class Transitions:
             stream = (k.overflow if overflow else k.queue)(spec.model, spec.priority, shard)
             deadline = "" if spec.deadline is None else repr(spec.deadline)
             pairs = "\x1f".join(str(x) for x in _flat(entry_fields))
-            packed = "\x1e".join((stream, deadline, spec.model, spec.priority, pairs))
+            parts = [stream, deadline, spec.model, spec.priority, pairs]
+            if admission.fair_cost is not None and not overflow:  # token-fair: its shard's
+                parts += [
+                    k.fair_queue(spec.model, spec.priority, shard),
+                    k.fair_clock(spec.model, spec.priority, shard),
+                    repr(admission.fair_cost),
+                    admission.fair_owner,
+                    str(admission.fair_window),
+                ]
+            packed = "\x1e".join(parts)
             args: dict[str, Arg] = {"job_id": spec.id, "now": repr(time.time()), "entry": packed}
             return self._call(lua.SUBMIT_INTENT, lambda _r: Queued(), pending, args, (), claim_step)
 
@@ -681,7 +694,11 @@ class Transitions:
             "deadlines": k.deadlines(shard),
             "recent": k.recent_jobs(shard),
         }
-        args: dict[str, Arg] = {"job_id": job_id, "recent_cap": self.recent_jobs}
+        args: dict[str, Arg] = {
+            "job_id": job_id,
+            "recent_cap": self.recent_jobs,
+            "group": CONSUMER_GROUP,
+        }
         return self._call(lua.SUBMIT_QUEUE, _truthy, keys, args)
 
     def _end_steps(
@@ -967,21 +984,24 @@ class Transitions:
         want: int,
         skip: Iterable[str] = (),
         lane: str | None = None,
+        shard: int = 0,
     ) -> Call[int]:
-        """Let token-fair scheduling's next jobs into the queue of `model`'s `priority`
-        until it holds `want` not yet delivered; how many it let in. With owners to `skip`,
-        their jobs stay queued and other owners' go to `lane` instead (a worker's own, which
-        it reads first): those in the queue not yet delivered, then the next in turn."""
+        """Let token-fair scheduling's next jobs into the queue of `model`'s `priority` (of
+        queue shard `shard`) until it holds `want` not yet delivered; how many it let in.
+        With owners to `skip`, their jobs stay queued and other owners' go to `lane` instead
+        (a worker's own, which it reads first): those in the queue not yet delivered, then
+        the next in turn."""
         k = self.keys
         skipped = ",".join(skip)
         if skipped and lane is None:
             raise ValueError("jobs released past skipped owners go to a worker's own lane")
+        shared = k.queue(model, priority, shard)
         keys = {
-            "queue": lane if skipped and lane is not None else k.queue(model, priority),
-            "fair_queue": k.fair_queue(model, priority),
-            "fair_clock": k.fair_clock(model, priority),
-            "placed_lanes": k.placed_lanes(),
-            "shared": k.queue(model, priority),
+            "queue": lane if skipped and lane is not None else shared,
+            "fair_queue": k.fair_queue(model, priority, shard),
+            "fair_clock": k.fair_clock(model, priority, shard),
+            "placed_lanes": k.placed_lanes(shard),
+            "shared": shared,
         }
         args: dict[str, Arg] = {"group": CONSUMER_GROUP, "want": want, "skip": skipped}
         return self._call(lua.RELEASE, int, keys, args)

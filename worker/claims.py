@@ -224,7 +224,9 @@ class Claimer:
         own lanes. Nothing to do, and one round trip, when no owner waits."""
         st = self.st
         calls = [
-            st.transitions.release(st.model, p, n, skip=capped or (), lane=st.placed[p])
+            st.transitions.release(
+                st.model, p, n, skip=capped or (), lane=st.placed[p], shard=st.shard
+            )
             for p, n in want.items()
             if n > 0
         ]

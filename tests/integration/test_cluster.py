@@ -31,6 +31,7 @@ from shared.transitions import Call, Queued, ScriptRunner
 from tests.cluster import LocalCluster
 from tests.conftest import REDIS_URL, Stack, gateway_only, gateways, parse_sse, running_stack
 from tests.integration.test_rate_limits import keys_file_flow, tokens_per_minute_flow
+from tests.integration.test_token_fairness import SLOTS, A, B, backlog_shares
 from tests.integration.test_webhooks import SECRET, hooked, job, receiver, until, unwrap
 from tests.prefixes import test_prefix
 
@@ -607,6 +608,26 @@ async def test_webhooks_are_delivered_on_a_cluster_whatever_step_an_end_stopped_
         by_id.setdefault(json.loads(body)["data"]["id"], set()).add(headers["webhook-id"])
     assert all(len(ids) == 1 for ids in by_id.values())  # retries under the event's one id
     assert len(rx.delivered) == 4
+
+
+async def test_token_fair_weights_hold_on_a_cluster(cluster: LocalCluster) -> None:
+    """Token-fair scheduling there: each queue shard's jobs wait in its own fair queue, with
+    its own virtual clock; the owners' jobs spread over the shards, so a 3:1 weight gives
+    about three quarters of the tokens, as on one Redis."""
+    settings = cluster_settings(
+        cluster,
+        api_keys=[A, B],
+        max_batch=SLOTS,
+        key_weights={A: 1.0, B: 3.0},
+        fair_scheduling="tokens",
+    )
+    client = connect(settings)
+    try:
+        async with running_stack(settings, client, step_ms=10) as stack:
+            shares = await backlog_shares(stack, {A: "the model", B: "the model"}, window=40)
+    finally:
+        await client.aclose()
+    assert 0.65 <= shares[B] <= 0.85, shares
 
 
 async def test_a_queued_job_past_its_deadline_expires_on_a_cluster(cluster: LocalCluster) -> None:
