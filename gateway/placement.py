@@ -344,7 +344,8 @@ class Placement:
             len(spec.input_ids) - shared_pages(chain, worker.pages) * PAGE_TOKENS
         )
         worker.pages.update(chain)  # on its way there: the next job with this prefix follows
-        lane = self.keys.placed(spec.model, spec.priority, worker.beat.worker_id)
+        shard = self.keys.shard_of(spec.id)  # on a cluster, the worker's lane in the job's
+        lane = self.keys.placed(spec.model, spec.priority, worker.beat.worker_id, shard)
         news = CacheNews(
             worker=worker.beat.worker_id, gateway=self.id, placed=1, added=pack_summary(chain)
         )
@@ -500,25 +501,27 @@ class StealSweep:
 
     async def sweep(self) -> int:
         """Jobs moved to shared queues this round."""
-        lanes = sorted(await self.redis.smembers(self.keys.placed_lanes()))
-        parsed = [(lane, p) for lane in lanes if (p := self._parse(lane)) is not None]
+        parsed: list[tuple[str, tuple[str, Priority, str, int]]] = []
+        for shard in range(self.keys.shards):  # each queue shard's lanes (one on one Redis)
+            lanes = sorted(await self.redis.smembers(self.keys.placed_lanes(shard)))
+            parsed += [(lane, p) for lane in lanes if (p := self._parse(lane, shard)) is not None]
         if not parsed:
             return 0
         pipe = self.redis.pipeline(transaction=False)
-        for _, (_, _, worker) in parsed:
+        for _, (_, _, worker, _) in parsed:
             pipe.exists(self.keys.worker(worker))
         alive = await pipe.execute()
         older_ms = int(self.settings.placement_wait_s * 1000)
         calls = [
             self.transitions.steal(
                 lane,
-                self.keys.queue(model, priority),
+                self.keys.queue(model, priority, shard),
                 group=CONSUMER_GROUP,
                 older_ms=older_ms,
                 dead=not up,
                 limit=STEAL_BATCH,
             )
-            for (lane, (model, priority, _)), up in zip(parsed, alive, strict=True)
+            for (lane, (model, priority, _, shard)), up in zip(parsed, alive, strict=True)
         ]
         moved = 0
         for (lane, _), reply in zip(parsed, await self.scripts.run_all(calls), strict=True):
@@ -531,15 +534,16 @@ class StealSweep:
             log.info("jobs moved from worker lanes to shared queues", extra={"jobs": moved})
         return moved
 
-    def _parse(self, lane: str) -> tuple[str, Priority, str] | None:
-        """(model, priority, worker) of a lane key; None for a key that is not one."""
+    def _parse(self, lane: str, shard: int) -> tuple[str, Priority, str, int] | None:
+        """(model, priority, worker, shard) of a lane key of queue shard `shard`; None for a
+        key that is not one."""
         head, sep, worker = lane.rpartition(":w:")
         if not sep or not worker:
             return None
         head, _, priority = head.rpartition(":")
-        prefix = f"{self.keys.prefix}queue:"
+        prefix = self.keys.queue_prefix(shard)
         if priority not in PRIORITIES or not head.startswith(prefix):
             return None
         model = head[len(prefix) :]
         pri: Priority = "interactive" if priority == "interactive" else "batch"
-        return model, pri, worker
+        return model, pri, worker, shard

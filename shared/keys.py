@@ -124,6 +124,10 @@ class Keys:
         """What every worker's lane of a model's priority starts with (then its worker id)."""
         return f"{self._q(shard)}queue:{model}:{priority}:w:"
 
+    def queue_prefix(self, shard: int = 0) -> str:
+        """What every queue key of a shard starts with (then the model and priority)."""
+        return f"{self._q(shard)}queue:"
+
     def placed_lanes(self, shard: int = 0) -> str:
         """Set: every worker lane that was ever given a job (the steal sweep walks it)."""
         return f"{self._q(shard)}placed-lanes"

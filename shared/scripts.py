@@ -243,7 +243,7 @@ SUBMIT_INTENT = ScriptArgs(
 SUBMIT_JOB = ScriptArgs("submit_job", keys=JOB, argv=("queued_event",), rest="record pairs")
 SUBMIT_QUEUE = ScriptArgs(
     "submit_queue",
-    keys=("pending", "pending_since", "deadlines", "recent"),
+    keys=("pending", "pending_since", "deadlines", "recent", "placed_lanes"),
     argv=("job_id", "recent_cap", "group"),
 )
 EMIT_JOB = ScriptArgs(
@@ -265,6 +265,8 @@ JOB_ENDED = ScriptArgs(
 )
 TELL_STREAM = ScriptArgs("tell_stream", keys=("stream",), argv=("job_id",))
 TOLD = ScriptArgs("told", keys=("job",))
+LANE_COUNT = ScriptArgs("lane_count", keys=("interactive", "batch"))
+PUBLISH_NEWS = ScriptArgs("publish_news", keys=("channel",), argv=("news", "lane"))
 TELL_BATCH = ScriptArgs("tell_batch", keys=("outbox",), argv=("batch_id", "status"))
 COMPACT_JOB = ScriptArgs(
     "compact_job",
@@ -314,6 +316,8 @@ DECLARED: dict[str, ScriptArgs] = {
         JOB_ENDED,
         TELL_STREAM,
         TOLD,
+        LANE_COUNT,
+        PUBLISH_NEWS,
         TELL_BATCH,
         COMPACT_JOB,
         INDEX_REMOVE,

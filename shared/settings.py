@@ -951,23 +951,6 @@ class GatewaySettings(JobSettings):
         return self
 
     @model_validator(mode="after")
-    def _cluster_features(self) -> GatewaySettings:
-        """On a Redis Cluster, what genq does not run there yet is off: cache-aware
-        placement. Asked for by name, it stops the start instead of being dropped quietly."""
-        if not self.redis_cluster:
-            return self
-        off: dict[str, object] = {"placement": False}
-        for name, value in off.items():
-            if getattr(self, name) != value:
-                if name in self.model_fields_set:
-                    raise ValueError(
-                        f"GENQ_{name.upper()}={getattr(self, name)}: not supported on a Redis "
-                        f"Cluster yet (leave it unset there, or set {value})"
-                    )
-                object.__setattr__(self, name, value)
-        return self
-
-    @model_validator(mode="after")
     def _lease_outlasts_beats(self) -> GatewaySettings:
         if self.gateway_lease_s <= self.gateway_heartbeat_s:
             raise ValueError("gateway_lease_s must be longer than gateway_heartbeat_s")

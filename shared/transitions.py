@@ -418,6 +418,8 @@ class Transitions:
                 idempotency_claim,
                 idempotency_ttl_s,
                 admission,
+                lane,
+                news,
             )
         keys = {
             **self._job(spec.id),
@@ -475,12 +477,14 @@ class Transitions:
         claim: str,
         claim_ttl_s: int,
         admission: Admission,
+        lane: str | None,
+        news: str,
     ) -> Call[SubmitReply]:
         """SUBMIT on a cluster, as steps (module docstring): a look at the idempotency key,
         the tokens-per-minute charge, the admission (refused: the charge given back), the
         pending entry, the idempotency claim (another request's claim, made meanwhile, undoes
-        the steps before), the record, the queue entry. Placement lanes and token-fair
-        scheduling are not run on a cluster (the settings refuse them there). A stop between
+        the steps before), the record, the queue entry (in `lane`, a worker's lane of the
+        job's shard, when placement chose one; then `news` to every gateway). A stop between
         the charge and a refusal's refund costs the owner that job's tokens until its bucket
         refills (a minute at most)."""
         spec, k = record.spec, self.keys
@@ -493,15 +497,24 @@ class Transitions:
             tpm: dict[str, Arg] = {"job_id": spec.id, "charge": charge.tokens, "tpm": charge.tpm}
             refund.append(self._call(lua.REFUND, int, {"bucket": charge.bucket}, tpm))
 
+        told: list[bool] = []  # whether the entry went to `lane` (the news then follows)
+
         def queue_step(_raw: Any) -> Call[SubmitReply]:
-            keys = {**pending, "deadlines": k.deadlines(shard), "recent": k.recent_jobs(shard)}
-            args: dict[str, Arg] = {
-                "job_id": spec.id,
-                "recent_cap": self.recent_jobs,
-                "group": CONSUMER_GROUP,
-            }
-            queued = Queued(left[-1] if left else None)
-            return self._call(lua.SUBMIT_QUEUE, lambda _r: queued, keys, args)
+            queued: SubmitReply = Queued(left[-1] if left else None)
+            publish: Call[SubmitReply] | None = None
+            if told and news:
+                tell: dict[str, Arg] = {"news": news, "lane": ""}
+                publish = self._call(
+                    lua.PUBLISH_NEWS, lambda _r: queued, {"channel": k.cache_news()}, tell
+                )
+            return self._call(
+                lua.SUBMIT_QUEUE,
+                lambda _r: queued,
+                self._queue_keys(shard),
+                self._queue_args(spec.id),
+                (),
+                None if publish is None else lambda _r: publish,
+            )
 
         def job_step(_raw: Any) -> Call[SubmitReply]:
             args: dict[str, Arg] = {"queued_event": queued_event}
@@ -541,10 +554,15 @@ class Transitions:
 
         def intent_step(overflow: bool) -> Call[SubmitReply]:
             stream = (k.overflow if overflow else k.queue)(spec.model, spec.priority, shard)
+            placed = lane is not None and not overflow
+            if placed:
+                assert lane is not None
+                stream = lane
+                told.append(True)
             deadline = "" if spec.deadline is None else repr(spec.deadline)
             pairs = "\x1f".join(str(x) for x in _flat(entry_fields))
-            parts = [stream, deadline, spec.model, spec.priority, pairs]
-            if admission.fair_cost is not None and not overflow:  # token-fair: its shard's
+            parts = [stream, deadline, spec.model, spec.priority, pairs, "1" if placed else ""]
+            if admission.fair_cost is not None and not overflow and not placed:  # the shard's
                 parts += [
                     k.fair_queue(spec.model, spec.priority, shard),
                     k.fair_clock(spec.model, spec.priority, shard),
@@ -687,19 +705,24 @@ class Transitions:
     def reconcile(self, job_id: str) -> Call[bool]:
         """Cluster: queue a job whose submit stopped after writing its record (SUBMIT_QUEUE:
         nothing if it is queued already); whether this queued it."""
-        k, shard = self.keys, self.keys.shard_of(job_id)
-        keys = {
+        shard = self.keys.shard_of(job_id)
+        return self._call(
+            lua.SUBMIT_QUEUE, _truthy, self._queue_keys(shard), self._queue_args(job_id)
+        )
+
+    def _queue_keys(self, shard: int) -> dict[str, str]:
+        """SUBMIT_QUEUE's keys: a queue shard's."""
+        k = self.keys
+        return {
             "pending": k.pending(shard),
             "pending_since": k.pending_since(shard),
             "deadlines": k.deadlines(shard),
             "recent": k.recent_jobs(shard),
+            "placed_lanes": k.placed_lanes(shard),
         }
-        args: dict[str, Arg] = {
-            "job_id": job_id,
-            "recent_cap": self.recent_jobs,
-            "group": CONSUMER_GROUP,
-        }
-        return self._call(lua.SUBMIT_QUEUE, _truthy, keys, args)
+
+    def _queue_args(self, job_id: str) -> dict[str, Arg]:
+        return {"job_id": job_id, "recent_cap": self.recent_jobs, "group": CONSUMER_GROUP}
 
     def _end_steps(
         self, job_id: str, raw_end: Sequence[Any], entry: tuple[str, str] | None
@@ -968,14 +991,32 @@ class Transitions:
         }
         return self._call(lua.STEAL, lambda r: (int(r[0]), int(r[1])), keys, args)
 
-    def cache_news(self, lanes: Sequence[str], news: str, held: int) -> Call[int]:
+    def cache_news(self, lanes: Sequence[tuple[str, str]], news: str, held: int) -> Call[int]:
         """Publish a worker's cache news (`CacheNews`, encoded) with the jobs waiting in its
-        `lanes` (its own, interactive then batch) counted, less the `held` entries of them it
-        holds; how many listeners it reached."""
-        interactive, batch = lanes
-        keys = {"interactive": interactive, "batch": batch}
-        args: dict[str, Arg] = {"channel": self.keys.cache_news(), "news": news, "held": held}
-        return self._call(lua.CACHE_NEWS, int, keys, args)
+        `lanes` (its own, (interactive, batch) of each queue shard) counted, less the `held`
+        entries of them it holds; how many listeners it reached. On a cluster the lanes of
+        each shard are counted in a step of their own (LANE_COUNT), then the news goes out
+        on its shard channel (PUBLISH_NEWS)."""
+        if not self.cluster:
+            [(interactive, batch)] = lanes
+            keys = {"interactive": interactive, "batch": batch}
+            args: dict[str, Arg] = {"channel": self.keys.cache_news(), "news": news, "held": held}
+            return self._call(lua.CACHE_NEWS, int, keys, args)
+        waiting = [-held]
+
+        def count(t: int) -> Call[int]:
+            def after(raw: Any) -> Call[int] | None:
+                waiting.append(int(raw))
+                if t + 1 < len(lanes):
+                    return count(t + 1)
+                tell: dict[str, Arg] = {"news": news, "lane": max(0, sum(waiting))}
+                return self._call(lua.PUBLISH_NEWS, int, {"channel": self.keys.cache_news()}, tell)
+
+            interactive, batch = lanes[t]
+            keys = {"interactive": interactive, "batch": batch}
+            return self._call(lua.LANE_COUNT, int, keys, {}, (), after)
+
+        return count(0)
 
     def release(
         self,

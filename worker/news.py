@@ -51,8 +51,12 @@ class NewsDesk:
             news.added, news.dropped = pack_summary(change.added), pack_summary(change.dropped)
         else:
             news.since = news.version = st.cache.version
-        own = set(st.placed.values())
+        k = st.keys
+        lanes = [
+            (k.placed(st.model, "interactive", st.id, i), k.placed(st.model, "batch", st.id, i))
+            for i in range(k.shards)
+        ]  # its lanes in every queue shard (one on one Redis)
+        own = {lane for pair in lanes for lane in pair}
         held = sum(1 for r in st.running.values() if r.claim.queue in own)
         held += sum(1 for c in st.waiting if c.queue in own)
-        lanes = [st.placed["interactive"], st.placed["batch"]]
         return st.transitions.cache_news(lanes, news.encode(), held)

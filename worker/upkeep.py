@@ -254,10 +254,14 @@ class Upkeep:
         """Other workers' lanes of this worker's model: what a dead one had started is
         pending there and is reclaimed like any entry (what it had not, the steal sweep
         moves to the shared queue)."""
-        st = self.st
-        lanes: set[str] = await st.redis.smembers(st.keys.placed_lanes())
-        mine = set(st.placed.values())
-        prefixes = tuple(st.keys.placed_prefix(st.model, p) for p in st.queues)
+        st, k = self.st, self.st.keys
+        lanes: set[str] = set()
+        for shard in range(k.shards):  # each queue shard's set (one on one Redis)
+            lanes |= await st.redis.smembers(k.placed_lanes(shard))
+        mine = {k.placed(st.model, p, st.id, i) for p in st.queues for i in range(k.shards)}
+        prefixes = tuple(
+            k.placed_prefix(st.model, p, i) for p in st.queues for i in range(k.shards)
+        )
         return sorted(lane for lane in lanes if lane.startswith(prefixes) and lane not in mine)
 
     async def _forget_dead(self, queue: str) -> None:

@@ -6,8 +6,9 @@ and the commands they run both count, as Redis counts them) and each primary's s
 
     python -m tests.bench.cluster --concurrency 64 --requests 512 --max-tokens 100
 
-Both runs use the features a cluster runs (jobs-in-flight fairness, no placement), so they
-differ only in where Redis is.
+Both runs use the same features (jobs-in-flight fairness, no placement: what a cluster ran
+when the first figures were taken, kept so the runs compare), so they differ only in where
+Redis is.
 """
 
 from __future__ import annotations

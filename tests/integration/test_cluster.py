@@ -30,6 +30,7 @@ from shared.settings import Settings
 from shared.transitions import Call, Queued, ScriptRunner
 from tests.cluster import LocalCluster
 from tests.conftest import REDIS_URL, Stack, gateway_only, gateways, parse_sse, running_stack
+from tests.integration.test_placement import FOLLOW_UP_SHARE, fleet, follow_ups
 from tests.integration.test_rate_limits import keys_file_flow, tokens_per_minute_flow
 from tests.integration.test_token_fairness import SLOTS, A, B, backlog_shares
 from tests.integration.test_webhooks import SECRET, hooked, job, receiver, until, unwrap
@@ -645,6 +646,40 @@ async def test_token_fair_weights_hold_on_a_cluster(cluster: LocalCluster) -> No
     finally:
         await client.aclose()
     assert 0.65 <= shares[B] <= 0.85, shares
+
+
+async def test_placement_on_a_cluster_sends_each_follow_up_where_its_prompt_is(
+    cluster: LocalCluster,
+) -> None:
+    """Cache-aware placement there: the worker's lane is in the job's queue shard, the
+    cache news go out on a shard channel (a worker's counting its lanes in every shard), and
+    the steal sweep walks each shard's lanes. The 0-second follow-up of test_placement.py
+    finds its prompt cached as on one Redis."""
+    settings = cluster_settings(
+        cluster,
+        heartbeat_s=1.0,
+        lease_s=5.0,
+        placement_refresh_s=0.5,
+        placement_sweep_s=0.1,
+    )
+    client = connect(settings)
+    keys = settings.keys()
+    try:
+        async with fleet(settings, client, 2, cache_tokens=16 * 4800, prefill_ms_per_1k=5) as (
+            api,
+            ws,
+        ):
+            turns = await follow_ups(api)
+            lanes = [await client.smembers(keys.placed_lanes(i)) for i in keys.stripes]
+            metrics = (await api.get("/metrics")).text
+    finally:
+        await client.aclose()
+    share = sum(c for c, _ in turns) / sum(p for _, p in turns)
+    assert share >= FOLLOW_UP_SHARE, turns
+    ids = {w.st.id for w in ws}
+    placed = [lane for shard in lanes for lane in shard]
+    assert placed and all(lane.rpartition(":w:")[2] in ids for lane in placed)
+    assert 'genq_placements_total{outcome="prefix"}' in metrics
 
 
 async def test_a_queued_job_past_its_deadline_expires_on_a_cluster(cluster: LocalCluster) -> None:

@@ -131,23 +131,29 @@ async def test_a_follow_up_sent_the_moment_a_turn_ends_finds_its_prompt_cached(
         client,
         _ws,
     ):
-
-        async def agent(c: int) -> tuple[int, int]:
-            prompt = f"conversation {c} " + LONG
-            first = await client.post(
-                "/v1/completions", json={"model": "sim", "prompt": prompt, "max_tokens": 4}
-            )
-            assert first.status_code == 200, first.text
-            second = await client.post(
-                "/v1/completions",
-                json={"model": "sim", "prompt": prompt + " and then", "max_tokens": 4},
-            )
-            usage = second.json()["usage"]
-            return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
-
-        turns = await asyncio.gather(*(agent(c) for c in range(8)))
+        turns = await follow_ups(client)
         share = sum(c for c, _ in turns) / sum(p for _, p in turns)
         assert share >= FOLLOW_UP_SHARE, turns
+
+
+async def follow_ups(client: httpx.AsyncClient, conversations: int = 8) -> list[tuple[int, int]]:
+    """Each conversation's second turn sent the moment its first is answered: (cached,
+    prompt tokens) of each second turn. Run here and on a cluster (test_cluster.py)."""
+
+    async def agent(c: int) -> tuple[int, int]:
+        prompt = f"conversation {c} " + LONG
+        first = await client.post(
+            "/v1/completions", json={"model": "sim", "prompt": prompt, "max_tokens": 4}
+        )
+        assert first.status_code == 200, first.text
+        second = await client.post(
+            "/v1/completions",
+            json={"model": "sim", "prompt": prompt + " and then", "max_tokens": 4},
+        )
+        usage = second.json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+    return list(await asyncio.gather(*(agent(c) for c in range(conversations))))
 
 
 async def test_a_tool_call_loop_reuses_its_prefix_on_every_turn(settings: Settings, redis) -> None:  # type: ignore[no-untyped-def]

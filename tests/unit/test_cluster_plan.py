@@ -80,11 +80,7 @@ def test_cluster_settings() -> None:
         RedisSettings(redis_cluster_tls=True)
 
 
-def test_what_a_cluster_does_not_run_yet_is_off_or_refused_by_name() -> None:
+def test_a_cluster_runs_placement_token_fairness_and_tokens_per_minute() -> None:
     s = Settings(redis_cluster="h:1")
-    assert s.placement is False  # the default turned off
-    assert s.fair_scheduling == "tokens"  # as on one Redis, by each queue shard
-    assert Settings().placement  # one Redis: as ever
-    with pytest.raises(ValidationError, match="GENQ_PLACEMENT"):
-        Settings(redis_cluster="h:1", placement=True)
+    assert s.placement and s.fair_scheduling == "tokens"  # as on one Redis, by queue shard
     assert Settings(redis_cluster="h:1", tokens_per_minute_per_key=1000).tokens_per_minute_per_key
