@@ -39,6 +39,17 @@ def command_calls(ports: list[int]) -> dict[int, dict[str, int]]:
     return out
 
 
+def cpu_used(ports: list[int]) -> dict[int, float]:
+    """Per node: CPU seconds its redis-server used so far (INFO cpu, user + system)."""
+    out = {}
+    for port in ports:
+        c = redis.Redis(port=port, decode_responses=True)
+        info = c.info("cpu")
+        c.close()
+        out[port] = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return out
+
+
 def command_figures(
     before: dict[int, dict[str, int]], after: dict[int, dict[str, int]], tokens: int, jobs: int
 ) -> dict[str, object]:
@@ -59,12 +70,12 @@ def command_figures(
         port: {cmd: n - before[port].get(cmd, 0) for cmd, n in after[port].items()}
         for port in after
     }
-    commands = {cmd for d in deltas.values() for cmd in d}
-    mean_of = {cmd: sum(d.get(cmd, 0) for d in deltas.values()) / len(deltas) for cmd in commands}
+    commands = {cmd for ran in deltas.values() for cmd in ran}
+    mean_of = {c: sum(ran.get(c, 0) for ran in deltas.values()) / len(deltas) for c in commands}
     above_mean = []  # per primary: the commands it runs most above the primaries' mean
-    for d in deltas.values():
-        over = sorted(commands, key=lambda cmd: mean_of[cmd] - d.get(cmd, 0))[:4]
-        above_mean.append({c: round((d.get(c, 0) - mean_of[c]) / max(1, jobs), 2) for c in over})
+    for ran in deltas.values():
+        over = sorted(commands, key=lambda c: mean_of[c] - ran.get(c, 0))[:4]
+        above_mean.append({c: round((ran.get(c, 0) - mean_of[c]) / max(1, jobs), 2) for c in over})
     return {
         "per_primary_above_mean_per_job": above_mean,
         "commands": total,
@@ -81,10 +92,11 @@ def one_redis(args: argparse.Namespace, tmp: Path) -> dict[str, object]:
     args.env = dict(SAME_FEATURES)
     with redis_server() as server:
         assert server.proc is not None
-        before = command_calls([server.port])
+        before, cpu_before = command_calls([server.port]), cpu_used([server.port])
         figures = run(args, server.url, tmp, server.proc.pid)
-        after = command_calls([server.port])
+        after, cpu_after = command_calls([server.port]), cpu_used([server.port])
     figures.update(command_figures(before, after, figures["tokens"], args.requests))
+    figures["redis_cpu_s"] = [round(cpu_after[server.port] - cpu_before[server.port], 3)]
     return figures
 
 
@@ -97,10 +109,11 @@ def on_cluster(args: argparse.Namespace, tmp: Path) -> dict[str, object]:
             "GENQ_QUEUE_SHARDS": str(SHARDS),
         }
         ports = primaries(cluster)
-        before = command_calls(ports)
+        before, cpu_before = command_calls(ports), cpu_used(ports)
         figures = run(args, "", tmp)
-        after = command_calls(ports)
+        after, cpu_after = command_calls(ports), cpu_used(ports)
     figures.update(command_figures(before, after, figures["tokens"], args.requests))
+    figures["redis_cpu_s"] = [round(cpu_after[p] - cpu_before[p], 3) for p in ports]
     return figures
 
 
@@ -134,8 +147,18 @@ def main() -> None:
         "per_primary_vs_mean",
         "busiest_primary_per_job",
         "per_primary_above_mean_per_job",
+        "redis_cpu_s",
     )
+    # the sizing model (docs/operations.md): a primary's CPU is its commands at the one-Redis
+    # run's cost per command; checked against what each primary used
+    us_per_command = single["redis_cpu_s"][0] * 1e6 / max(1, single["commands"])  # type: ignore[index,call-overload]
+    predicted = [round(n * us_per_command / 1e6, 3) for n in clustered["per_primary"]]  # type: ignore[attr-defined]
     result = {
+        "model": {
+            "us_per_command": round(us_per_command, 2),
+            "primary_cpu_s_predicted": predicted,
+            "primary_cpu_s_measured": clustered["redis_cpu_s"],
+        },
         "one_redis": {k: single.get(k) for k in keep},
         "cluster": {k: clustered.get(k) for k in keep},
         "tokens_per_s_ratio": round(clustered["tokens_per_s"] / single["tokens_per_s"], 3),  # type: ignore[operator]
