@@ -520,6 +520,7 @@ class StealSweep:
                 older_ms=older_ms,
                 dead=not up,
                 limit=STEAL_BATCH,
+                shard=shard,
             )
             for (lane, (model, priority, _, shard)), up in zip(parsed, alive, strict=True)
         ]

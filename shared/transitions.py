@@ -978,11 +978,20 @@ class Transitions:
         return self._call(lua.RELEASE_IDEMPOTENCY, _truthy, {"idempotency": key}, {"claim": claim})
 
     def steal(
-        self, lane: str, queue: str, *, group: str, older_ms: int, dead: bool, limit: int
+        self,
+        lane: str,
+        queue: str,
+        *,
+        group: str,
+        older_ms: int,
+        dead: bool,
+        limit: int,
+        shard: int = 0,
     ) -> Call[tuple[int, int]]:
         """Move a worker lane's waiting entries older than `older_ms` (all: `dead`) to
-        `queue`; (moved, still waiting)."""
-        keys = {"lane": lane, "queue": queue, "placed_lanes": self.keys.placed_lanes()}
+        `queue` (both of queue shard `shard`); (moved, still waiting)."""
+        placed_lanes = self.keys.placed_lanes(shard)
+        keys = {"lane": lane, "queue": queue, "placed_lanes": placed_lanes}
         args: dict[str, Arg] = {
             "group": group,
             "older_ms": older_ms,
@@ -991,32 +1000,44 @@ class Transitions:
         }
         return self._call(lua.STEAL, lambda r: (int(r[0]), int(r[1])), keys, args)
 
-    def cache_news(self, lanes: Sequence[tuple[str, str]], news: str, held: int) -> Call[int]:
+    def cache_news(
+        self,
+        lanes: Sequence[tuple[str, str]],
+        news: str,
+        held: int,
+        waiting: int = 0,
+        counted: Callable[[int], None] | None = None,
+    ) -> Call[int]:
         """Publish a worker's cache news (`CacheNews`, encoded) with the jobs waiting in its
         `lanes` (its own, (interactive, batch) of each queue shard) counted, less the `held`
-        entries of them it holds; how many listeners it reached. On a cluster the lanes of
-        each shard are counted in a step of their own (LANE_COUNT), then the news goes out
-        on its shard channel (PUBLISH_NEWS)."""
+        entries of them it holds; how many listeners it reached. On a cluster the lanes are
+        in the shards' slots, not the channel's: the news goes out at once on its shard
+        channel (PUBLISH_NEWS) with `waiting`, the entries its lanes held when last counted,
+        then each shard's are counted in a step of their own (LANE_COUNT) and their sum
+        handed to `counted`, for the next news."""
         if not self.cluster:
             [(interactive, batch)] = lanes
             keys = {"interactive": interactive, "batch": batch}
             args: dict[str, Arg] = {"channel": self.keys.cache_news(), "news": news, "held": held}
             return self._call(lua.CACHE_NEWS, int, keys, args)
-        waiting = [-held]
+        counts: list[int] = []
 
         def count(t: int) -> Call[int]:
             def after(raw: Any) -> Call[int] | None:
-                waiting.append(int(raw))
+                counts.append(int(raw))
                 if t + 1 < len(lanes):
                     return count(t + 1)
-                tell: dict[str, Arg] = {"news": news, "lane": max(0, sum(waiting))}
-                return self._call(lua.PUBLISH_NEWS, int, {"channel": self.keys.cache_news()}, tell)
+                if counted is not None:
+                    counted(sum(counts))
+                return None
 
             interactive, batch = lanes[t]
             keys = {"interactive": interactive, "batch": batch}
             return self._call(lua.LANE_COUNT, int, keys, {}, (), after)
 
-        return count(0)
+        tell: dict[str, Arg] = {"news": news, "lane": max(0, waiting - held)}
+        channel = {"channel": self.keys.cache_news()}
+        return self._call(lua.PUBLISH_NEWS, int, channel, tell, (), lambda _r: count(0))
 
     def release(
         self,

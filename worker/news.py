@@ -20,6 +20,8 @@ class NewsDesk:
         self._seq = 0
         self._load: WorkerLoad | None = None
         """The load the last news said."""
+        self._waiting = 0
+        """On a cluster: the entries in its lanes when last counted (`_counted`)."""
 
     def load(self) -> WorkerLoad:
         """The load fields of the heartbeat and the news (`shared.records.LOAD_FIELDS`)."""
@@ -59,4 +61,11 @@ class NewsDesk:
         own = {lane for pair in lanes for lane in pair}
         held = sum(1 for r in st.running.values() if r.claim.queue in own)
         held += sum(1 for c in st.waiting if c.queue in own)
-        return st.transitions.cache_news(lanes, news.encode(), held)
+        return st.transitions.cache_news(
+            lanes, news.encode(), held, waiting=self._waiting, counted=self._counted
+        )
+
+    def _counted(self, waiting: int) -> None:
+        """On a cluster: the entries in this worker's lanes, counted after its last news was
+        sent (the next news says them)."""
+        self._waiting = waiting

@@ -30,7 +30,13 @@ from shared.settings import Settings
 from shared.transitions import Call, Queued, ScriptRunner
 from tests.cluster import LocalCluster
 from tests.conftest import REDIS_URL, Stack, gateway_only, gateways, parse_sse, running_stack
-from tests.integration.test_placement import FOLLOW_UP_SHARE, fleet, follow_ups
+from tests.integration.test_placement import (
+    FOLLOW_UP_SHARE,
+    HISTORY,
+    fake_worker,
+    fleet,
+    follow_ups,
+)
 from tests.integration.test_rate_limits import keys_file_flow, tokens_per_minute_flow
 from tests.integration.test_token_fairness import SLOTS, A, B, backlog_shares
 from tests.integration.test_webhooks import SECRET, hooked, job, receiver, until, unwrap
@@ -675,11 +681,39 @@ async def test_placement_on_a_cluster_sends_each_follow_up_where_its_prompt_is(
     finally:
         await client.aclose()
     share = sum(c for c, _ in turns) / sum(p for _, p in turns)
-    assert share >= FOLLOW_UP_SHARE, turns
+    placements = [line for line in metrics.splitlines() if "genq_placements_total{" in line]
+    assert share >= FOLLOW_UP_SHARE, (turns, placements)
     ids = {w.st.id for w in ws}
     placed = [lane for shard in lanes for lane in shard]
     assert placed and all(lane.rpartition(":w:")[2] in ids for lane in placed)
     assert 'genq_placements_total{outcome="prefix"}' in metrics
+
+
+async def test_a_dead_workers_lanes_are_emptied_in_every_shard(cluster: LocalCluster) -> None:
+    """Jobs placed on a worker that dies wait in its lanes of several queue shards: the
+    steal sweep moves each shard's to that shard's queue at once, and they run."""
+    settings = cluster_settings(
+        cluster, placement_refresh_s=0.05, placement_sweep_s=0.05, placement_wait_s=60
+    )
+    client = connect(settings)
+    keys = settings.keys()
+    try:
+        async with fleet(settings, client, workers=1) as (api, ws):
+            fake = await fake_worker(client, settings, ws[0], HISTORY)
+            made: list[str] = []
+            while len(made) < 12 and len({keys.shard_of(j) for j in made}) < 2:
+                body = {"model": "sim", "prompt": f"{HISTORY} {len(made)}", "max_tokens": 4}
+                made.append((await api.post("/v1/jobs", json=body)).json()["id"])
+            lanes = {keys.placed("sim", "interactive", fake, keys.shard_of(j)) for j in made}
+            assert len(lanes) >= 2 and all([await client.xlen(lane) for lane in lanes])
+            await client.delete(keys.worker(fake))  # it dies: its heartbeat lapses
+            async with asyncio.timeout(10):  # far below the 60 s deadline
+                for job_id in made:
+                    while (await api.get(f"/v1/jobs/{job_id}")).json()["status"] != "succeeded":
+                        await asyncio.sleep(0.02)
+            assert not any([await client.exists(lane) for lane in lanes])
+    finally:
+        await client.aclose()
 
 
 async def test_a_queued_job_past_its_deadline_expires_on_a_cluster(cluster: LocalCluster) -> None:
@@ -762,7 +796,8 @@ async def test_a_primary_killed_under_load_loses_and_repeats_nothing(
             await asyncio.sleep(0.3)
             victim.kill()
             views = [await _ended(stack, j["id"]) for j in jobs]
-            assert [v["status"] for v in views] == ["succeeded"] * KILL_JOBS
+            unhappy = [v for v in views if v["status"] != "succeeded"]
+            assert not unhappy, unhappy
             assert all(v["usage"]["completion_tokens"] == 30 for v in views)
             for task, view in zip(streams, views, strict=False):
                 events = await task
