@@ -27,12 +27,15 @@ from redis.asyncio.connection import (
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import (
+    AskError,
     BusyLoadingError,
+    ClusterDownError,
     MasterDownError,
     NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
     ResponseError,
+    SlotNotCoveredError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -56,6 +59,12 @@ TRANSIENT = (
     MasterDownError,  # MASTERDOWN
     NoScriptError,  # NOSCRIPT: a restarted Redis forgot the scripts (the runner reloads)
     TryAgainError,
+    # A Redis Cluster failing over or resharding: CLUSTERDOWN (no primary for a slot yet,
+    # every node answers it while a failover is under way), MOVED / ASK (a slot that moved:
+    # the client reads the slot map again), a slot no node serves yet
+    ClusterDownError,
+    AskError,  # MovedError is one
+    SlotNotCoveredError,
 )
 _TRANSIENT_REPLIES = (
     "BUSY ",
@@ -65,6 +74,10 @@ _TRANSIENT_REPLIES = (
     "MASTERDOWN ",
     "NOSCRIPT ",
     "NOREPLICAS ",  # min-replicas-to-write: too few replicas in sync, until one catches up
+    "CLUSTERDOWN ",
+    "MOVED ",
+    "ASK ",
+    "TRYAGAIN ",
 )
 """Error replies of a Redis that will take the same command again shortly (BUSY: a script
 or module ran long), however the client library names them."""

@@ -52,7 +52,12 @@ async def fleet(
     )
     try:
         async with app.router.lifespan_context(app):
-            while len(await redis.zrange(Keys(settings.key_prefix).workers(), 0, -1)) < workers:
+            keys = Keys(settings.key_prefix)
+            # every worker listed with its beat (on a cluster the two are in different slots,
+            # written in one pipeline but not at one instant)
+            while len(ids := await redis.zrange(keys.workers(), 0, -1)) < workers or not all(
+                [await redis.exists(keys.worker(i)) for i in ids]
+            ):
                 await asyncio.sleep(0.02)
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://genq") as client:
