@@ -449,10 +449,7 @@ class Placement:
 
         own_s = (prompt - held[id(holder)]) / holder.prefill_tps
         here = start_s(holder)
-        others = [w for w in candidates if w is not holder]
-        if s.placement_same_gpu_waits:  # their prefill would take the holder's GPU's time
-            others = [w for w in others if not _same_gpu(w, holder)]
-        elsewhere = min((start_s(w) for w in others), default=math.inf)
+        elsewhere = min((start_s(w) for w in candidates if w is not holder), default=here)
         if here > elsewhere or math.isinf(here):
             return None
         if holder.has_room() and not holder.prefill_serial:  # it starts at once: only a
@@ -462,11 +459,6 @@ class Placement:
         # No other worker's start known (full, none of its jobs ended yet): the bound.
         budget_s = max(elsewhere - own_s, s.placement_sweep_s)
         return bound_ms if math.isinf(budget_s) else min(bound_ms, int(budget_s * 1000))
-
-
-def _same_gpu(a: _Worker, b: _Worker) -> bool:
-    """Whether two workers run on one GPU (the same host and CUDA_VISIBLE_DEVICES)."""
-    return a.beat.gpu is not None and (a.beat.gpu, a.beat.host) == (b.beat.gpu, b.beat.host)
 
 
 def _rendezvous(key: str, workers: Sequence[_Worker]) -> _Worker:

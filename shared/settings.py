@@ -641,12 +641,6 @@ class GatewaySettings(JobSettings):
         description="a worker this loaded (jobs running, waiting and just placed, over its "
         "batch size) gets no placed job: it goes to the shared queue",
     )
-    placement_same_gpu_waits: bool = Field(
-        default=False,
-        description="cache-aware placement: a job whose prompt a worker holds waits for it "
-        "(up to GENQ_PLACEMENT_WAIT_S) rather than recompute the prefix on a worker sharing its "
-        "GPU (same host and CUDA_VISIBLE_DEVICES), whose prefill would take the same GPU's time",
-    )
     placement_min_pages: int = Field(
         default=1,
         ge=1,

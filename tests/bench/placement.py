@@ -236,11 +236,9 @@ def run_agent(args: argparse.Namespace, workers: int, placement: bool) -> dict[s
 # ---- a GPU: genq serve --model --------------------------------------------------------------
 
 
-def run_serve(args: argparse.Namespace, procs: int, mode: str) -> dict[str, Any]:
+def run_serve(args: argparse.Namespace, procs: int, placement: bool) -> dict[str, Any]:
     """The conversations on `genq serve --model` with `procs` processes on the GPU, on the Redis
-    of GENQ_REDIS_URL (a key prefix of their own), else on a private redis-server; `mode`:
-    placement off, on, or gpu (on, and a job waits for its holder rather than recompute the
-    prefix on a process sharing the GPU: GENQ_PLACEMENT_SAME_GPU_WAITS)."""
+    of GENQ_REDIS_URL (a key prefix of their own), else on a private redis-server."""
     with contextlib.ExitStack() as stack:
         url = os.environ.get("GENQ_REDIS_URL") or stack.enter_context(redis_server()).url
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
@@ -249,13 +247,7 @@ def run_serve(args: argparse.Namespace, procs: int, mode: str) -> dict[str, Any]
         port = free_port()
         engine = ["--engine", "sim"] if str(args.model) == "sim" else ["--model", str(args.model)]
         serve = ["serve", *engine, "--procs-per-gpu", str(procs), "--port", str(port)]
-        proc = cluster._spawn(
-            "serve",
-            serve,
-            port,
-            GENQ_PLACEMENT=str(mode != "off").lower(),
-            GENQ_PLACEMENT_SAME_GPU_WAITS=str(mode == "gpu").lower(),
-        )
+        proc = cluster._spawn("serve", serve, port, GENQ_PLACEMENT=str(placement).lower())
         keys = Keys(prefix)
         client = redis.Redis.from_url(url)
         try:
@@ -279,7 +271,7 @@ def run_serve(args: argparse.Namespace, procs: int, mode: str) -> dict[str, Any]
                 result = asyncio.run(workload(proc.url, args))
             except httpx.HTTPError as exc:  # what the service said, for the record
                 raise RuntimeError(f"{exc}: {proc.output()[-3000:]}") from exc
-            return {"procs": procs, "placement": mode, **result}
+            return {"procs": procs, "placement": placement, **result}
         finally:
             proc.stop(60)
             cluster.close()
@@ -316,14 +308,12 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="a model folder: genq serve on the GPU")
     ap.add_argument("--procs", default="1,2", help="--model: processes per GPU to run")
     ap.add_argument(
-        "--placement-runs",
-        default="off,on",
-        help="--model: placement off, on, gpu (on, and same-GPU waits), any of them (N > 1)",
+        "--placement-runs", default="off,on", help="--model: placement off, on or both (N > 1)"
     )
     ap.add_argument("--ready-s", type=float, default=READY_S, help="--model: load time allowed")
     args = ap.parse_args()
     args.model_name = "sim"
-    args.placement = tuple(args.placement_runs.split(","))
+    args.placement = tuple(x == "on" for x in args.placement_runs.split(","))
     result: dict[str, Any] = {}
     if args.agent:
         for n in (int(x) for x in args.agent_workers.split(",")):
@@ -331,19 +321,16 @@ def main() -> None:
                 result[f"{n}_workers_placement_{'on' if on else 'off'}"] = run_agent(args, n, on)
     elif args.model:
         for n in (int(x) for x in args.procs.split(",")):
-            runs: dict[str, dict[str, Any]] = {}
-            for mode in ("on",) if n == 1 else args.placement:
+            runs: dict[bool, dict[str, Any]] = {}
+            for on in (True,) if n == 1 else args.placement:
                 try:
-                    runs[mode] = run_serve(args, n, mode)
+                    runs[on] = run_serve(args, n, on)
                 except (RuntimeError, TimeoutError) as exc:  # the next configuration still runs
-                    runs[mode] = {"procs": n, "placement": mode, "error": str(exc)[-3000:]}
-                result[f"{n}_procs_placement_{mode}"] = runs[mode]
-                print(json.dumps(runs[mode]), flush=True)
-            off = runs.get("off")
-            for mode, r in runs.items():
-                if mode != "off" and off and "error" not in off and "error" not in r:
-                    result[f"{n}_procs_ratios_{mode}_over_off"] = ratios(r, off)
-                    print(json.dumps({"procs": n, f"{mode}_over_off": ratios(r, off)}), flush=True)
+                    runs[on] = {"procs": n, "placement": on, "error": str(exc)[-3000:]}
+                result[f"{n}_procs_placement_{'on' if on else 'off'}"] = runs[on]
+                print(json.dumps(runs[on]), flush=True)
+            if len(runs) == 2 and not any("error" in r for r in runs.values()):
+                result[f"{n}_procs_ratios_on_over_off"] = ratios(runs[True], runs[False])
     else:
         off, placed = run(args, False), run(args, True)
         result = {"placement_off": off, "placement_on": placed}

@@ -201,25 +201,3 @@ def test_a_worker_holding_only_a_shared_system_prompt_gets_no_placed_job() -> No
     _holder, other = fleet(p, prompt, prefill_serial=True, prefill_backlog=10_000)
     other.read(pack_summary(page_hashes(prompt[:PAGE_TOKENS])), 1)  # the system prompt
     assert p.decide(spec(prompt)).outcome == "shared"
-
-
-def test_a_holder_sharing_its_gpu_with_the_other_keeps_the_job_when_told_to() -> None:
-    """With GENQ_PLACEMENT_SAME_GPU_WAITS, two processes on one GPU: recomputing the prefix on
-    the other would take the same GPU's time, so the job waits for its holder (the bound)
-    where it would otherwise go to the shared queue; a worker on another GPU still counts."""
-    prompt = ids(8)  # 0.2 s of prefill saved on the holder, 1 s queued before it
-    load = {"prefill_serial": True, "prefill_backlog": 10_000, "gpu": "0"}
-    p = placement()
-    fleet(p, prompt, **load)
-    p.workers["other"].beat = beat("other", prefill_tps=10_000.0, job_s=1.0, gpu="0")
-    assert p.decide(spec(prompt)).outcome == "shared"  # the rule off: the sooner start wins
-    p = placement(placement_same_gpu_waits=True)
-    fleet(p, prompt, **load)
-    p.workers["other"].beat = beat("other", prefill_tps=10_000.0, job_s=1.0, gpu="0")
-    d = p.decide(spec(prompt))
-    assert d.outcome == "prefix" and d.lane is not None and d.wait_ms == 2000
-    p.workers["other"].beat = beat("other", prefill_tps=10_000.0, job_s=1.0, gpu="1")
-    assert p.decide(spec(prompt)).outcome == "shared"  # another GPU: starts sooner there
-    other_host = beat("other", prefill_tps=10_000.0, job_s=1.0, gpu="0")
-    p.workers["other"].beat = other_host.model_copy(update={"host": "h2"})
-    assert p.decide(spec(prompt)).outcome == "shared"  # GPU 0 of another host
