@@ -61,22 +61,30 @@ Sent = dict[str, tuple[list[int], list[str]]]
 
 
 class OwnerLimits:
-    """How many slots each owner holds in the engine, and how many the owner holding the most
-    may: while another owner's jobs came to this worker lately and the others hold less than
-    the owner reserve (GENQ_OWNER_RESERVE) between them, the top owner leaves the reserve to
-    them, so their next job starts at once instead of when one of its slots comes free. Once
-    the others hold the reserve (backlogged too), token-fair order alone decides."""
+    """How many slots each owner holds in the engine, and how many one may: while another
+    owner's jobs came to this worker lately, an owner holding `cap` (the batch less the owner
+    reserve, GENQ_OWNER_RESERVE) leaves the rest to the others, so their next job starts at
+    once instead of when one of its slots comes free. Once the others hold the reserve
+    between them (backlogged too), token-fair order alone decides."""
 
-    def __init__(self, held: Counter[str], cap: int, top: str) -> None:
+    def __init__(self, held: Counter[str], cap: int, reserve: int, seen: set[str]) -> None:
         self.held = held
         self.cap = cap
-        self.top = top
+        self.reserve = reserve
+        self.seen = seen
+        """The owners whose jobs started here lately (GENQ_OWNER_RESERVE_WINDOW_S)."""
+
+    def _full(self, owner: str) -> bool:
+        mine = self.held[owner]
+        if mine < self.cap or not self.seen - {owner}:  # no other owner came lately
+            return False
+        return sum(self.held.values()) - mine < self.reserve
 
     def capped(self) -> set[str]:
-        return {self.top} if self.held[self.top] >= self.cap else set()
+        return {o for o in self.held if self._full(o)}
 
     def allows(self, claim: Claim) -> bool:
-        return claim.owner != self.top or self.held[self.top] < self.cap
+        return claim.owner is None or not self._full(claim.owner)
 
 
 """Per retried job: the token ids and text an earlier attempt already published."""
@@ -119,12 +127,16 @@ class Claimer:
             await self._start_waiting()
             st.room.clear()  # set again by whatever frees a slot from here on
             free = st.free_slots()
+            limits = self._owner_limits()
+            capped = limits.capped() if limits is not None else set()
+            # A capped owner's claims wait here for its cap to lift: they hold no slot from
+            # the others (counted, the reserve's slots looked taken, and another owner's job
+            # waited for one of the capped owner's to end).
+            free += sum(1 for c in st.waiting if c.owner in capped)
             ahead = self._ahead()
             if self._paged_out or (free <= 0 and free + ahead - self._reserve() <= 0):
                 await st.room.wait()  # no slot, or no pages for the claim at the front
                 return
-            limits = self._owner_limits()
-            capped = limits.capped() if limits is not None else set()
             if capped:
                 claims = await self._claim_for_others(free, capped)
             else:
@@ -346,28 +358,25 @@ class Claimer:
 
     def _owner_limits(self) -> OwnerLimits | None:
         """Each owner's slots in the engine and the most one may hold, while another owner's
-        jobs started here within GENQ_OWNER_RESERVE_WINDOW_S; None otherwise (one owner, or
-        the reserve off): nothing is held back."""
+        jobs started here within GENQ_OWNER_RESERVE_WINDOW_S; None otherwise (no owner's job
+        started lately, or the reserve off): nothing is held back. One owner's jobs alone are
+        never held back: the cap is for an owner other than the one that came lately."""
         st = self.st
         reserve = self._owner_reserve()
-        if not reserve or len(self._owners_seen) < 2:
+        if not reserve or not self._owners_seen:
             return None
         since = time.monotonic() - st.settings.owner_reserve_window_s
         for owner in [o for o, t in self._owners_seen.items() if t < since]:
             del self._owners_seen[owner]
-        if len(self._owners_seen) < 2:
+        if not self._owners_seen:
             return None
         held = Counter(
             r.claim.owner
             for r in st.running.values()
             if r.end is None and r.retry_error is None and r.claim.owner is not None
         )
-        if not held:
-            return None
-        ((top, most),) = held.most_common(1)
-        if sum(held.values()) - most >= reserve:
-            return None  # the others hold the reserve already
-        return OwnerLimits(held, st.engine.max_batch - reserve, top)
+        # (an empty engine too: the first owner read into it may not take the reserve)
+        return OwnerLimits(held, st.engine.max_batch - reserve, reserve, set(self._owners_seen))
 
     def _interactive_lanes(self) -> list[str]:
         st = self.st

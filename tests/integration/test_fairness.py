@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import redis.asyncio as aioredis
 
 from shared.settings import Settings
@@ -111,6 +112,56 @@ async def test_another_keys_job_starts_at_once_beside_a_backlog_filling_the_batc
         assert held >= slots - 2  # A still has the rest of the batch
         views = [(await stack.client.get(f"/v1/jobs/{j}", headers=_h(A))).json() for j in backlog]
         assert "failed" not in {v["status"] for v in views}
+
+
+async def test_a_read_past_an_owners_cap_leaves_the_reserve_to_the_others(
+    settings: Settings, redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B's job came lately; then one read takes A's jobs into an empty engine: A starts all
+    but the owner reserve, the rest wait for A's cap to lift, and B's next job starts at once.
+    Before, A took every slot (the cap needed two owners' jobs started here, and some of A's
+    running), and once capped, A's claims waiting here counted as taking the reserve's slots,
+    so the worker looked for no other owner's job until one of A's ended (the backlog test
+    above failed so, one run in ten: a probe waited 2.3-2.7 s)."""
+    slots, reserve = 8, 2
+    keyed = Settings(
+        **{**settings.model_dump(), "api_keys": [A, B], "max_batch": slots, "owner_reserve": 2}
+    )
+    async with running_stack(keyed, redis, step_ms=5) as stack:
+        st = stack.worker.st
+
+        async def run(key: str, max_tokens: int) -> str:
+            body = {"model": "sim", "prompt": "the model", "max_tokens": max_tokens}
+            r = await stack.client.post("/v1/jobs", json=body, headers=_h(key))
+            assert r.status_code == 202, r.text
+            return str(r.json()["id"])
+
+        async def done(job_id: str, key: str) -> dict:
+            async with asyncio.timeout(15):
+                while True:
+                    view = (await stack.client.get(f"/v1/jobs/{job_id}", headers=_h(key))).json()
+                    if view["status"] == "succeeded":
+                        return dict(view)
+                    await asyncio.sleep(0.01)
+
+        await done(await run(B, 3), B)  # B is another owner here from now on
+        monkeypatch.setattr(type(st.lease), "held", lambda self: False)  # the claimer stops reading
+        await asyncio.sleep(3 * keyed.heartbeat_s)
+        backlog = [await run(A, 400) for _ in range(slots + 4)]  # 2 s each
+        monkeypatch.undo()  # one read takes them: all A's, into an empty engine
+
+        def held() -> int:
+            return sum(1 for r in st.running.values() if r.end is None and r.spec.id in backlog)
+
+        async with asyncio.timeout(10):
+            while held() < slots - reserve:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert held() == slots - reserve, [c.owner for c in st.waiting]  # the reserve is left
+        probe = await done(await run(B, 3), B)
+        assert probe["timings"]["queue_s"] < BATCH_JOB_S / 4, probe["timings"]
+        views = [(await stack.client.get(f"/v1/jobs/{j}", headers=_h(A))).json() for j in backlog]
+        assert {v["status"] for v in views} <= {"queued", "running"}
 
 
 async def test_batch_slots_refill_while_the_reserve_waits_for_interactive_work(
