@@ -73,6 +73,8 @@ async def _jittery_redis() -> AsyncIterator[aioredis.Redis]:
         for w in writers:
             w.close()
         await asyncio.gather(*handlers, return_exceptions=True)
+        for w in writers:  # and those a handler opened upstream while the first ones closed
+            w.close()
         await server.wait_closed()
 
 
