@@ -617,7 +617,8 @@ class Transitions:
         found full, with what the stripes that refused for it hold together."""
         k = self.keys
         n = len(k.stripes)
-        order = self._stripe_order(job_id)
+        own = k.shard_of(job_id)
+        order = [(own + j) % n for j in range(n)]
         tries = [(i, q) for i in order if (q := admission.stripe_quotas(i, n)) is not None]
         # none could ever hold it (the gateway refuses such a job first): stripe 0's shares,
         # the largest, refuse it
@@ -659,8 +660,9 @@ class Transitions:
         """Cluster: ADMISSION_RELEASE of a job in its own stripe, then, not counted there,
         in the others (where a refusal sent its admission)."""
         k = self.keys
-        order = self._stripe_order(job_id)
-        n = len(order)
+        n = len(k.stripes)
+        own = k.shard_of(job_id)
+        order = [(own + j) % n for j in range(n)]
 
         def at(t: int) -> Call[int]:
             def after(raw: Any) -> Call[int] | None:
@@ -672,11 +674,6 @@ class Transitions:
             )
 
         return at(0)
-
-    def _stripe_order(self, job_id: str) -> list[int]:
-        """The admission stripes a job is tried (and released) in: its own shard's first."""
-        n, own = len(self.keys.stripes), self.keys.shard_of(job_id)
-        return [(own + j) % n for j in range(n)]
 
     def _admission_keys(self, stripe: int = 0) -> dict[str, str]:
         k = self.keys
@@ -1010,36 +1007,37 @@ class Transitions:
         held: int,
         waiting: int = 0,
         counted: Callable[[int], None] | None = None,
-    ) -> list[Call[Any]]:
-        """The calls that publish a worker's cache news (`CacheNews`, encoded) with the jobs
-        waiting in its `lanes` (its own, (interactive, batch) of each queue shard) counted,
-        less the `held` entries of them it holds (the first call's reply: how many listeners
-        it reached). On a cluster the lanes are in the shards' slots, not the channel's: the
-        news goes out on its shard channel (PUBLISH_NEWS) with `waiting`, the entries its
-        lanes held when last counted, and beside it each shard's lanes are counted
-        (LANE_COUNT), their sum handed to `counted` for the next news: one round trip."""
+    ) -> Call[int]:
+        """Publish a worker's cache news (`CacheNews`, encoded) with the jobs waiting in its
+        `lanes` (its own, (interactive, batch) of each queue shard) counted, less the `held`
+        entries of them it holds; how many listeners it reached. On a cluster the lanes are
+        in the shards' slots, not the channel's: the news goes out at once on its shard
+        channel (PUBLISH_NEWS) with `waiting`, the entries its lanes held when last counted,
+        then each shard's are counted in a step of their own (LANE_COUNT) and their sum
+        handed to `counted`, for the next news."""
         if not self.cluster:
             [(interactive, batch)] = lanes
             keys = {"interactive": interactive, "batch": batch}
             args: dict[str, Arg] = {"channel": self.keys.cache_news(), "news": news, "held": held}
-            return [self._call(lua.CACHE_NEWS, int, keys, args)]
-        counts: dict[int, int] = {}
+            return self._call(lua.CACHE_NEWS, int, keys, args)
+        counts: list[int] = []
 
-        def note(shard: int, raw: Any) -> None:
-            counts[shard] = int(raw)
-            if len(counts) == len(lanes) and counted is not None:
-                counted(sum(counts.values()))
+        def count(t: int) -> Call[int]:
+            def after(raw: Any) -> Call[int] | None:
+                counts.append(int(raw))
+                if t + 1 < len(lanes):
+                    return count(t + 1)
+                if counted is not None:
+                    counted(sum(counts))
+                return None
+
+            interactive, batch = lanes[t]
+            keys = {"interactive": interactive, "batch": batch}
+            return self._call(lua.LANE_COUNT, int, keys, {}, (), after)
 
         tell: dict[str, Arg] = {"news": news, "lane": max(0, waiting - held)}
-        calls: list[Call[Any]] = [
-            self._call(lua.PUBLISH_NEWS, int, {"channel": self.keys.cache_news()}, tell)
-        ]
-        for shard, (interactive, batch) in enumerate(lanes):
-            keys = {"interactive": interactive, "batch": batch}
-            calls.append(
-                self._call(lua.LANE_COUNT, int, keys, {}, (), functools.partial(note, shard))
-            )
-        return calls
+        channel = {"channel": self.keys.cache_news()}
+        return self._call(lua.PUBLISH_NEWS, int, channel, tell, (), lambda _r: count(0))
 
     def release(
         self,

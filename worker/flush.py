@@ -246,7 +246,9 @@ class Flusher:
             # Per-call errors come back in place: one job's rejected write must not fail
             # (and so retry forever) the flush of every other job in the pipeline. The news
             # goes first: a gateway hears where the prompt is cached before the job's end.
-            results = (await st.scripts.run_all([*news, *calls]))[len(news) :]
+            results = await st.scripts.run_all(calls if news is None else [news, *calls])
+            if news is not None:
+                results = results[1:]
         except (RedisError, OSError) as exc:
             await self._failed(order, exc)
             return

@@ -8,8 +8,6 @@ cache summary, 8 bytes a page."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from shared.pages import pack_summary
 from shared.records import CacheNews, WorkerLoad
 from shared.transitions import Call
@@ -38,15 +36,15 @@ class NewsDesk:
             "prefill_serial": not st.pace.side_by_side,
         }
 
-    def call(self) -> list[Call[Any]]:
-        """The news of what changed since the last (its calls, `Transitions.cache_news`), or
-        none: nothing did. Once made it counts as told: lost on the way, gateways see the gap in the
+    def call(self) -> Call[int] | None:
+        """The news of what changed since the last (its CACHE_NEWS call), or None: nothing
+        did. Once made it counts as told: lost on the way, gateways see the gap in the
         versions and read the summary again."""
         st = self.st
         change = st.cache.take_news()
         load = self.load()
         if change is None and load == self._load:
-            return []
+            return None
         self._seq += 1
         self._load = load
         news = CacheNews(worker=st.id, seq=self._seq, **load)

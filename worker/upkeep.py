@@ -85,8 +85,8 @@ class Upkeep:
         st.forget_finished()
         self._trim_when_idle()
         news = self.news.call()
-        if news:  # first: a gateway reading this beat has heard what it says
-            await st.scripts.run_all(news)
+        if news is not None:  # first: a gateway reading this beat has heard what it says
+            await st.scripts.run(news)
         hb = self._heartbeat()
         lease_ms = int(st.settings.lease_s * 1000)
         pipe = st.redis.pipeline(transaction=False)
