@@ -132,7 +132,8 @@ class Claimer:
             # A capped owner's claims wait here for its cap to lift: they hold no slot from
             # the others (counted, the reserve's slots looked taken, and another owner's job
             # waited for one of the capped owner's to end).
-            free += sum(1 for c in st.waiting if c.owner in capped)
+            if capped:
+                free += sum(1 for c in st.waiting if c.owner in capped)
             ahead = self._ahead()
             if self._paged_out or (free <= 0 and free + ahead - self._reserve() <= 0):
                 await st.room.wait()  # no slot, or no pages for the claim at the front
