@@ -199,10 +199,14 @@ class Claimer:
                     budget -= len(got)
         if st.room.is_set() and st.waiting:
             pass
-        elif not claims and batch_room > 0 and not st.waiting:
+        elif not claims and free > 0 and batch_room > 0 and not st.waiting:
+            # Free slots and nothing waiting: only new work can change anything.
             streams = {k: ">" for k in st.streams()}
             claims = await self._read(streams, 1, block=self._block_ms())
         elif not claims:
+            # Claims waiting, or no free slot (this read was for batch work taken ahead): a
+            # slot coming free must end it, or the next interactive job, which token-fair
+            # scheduling lets into the queue only for a free slot, waits out the whole read.
             lanes = st.streams() if batch_room > 0 else self._interactive_lanes()
             claims = await self._read_until_room(lanes)
         for c in claims:

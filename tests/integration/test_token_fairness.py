@@ -92,3 +92,23 @@ async def test_weights_three_to_one_give_three_quarters(
     async with running_stack(weighted, redis, step_ms=10) as stack:
         shares = await backlog_shares(stack, {A: "the model", B: "the model"}, window=40)
     assert 0.65 <= shares[B] <= 0.85, shares
+
+
+async def test_a_full_batchs_freed_slot_goes_to_the_next_job_at_once(
+    settings: Settings, redis: aioredis.Redis
+) -> None:
+    """Every slot busy and the jobs near their end: the claimer's read for batch work to take
+    ahead must end when a slot comes free, since the next interactive jobs wait in the
+    token-fair queue for free slots (they used to wait out the whole blocking read,
+    GENQ_CLAIM_BLOCK_MS, at each wave past the first few)."""
+    slow_read = keyed(settings, api_keys=[A], claim_block_ms=2000)
+    async with running_stack(slow_read, redis, step_ms=10) as stack:
+        ids = []
+        for i in range(6 * SLOTS):  # six waves: the first two go into the queue at submit
+            body = {"model": "sim", "prompt": f"wave {i}", "max_tokens": TOKENS, "seed": i}
+            r = await stack.client.post("/v1/jobs", json=body, headers=_h(A))
+            assert r.status_code == 202, r.text
+            ids.append(r.json()["id"])
+        views = [await done(stack, job_id, A) for job_id in ids]
+    span = max(v["finished_at"] for v in views) - min(v["created_at"] for v in views)
+    assert span < 3.0, sorted(v["started_at"] - views[0]["created_at"] for v in views)
