@@ -68,6 +68,7 @@ async def done(stack: Stack, job_id: str, key: str) -> dict:
             view = (await stack.client.get(f"/v1/jobs/{job_id}", headers=_h(key))).json()
             if view["status"] == "succeeded":
                 return view
+            assert view["status"] in ("queued", "running"), view  # ended otherwise: say how
             await asyncio.sleep(0.02)
 
 
