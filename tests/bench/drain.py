@@ -1,11 +1,13 @@
 """Benchmark: how fast one worker drains a backlog of tiny jobs (classification-style batches).
 
     python -m tests.bench.drain [--jobs 20000] [--max-tokens 4] [--step-ms 20] [--max-batch 256]
+                                [--priority batch|interactive] [--api-key KEY]
 
 It starts its own redis-server, one `genq gateway` and one `genq worker` (sim engine), stops
-the worker (SIGSTOP), queues --jobs `batch`-priority jobs of --max-tokens new tokens each
-through the gateway, lets the worker go on (SIGCONT) and follows it through its metrics port
-until every job has finished (the queue's length in Redis). Prints jobs/s over the drain, the
+the worker (SIGSTOP), queues --jobs `batch`-priority (or --priority) jobs of --max-tokens new
+tokens each through the gateway, lets the worker go on (SIGCONT) and follows it through its
+metrics port until every job has finished (the queue's length in Redis, and with --api-key,
+the gateway then keyed, the jobs still in the token-fair queue). Prints jobs/s over the drain, the
 jobs in the engine's batch (mean and peak of `genq_num_requests_running`, read once a
 second), the worker's peak RSS
 (worker and engine processes), and the ceiling the shape allows: max-batch jobs every
@@ -30,7 +32,7 @@ import redis
 
 from shared.keys import Keys
 from tests.bench.worker_memory import rss_parts
-from tests.procs import Cluster, free_port, redis_server
+from tests.procs import Cluster, free_port, redis_server, wait_for
 
 METRICS_EVERY = 10
 """Polls (0.1 s apart) between two reads of the worker's /metrics."""
@@ -44,15 +46,20 @@ def metric(text: str, name: str) -> float:
     return total
 
 
-async def submit(url: str, jobs: int, max_tokens: int, concurrency: int) -> float:
-    body = {"model": "sim", "prompt": "is this review positive?", "max_tokens": max_tokens}
+async def submit(args: argparse.Namespace, url: str) -> float:
+    jobs: int = args.jobs
+    concurrency: int = args.concurrency
+    body = {"model": "sim", "prompt": "is this review positive?", "max_tokens": args.max_tokens}
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     left = iter(range(jobs))
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60, headers=headers) as http:
 
         async def one() -> None:
             for i in left:
-                r = await http.post(f"{url}/v1/jobs", json=body | {"priority": "batch", "seed": i})
+                r = await http.post(
+                    f"{url}/v1/jobs", json=body | {"priority": args.priority, "seed": i}
+                )
                 r.raise_for_status()
 
         await asyncio.gather(*(one() for _ in range(concurrency)))
@@ -60,7 +67,12 @@ async def submit(url: str, jobs: int, max_tokens: int, concurrency: int) -> floa
 
 
 def drain(
-    args: argparse.Namespace, worker_pid: int, metrics_url: str, queue: redis.Redis, key: str
+    args: argparse.Namespace,
+    worker_pid: int,
+    metrics_url: str,
+    queue: redis.Redis,
+    key: str,
+    fair_key: str,
 ) -> dict[str, Any]:
     """Follows the drain in Redis (a queue entry goes with its job's end) ten times a second,
     and the worker's /metrics once a second: a render costs the worker milliseconds."""
@@ -73,7 +85,7 @@ def drain(
     deadline = time.monotonic() + args.timeout_s
     with httpx.Client(timeout=5) as http:
         while time.monotonic() < deadline:
-            done = args.jobs - int(queue.xlen(key))
+            done = args.jobs - int(queue.xlen(key)) - int(queue.zcard(fair_key))
             now = time.perf_counter()
             if done and t_first is None:
                 t_first = now
@@ -113,9 +125,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64, help="submitting clients")
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--env", action="append", default=[], help="K=V for every process")
+    ap.add_argument("--priority", choices=("batch", "interactive"), default="batch")
+    ap.add_argument("--api-key", help="the gateway keyed (GENQ_API_KEYS), the jobs this key's")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp, redis_server() as server:
         env = dict(kv.split("=", 1) for kv in args.env)
+        if args.api_key:
+            env["GENQ_API_KEYS"] = args.api_key
         cluster = Cluster(server.url, Path(tmp), f"bench:{uuid.uuid4().hex[:6]}:", **env)
         try:
             gw = cluster.gateway()
@@ -126,20 +142,31 @@ def main() -> None:
                 "--max-batch",
                 str(args.max_batch),
                 GENQ_METRICS_PORT=str(port),
+                wait_model=None if args.api_key else "sim",
             )
+            if args.api_key:  # /v1/models wants the key
+                auth = {"Authorization": f"Bearer {args.api_key}"}
+                wait_for(
+                    lambda: any(
+                        m["id"] == "sim"
+                        for m in httpx.get(f"{gw.url}/v1/models", headers=auth).json()["data"]
+                    ),
+                    what=f"worker serving sim: {worker.output()[-500:]}",
+                )
             worker.signal(signal.SIGSTOP)
             try:
-                submit_rate = asyncio.run(
-                    submit(gw.url, args.jobs, args.max_tokens, args.concurrency)
-                )
+                submit_rate = asyncio.run(submit(args, gw.url))
             finally:
                 worker.signal(signal.SIGCONT)
             queue = redis.Redis.from_url(server.url)
-            key = Keys(cluster.env["GENQ_KEY_PREFIX"]).queue("sim", "batch")
+            keys = Keys(cluster.env["GENQ_KEY_PREFIX"])
+            key, fair_key = (
+                keys.queue("sim", args.priority),
+                keys.fair_queue("sim", args.priority),
+            )
+            metrics_url = f"http://127.0.0.1:{port}/metrics"
             try:
-                result = drain(
-                    args, worker.proc.pid, f"http://127.0.0.1:{port}/metrics", queue, key
-                )
+                result = drain(args, worker.proc.pid, metrics_url, queue, key, fair_key)
             finally:
                 queue.close()
             result["submitted_per_s"] = round(submit_rate, 1)
