@@ -8,7 +8,7 @@
    sends the same short jobs meanwhile: TTFT p50 against idle (the issue's target: ≤ 2×).
 3. Both backlogged (as many jobs each), A's jobs three times B's size: each key's share of the
    tokens generated over `--share-s` seconds (target 50 % ± 10 %); then with weights 3:1
-   (target 75 % ± 10 %).
+   (target 75 % ± 10 %); and the tokens generated a second over the window, both keys'.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ async def shares(redis_url: str, prefix: str, since: float, until: float) -> dic
     finally:
         await r.aclose()
     total = sum(tokens.values()) or 1
-    return {k: round(v / total, 3) for k, v in tokens.items()} | {"queued_left": left}
+    rate = {"tokens_per_s": round(sum(tokens.values()) / (until - since), 1)}
+    return {k: round(v / total, 3) for k, v in tokens.items()} | {"queued_left": left} | rate
 
 
 async def scenario(url: str, redis_url: str, prefix: str, args: argparse.Namespace) -> dict:
