@@ -201,9 +201,12 @@ class Cluster:
             gateways = [g for g in self.procs if g.name == "gateway"]
             if gateways:
                 url = gateways[0].url
+                keyed = env.get("GENQ_API_KEYS") or self.env.get("GENQ_API_KEYS")
+                auth = {"Authorization": f"Bearer {keyed.split(',')[0]}"} if keyed else {}
                 wait_for(
                     lambda: any(
-                        m["id"] == wait_model for m in httpx.get(f"{url}/v1/models").json()["data"]
+                        m["id"] == wait_model
+                        for m in httpx.get(f"{url}/v1/models", headers=auth).json()["data"]
                     ),
                     timeout=ready_s,
                     what=f"worker serving {wait_model}: {p.output()[-500:]}",

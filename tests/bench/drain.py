@@ -5,10 +5,10 @@
 
 It starts its own redis-server, one `genq gateway` and one `genq worker` (sim engine), stops
 the worker (SIGSTOP), queues --jobs `batch`-priority (or --priority) jobs of --max-tokens new
-tokens each through the gateway, lets the worker go on (SIGCONT) and follows it through its
-metrics port until every job has finished (the queue's length in Redis, and with --api-key,
-the gateway then keyed, the jobs still in the token-fair queue). Prints jobs/s over the drain, the
-jobs in the engine's batch (mean and peak of `genq_num_requests_running`, read once a
+tokens each through the gateway (keyed with --api-key, the jobs that key's), lets the worker go
+on (SIGCONT) and follows it through its metrics port until every job has finished (the queue's
+length in Redis, and the token-fair queue's). Prints jobs/s over the drain, the jobs in the
+engine's batch (mean and peak of `genq_num_requests_running`, read once a
 second), the worker's peak RSS
 (worker and engine processes), and the ceiling the shape allows: max-batch jobs every
 (max-tokens + 1) steps.
@@ -32,7 +32,7 @@ import redis
 
 from shared.keys import Keys
 from tests.bench.worker_memory import rss_parts
-from tests.procs import Cluster, free_port, redis_server, wait_for
+from tests.procs import Cluster, free_port, redis_server
 
 METRICS_EVERY = 10
 """Polls (0.1 s apart) between two reads of the worker's /metrics."""
@@ -142,17 +142,7 @@ def main() -> None:
                 "--max-batch",
                 str(args.max_batch),
                 GENQ_METRICS_PORT=str(port),
-                wait_model=None if args.api_key else "sim",
             )
-            if args.api_key:  # /v1/models wants the key
-                auth = {"Authorization": f"Bearer {args.api_key}"}
-                wait_for(
-                    lambda: any(
-                        m["id"] == "sim"
-                        for m in httpx.get(f"{gw.url}/v1/models", headers=auth).json()["data"]
-                    ),
-                    what=f"worker serving sim: {worker.output()[-500:]}",
-                )
             worker.signal(signal.SIGSTOP)
             try:
                 submit_rate = asyncio.run(submit(args, gw.url))
@@ -160,10 +150,7 @@ def main() -> None:
                 worker.signal(signal.SIGCONT)
             queue = redis.Redis.from_url(server.url)
             keys = Keys(cluster.env["GENQ_KEY_PREFIX"])
-            key, fair_key = (
-                keys.queue("sim", args.priority),
-                keys.fair_queue("sim", args.priority),
-            )
+            key, fair_key = keys.queue("sim", args.priority), keys.fair_queue("sim", args.priority)
             metrics_url = f"http://127.0.0.1:{port}/metrics"
             try:
                 result = drain(args, worker.proc.pid, metrics_url, queue, key, fair_key)

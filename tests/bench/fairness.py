@@ -27,7 +27,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from shared.records import owner_of
-from tests.procs import Cluster, redis_server, wait_for
+from tests.procs import Cluster, redis_server
 
 A, B = "bench-key-a", "bench-key-b"
 LONG = " ".join(["the model queue worker gateway stream batch cache prompt reply"] * 100)
@@ -126,21 +126,8 @@ def run(args: argparse.Namespace, weights: dict[str, float] | None) -> dict[str,
             if weights:
                 env["GENQ_KEY_WEIGHTS"] = json.dumps(weights)
             gw = cluster.gateway(**env)
-            worker = cluster.worker(
-                "--step-ms",
-                str(args.step_ms),
-                "--max-batch",
-                str(args.max_batch),
-                wait_model=None,  # /v1/models wants a key here
-                **env,
-            )
-            wait_for(
-                lambda: any(
-                    m["id"] == "sim"
-                    for m in httpx.get(f"{gw.url}/v1/models", headers=h(A)).json()["data"]
-                ),
-                what=f"worker serving sim: {worker.output()[-500:]}",
-            )
+            shape = ["--step-ms", str(args.step_ms), "--max-batch", str(args.max_batch)]
+            cluster.worker(*shape, **env)  # waits for sim on /v1/models, with the first key
             return asyncio.run(scenario(gw.url, server.url, prefix, args))
         finally:
             cluster.close()
